@@ -1,0 +1,384 @@
+//! Block hashes computed exactly as vLLM's prefix cache computes them.
+//!
+//! vLLM (≥ 0.10.2, `vllm/v1/core/kv_cache_utils.py`) hashes a prompt in full blocks of
+//! `block_size` tokens, chaining each block to the digest of the one before:
+//!
+//! ```text
+//! NONE_HASH = H(cbor(seed as text))
+//! h_i       = H(cbor([h_{i-1} or NONE_HASH, [tokens of block i], extra_keys_i or null]))
+//! ```
+//!
+//! with canonical CBOR and `H` SHA-256 (`sha256_cbor`) or XXH3-128 (`xxhash_cbor`). Trailing
+//! tokens short of a full block are never hashed. Engines publish a block's *external* hash in
+//! KV events: the digest's last 8 bytes read big-endian ([`ExternalHash`]).
+//!
+//! Everything here is pure and `Send + Sync`: a [`BlockHasher`] is built once per set of engine
+//! settings and shared by reference. Hashing streams the CBOR encoding straight into the hash
+//! state through a small stack buffer, so no block allocates.
+
+mod cbor;
+
+use std::fmt;
+use std::num::NonZeroUsize;
+use std::str::FromStr;
+
+use sha2::Digest as _;
+
+pub use cbor::{ExtraKey, encode_block, encode_text};
+
+/// The seed vLLM ≥ 0.29 uses for the sha256 family when `PYTHONHASHSEED` is unset.
+pub const DEFAULT_SHA256_SEED: &str = "vllm-none-hash";
+
+/// Errors from building a [`BlockHasher`] or parsing its settings.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BlockHashError {
+    #[error(
+        "unknown prefix-caching hash algorithm {0:?}: llmgw reproduces only sha256_cbor and \
+         xxhash_cbor (the pickle-based sha256 and xxhash cannot be recomputed outside Python)"
+    )]
+    UnknownAlgo(String),
+    #[error(
+        "xxhash_cbor needs an explicit seed: with PYTHONHASHSEED unset vLLM picks a random one, \
+         so no other process can reproduce its hashes"
+    )]
+    XxhashNeedsSeed,
+    #[error("unknown cache_salt encoding {0:?}: expected tagged or untagged")]
+    UnknownSaltEncoding(String),
+}
+
+/// `--prefix-caching-hash-algo` values whose hashes can be recomputed outside vLLM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum HashAlgo {
+    #[default]
+    Sha256Cbor,
+    XxhashCbor,
+}
+
+impl HashAlgo {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            HashAlgo::Sha256Cbor => "sha256_cbor",
+            HashAlgo::XxhashCbor => "xxhash_cbor",
+        }
+    }
+
+    /// Digest length in bytes (32 for SHA-256, 16 for XXH3-128).
+    pub const fn digest_len(self) -> usize {
+        match self {
+            HashAlgo::Sha256Cbor => 32,
+            HashAlgo::XxhashCbor => 16,
+        }
+    }
+}
+
+impl fmt::Display for HashAlgo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for HashAlgo {
+    type Err = BlockHashError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "sha256_cbor" => Ok(HashAlgo::Sha256Cbor),
+            "xxhash_cbor" => Ok(HashAlgo::XxhashCbor),
+            other => Err(BlockHashError::UnknownAlgo(other.to_owned())),
+        }
+    }
+}
+
+/// How `cache_salt` enters block 0's extra keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum SaltEncoding {
+    /// `("cache_salt", salt)`, as vLLM ≥ 0.31 hashes it.
+    #[default]
+    Tagged,
+    /// The bare salt string, as vLLM 0.9 – 0.30 hashes it.
+    Untagged,
+}
+
+impl SaltEncoding {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            SaltEncoding::Tagged => "tagged",
+            SaltEncoding::Untagged => "untagged",
+        }
+    }
+}
+
+impl fmt::Display for SaltEncoding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for SaltEncoding {
+    type Err = BlockHashError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "tagged" => Ok(SaltEncoding::Tagged),
+            "untagged" => Ok(SaltEncoding::Untagged),
+            other => Err(BlockHashError::UnknownSaltEncoding(other.to_owned())),
+        }
+    }
+}
+
+/// An engine's hashing settings: everything that must agree between vLLM and llmgw.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct HashSettings {
+    pub algo: HashAlgo,
+    /// The engine's `PYTHONHASHSEED`; `None` when unset (an empty string counts as set).
+    pub seed: Option<String>,
+    pub block_size: NonZeroUsize,
+    pub salt_encoding: SaltEncoding,
+}
+
+impl HashSettings {
+    /// vLLM's defaults for the sha256_cbor algo with the given block size and seed.
+    pub fn sha256_cbor(block_size: NonZeroUsize, seed: Option<&str>) -> Self {
+        HashSettings {
+            algo: HashAlgo::Sha256Cbor,
+            seed: seed.map(str::to_owned),
+            block_size,
+            salt_encoding: SaltEncoding::Tagged,
+        }
+    }
+}
+
+/// A full block digest: 32 bytes for SHA-256, 16 for XXH3-128.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BlockDigest {
+    bytes: [u8; 32],
+    len: u8,
+}
+
+impl BlockDigest {
+    fn from_slice(digest: &[u8]) -> Self {
+        let mut bytes = [0u8; 32];
+        bytes[..digest.len()].copy_from_slice(digest);
+        BlockDigest {
+            bytes,
+            len: digest.len() as u8,
+        }
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..usize::from(self.len)]
+    }
+
+    /// What engines publish in KV events: the digest's last 8 bytes, big-endian.
+    pub fn external(&self) -> ExternalHash {
+        ExternalHash::from_digest_bytes(self.as_bytes())
+    }
+
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.as_bytes())
+    }
+}
+
+impl fmt::Debug for BlockDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "BlockDigest({})", self.to_hex())
+    }
+}
+
+/// A block's hash as engines publish it in KV events and as the KV index keys it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExternalHash(pub u64);
+
+impl ExternalHash {
+    /// The last 8 bytes of a digest read big-endian (vLLM's `maybe_convert_block_hash`); a
+    /// shorter input is zero-extended on the left.
+    pub fn from_digest_bytes(digest: &[u8]) -> Self {
+        let tail = &digest[digest.len().saturating_sub(8)..];
+        let mut be = [0u8; 8];
+        be[8 - tail.len()..].copy_from_slice(tail);
+        ExternalHash(u64::from_be_bytes(be))
+    }
+}
+
+impl fmt::Display for ExternalHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Hashes blocks for one engine configuration.
+#[derive(Debug, Clone)]
+pub struct BlockHasher {
+    algo: HashAlgo,
+    block_size: NonZeroUsize,
+    salt_encoding: SaltEncoding,
+    none_hash: BlockDigest,
+}
+
+impl BlockHasher {
+    pub fn new(settings: &HashSettings) -> Result<Self, BlockHashError> {
+        let seed = match (&settings.seed, settings.algo) {
+            (Some(seed), _) => seed.as_str(),
+            (None, HashAlgo::Sha256Cbor) => DEFAULT_SHA256_SEED,
+            (None, HashAlgo::XxhashCbor) => return Err(BlockHashError::XxhashNeedsSeed),
+        };
+        let none_hash = match settings.algo {
+            HashAlgo::Sha256Cbor => digest_text::<sha2::Sha256>(seed),
+            HashAlgo::XxhashCbor => digest_text::<xxhash_rust::xxh3::Xxh3>(seed),
+        };
+        Ok(BlockHasher {
+            algo: settings.algo,
+            block_size: settings.block_size,
+            salt_encoding: settings.salt_encoding,
+            none_hash,
+        })
+    }
+
+    pub fn algo(&self) -> HashAlgo {
+        self.algo
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size.get()
+    }
+
+    pub fn salt_encoding(&self) -> SaltEncoding {
+        self.salt_encoding
+    }
+
+    /// `NONE_HASH`: the parent of every chain's first block.
+    pub fn none_hash(&self) -> &BlockDigest {
+        &self.none_hash
+    }
+
+    /// One block: `H(cbor([parent or NONE_HASH, tokens, extra_keys or null]))`.
+    pub fn hash_block<T: Copy + Into<u64>>(
+        &self,
+        parent: Option<&BlockDigest>,
+        tokens: &[T],
+        extra_keys: Option<&[ExtraKey<'_>]>,
+    ) -> BlockDigest {
+        let parent = parent.unwrap_or(&self.none_hash).as_bytes();
+        match self.algo {
+            HashAlgo::Sha256Cbor => digest_block::<sha2::Sha256, T>(parent, tokens, extra_keys),
+            HashAlgo::XxhashCbor => {
+                digest_block::<xxhash_rust::xxh3::Xxh3, T>(parent, tokens, extra_keys)
+            }
+        }
+    }
+
+    /// Block 0 of a request with this `cache_salt`, in the configured encoding.
+    pub fn first_block<T: Copy + Into<u64>>(
+        &self,
+        tokens: &[T],
+        cache_salt: Option<&str>,
+    ) -> BlockDigest {
+        match cache_salt {
+            None => self.hash_block(None, tokens, None),
+            Some(salt) => match self.salt_encoding {
+                SaltEncoding::Tagged => {
+                    let tagged = [ExtraKey::Text("cache_salt"), ExtraKey::Text(salt)];
+                    self.hash_block(None, tokens, Some(&[ExtraKey::Tuple(&tagged)]))
+                }
+                SaltEncoding::Untagged => {
+                    self.hash_block(None, tokens, Some(&[ExtraKey::Text(salt)]))
+                }
+            },
+        }
+    }
+
+    /// The digests of every full block of a prompt, in order.
+    pub fn prompt_blocks<'a, T: Copy + Into<u64>>(
+        &'a self,
+        tokens: &'a [T],
+        cache_salt: Option<&'a str>,
+    ) -> PromptBlocks<'a, T> {
+        PromptBlocks {
+            hasher: self,
+            blocks: tokens.chunks_exact(self.block_size.get()),
+            cache_salt,
+            parent: None,
+        }
+    }
+
+    /// Appends the external hashes of every full block of a prompt to `out`.
+    pub fn external_hashes_into<T: Copy + Into<u64>>(
+        &self,
+        tokens: &[T],
+        cache_salt: Option<&str>,
+        out: &mut Vec<ExternalHash>,
+    ) {
+        out.reserve(tokens.len() / self.block_size.get());
+        out.extend(self.prompt_blocks(tokens, cache_salt).map(|d| d.external()));
+    }
+}
+
+/// Iterator over a prompt's block digests; see [`BlockHasher::prompt_blocks`].
+pub struct PromptBlocks<'a, T> {
+    hasher: &'a BlockHasher,
+    blocks: std::slice::ChunksExact<'a, T>,
+    cache_salt: Option<&'a str>,
+    parent: Option<BlockDigest>,
+}
+
+impl<T: Copy + Into<u64>> Iterator for PromptBlocks<'_, T> {
+    type Item = BlockDigest;
+
+    fn next(&mut self) -> Option<BlockDigest> {
+        let block = self.blocks.next()?;
+        let digest = match &self.parent {
+            None => self.hasher.first_block(block, self.cache_salt),
+            Some(parent) => self.hasher.hash_block(Some(parent), block, None),
+        };
+        self.parent = Some(digest);
+        Some(digest)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.blocks.size_hint()
+    }
+}
+
+impl<T: Copy + Into<u64>> ExactSizeIterator for PromptBlocks<'_, T> {}
+
+/// The two hash functions behind one streaming interface, so the CBOR encoder is shared.
+trait StreamHash: Default {
+    fn update(&mut self, bytes: &[u8]);
+    fn finish(self) -> BlockDigest;
+}
+
+impl StreamHash for sha2::Sha256 {
+    fn update(&mut self, bytes: &[u8]) {
+        sha2::Digest::update(self, bytes);
+    }
+    fn finish(self) -> BlockDigest {
+        BlockDigest::from_slice(self.finalize().as_slice())
+    }
+}
+
+impl StreamHash for xxhash_rust::xxh3::Xxh3 {
+    fn update(&mut self, bytes: &[u8]) {
+        xxhash_rust::xxh3::Xxh3::update(self, bytes);
+    }
+    fn finish(self) -> BlockDigest {
+        // Python's `xxh3_128_digest` is the canonical (big-endian) form of the 128-bit value.
+        BlockDigest::from_slice(&self.digest128().to_be_bytes())
+    }
+}
+
+fn digest_text<H: StreamHash>(text: &str) -> BlockDigest {
+    let mut sink = cbor::HashSink::<H>::default();
+    cbor::write_text(&mut sink, text);
+    sink.finish()
+}
+
+fn digest_block<H: StreamHash, T: Copy + Into<u64>>(
+    parent: &[u8],
+    tokens: &[T],
+    extra_keys: Option<&[ExtraKey<'_>]>,
+) -> BlockDigest {
+    let mut sink = cbor::HashSink::<H>::default();
+    cbor::write_block(&mut sink, parent, tokens, extra_keys);
+    sink.finish()
+}
+
+#[cfg(test)]
+mod tests;
