@@ -24,6 +24,7 @@ $(ENVOY):
 envoy: $(ENVOY)
 
 test: $(ENVOY)
+	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace --all-targets
 	$(CARGO) test --workspace --doc
 
