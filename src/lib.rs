@@ -5,6 +5,7 @@
 //! `feed` beside it.
 
 pub mod blockhash;
+pub mod kvindex;
 
 #[doc(hidden)]
 pub mod fixtures;
