@@ -1,27 +1,56 @@
 //! The precise KV index: which replicas hold which blocks, as their engines reported them.
 //!
-//! Fed through [`KvEventSink`] (by the `feed` module from agents, or directly by tests); read
-//! by the prefix scorer. The index knows nothing of gRPC, HTTP or ZMQ.
+//! Fed through [`KvEventSink`] (by the `feed` module from agents, or directly by tests); read by
+//! the prefix scorer through [`KvIndex::match_prefix`]. The index knows nothing of gRPC, HTTP or
+//! ZMQ, and nothing of models: a block hash already commits to the model's tokens and the
+//! engine's hash settings, and a lookup only ever asks about the candidates that serve the
+//! request's model.
+//!
+//! # Concurrency model
+//! The block map is split into [`SHARDS`] shards, each a `parking_lot::RwLock<HashMap>`, chosen
+//! by the hash's low bits (hashes are uniformly distributed digests). Writers (one feed stream
+//! per node) take one shard's write lock per block, briefly. A lookup takes each shard's read
+//! lock at most once, lazily, and holds them only for the length of one prompt's walk. The
+//! replica table is a separate `RwLock` taken for reads on every change and for writes only
+//! when a replica is first seen. Lock order: replica table, then shards in index order; no lock
+//! is held across an `.await` (there are none here).
+//!
+//! # Memory
+//! One map entry per block hash, holding an inline [`Holder`] for the common single-replica case
+//! (8 bytes) and a boxed list otherwise. Each replica has a cap on held blocks; going over it
+//! drops that replica's oldest tenth (by the order its stores arrived), found with one scan.
+
+mod speculative;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+
+use parking_lot::{RwLock, RwLockReadGuard};
 
 use crate::blockhash::ExternalHash;
+
+pub use speculative::SpeculativeBlocks;
+
+/// Number of shards in the block map.
+pub const SHARDS: usize = 16;
 
 /// Where a cached block lives on its replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Medium {
     Gpu,
-    Cpu,
-    /// Disk, remote or any other tier vLLM names.
-    Other,
+    /// CPU, disk, remote or any other tier vLLM names: slower to reuse than device memory.
+    Offloaded,
 }
 
 impl Medium {
-    /// vLLM's `medium` field: absent or "GPU" for device memory, "CPU" for offloaded blocks.
+    /// vLLM's `medium` field: absent or "GPU" for device memory, anything else offloaded.
     pub fn from_vllm(medium: Option<&str>) -> Medium {
         match medium {
             None => Medium::Gpu,
             Some(m) if m.eq_ignore_ascii_case("gpu") => Medium::Gpu,
-            Some(m) if m.eq_ignore_ascii_case("cpu") => Medium::Cpu,
-            Some(_) => Medium::Other,
+            Some(_) => Medium::Offloaded,
         }
     }
 }
@@ -29,11 +58,466 @@ impl Medium {
 /// Net changes to one replica's cached blocks. `replica` is the `host:port` the router knows the
 /// replica by; only full-attention groups are fed here.
 pub trait KvEventSink: Send + Sync {
-    /// Blocks now cached (each hash counts once per report: a hash stored twice needs two
-    /// removes).
+    /// Blocks now cached (each report counts once: a hash stored twice needs two removes).
     fn stored(&self, replica: &str, hashes: &[ExternalHash], medium: Medium);
     /// Blocks no longer cached.
     fn removed(&self, replica: &str, hashes: &[ExternalHash], medium: Medium);
     /// Everything the replica held is gone (engine restart, cache reset, stream gap).
     fn cleared(&self, replica: &str);
+}
+
+/// A replica's dense id inside the index (its position in the replica table).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ReplicaSlot(u16);
+
+impl ReplicaSlot {
+    pub fn index(self) -> usize {
+        usize::from(self.0)
+    }
+}
+
+/// How a lookup weighs blocks by tier.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IndexConfig {
+    /// Most blocks the index keeps for one replica (vLLM's own cache is finite too).
+    pub max_blocks_per_replica: u32,
+    /// Weight of a block held only offloaded, relative to 1.0 for one in GPU memory.
+    pub offloaded_weight: f32,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        IndexConfig {
+            max_blocks_per_replica: 4_000_000,
+            offloaded_weight: 0.5,
+        }
+    }
+}
+
+/// What one candidate holds of a prompt's leading blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct PrefixMatch {
+    /// Leading blocks held, on any tier.
+    pub blocks: u32,
+    /// The same blocks weighted by tier (GPU 1.0, offloaded `offloaded_weight`).
+    pub weighted: f32,
+}
+
+/// One replica's hold on one block: reference counts per tier and the arrival stamp of the
+/// latest store (for dropping the oldest state first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Holder {
+    stamp: u32,
+    slot: ReplicaSlot,
+    gpu_refs: u8,
+    offloaded_refs: u8,
+}
+
+impl Holder {
+    fn refs_mut(&mut self, medium: Medium) -> &mut u8 {
+        match medium {
+            Medium::Gpu => &mut self.gpu_refs,
+            Medium::Offloaded => &mut self.offloaded_refs,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.gpu_refs == 0 && self.offloaded_refs == 0
+    }
+}
+
+/// The replicas holding one block; one inline, more boxed.
+#[derive(Debug, Clone)]
+enum Holders {
+    One(Holder),
+    /// Boxed slice rather than `Vec`: 16 bytes inline instead of 24, and pushes are rare.
+    Many(Box<[Holder]>),
+}
+
+impl Holders {
+    fn as_slice(&self) -> &[Holder] {
+        match self {
+            Holders::One(h) => std::slice::from_ref(h),
+            Holders::Many(v) => v,
+        }
+    }
+
+    fn find_mut(&mut self, slot: ReplicaSlot) -> Option<&mut Holder> {
+        match self {
+            Holders::One(h) => (h.slot == slot).then_some(h),
+            Holders::Many(v) => v.iter_mut().find(|h| h.slot == slot),
+        }
+    }
+
+    fn push(&mut self, holder: Holder) {
+        match self {
+            Holders::One(first) => *self = Holders::Many(Box::new([*first, holder])),
+            Holders::Many(v) => {
+                *self = Holders::Many(v.iter().copied().chain([holder]).collect());
+            }
+        }
+    }
+
+    /// Drops the holders `keep` rejects; returns how many were dropped and whether none is left.
+    fn retain(&mut self, mut keep: impl FnMut(&Holder) -> bool) -> (usize, bool) {
+        match self {
+            Holders::One(h) => {
+                if keep(h) {
+                    (0, false)
+                } else {
+                    (1, true)
+                }
+            }
+            Holders::Many(v) => {
+                let kept: Vec<Holder> = v.iter().copied().filter(|h| keep(h)).collect();
+                let dropped = v.len() - kept.len();
+                let now_empty = kept.is_empty();
+                if dropped > 0 {
+                    *self = match kept.as_slice() {
+                        [only] => Holders::One(*only),
+                        _ => Holders::Many(kept.into_boxed_slice()),
+                    };
+                }
+                (dropped, now_empty)
+            }
+        }
+    }
+}
+
+type Shard = HashMap<ExternalHash, Holders, foldhash::fast::RandomState>;
+
+#[derive(Debug, Default)]
+struct ReplicaBook {
+    /// Blocks held (distinct hashes with any reference).
+    blocks: u32,
+    /// Stamp given to the next stored block.
+    next_stamp: u32,
+}
+
+#[derive(Debug, Default)]
+struct ReplicaTable {
+    by_name: HashMap<String, ReplicaSlot>,
+    names: Vec<String>,
+    books: Vec<parking_lot::Mutex<ReplicaBook>>,
+}
+
+/// Errors from the index.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum KvIndexError {
+    #[error("the index holds at most {max} replicas")]
+    TooManyReplicas { max: usize },
+}
+
+/// The precise index. Cheap to share behind an `Arc`.
+pub struct KvIndex {
+    config: IndexConfig,
+    shards: Box<[RwLock<Shard>]>,
+    replicas: RwLock<ReplicaTable>,
+}
+
+impl KvIndex {
+    pub fn new(config: IndexConfig) -> Self {
+        KvIndex {
+            config,
+            shards: (0..SHARDS).map(|_| RwLock::new(Shard::default())).collect(),
+            replicas: RwLock::new(ReplicaTable::default()),
+        }
+    }
+
+    pub fn config(&self) -> &IndexConfig {
+        &self.config
+    }
+
+    fn shard_of(hash: ExternalHash) -> usize {
+        (hash.0 as usize) % SHARDS
+    }
+
+    /// The slot of a replica the index has seen.
+    pub fn slot(&self, replica: &str) -> Option<ReplicaSlot> {
+        self.replicas.read().by_name.get(replica).copied()
+    }
+
+    /// The slot of a replica, registering it when new.
+    pub fn slot_or_insert(&self, replica: &str) -> Result<ReplicaSlot, KvIndexError> {
+        if let Some(slot) = self.slot(replica) {
+            return Ok(slot);
+        }
+        let mut table = self.replicas.write();
+        if let Some(slot) = table.by_name.get(replica) {
+            return Ok(*slot);
+        }
+        let index =
+            u16::try_from(table.names.len()).map_err(|_| KvIndexError::TooManyReplicas {
+                max: usize::from(u16::MAX),
+            })?;
+        let slot = ReplicaSlot(index);
+        table.by_name.insert(replica.to_owned(), slot);
+        table.names.push(replica.to_owned());
+        table
+            .books
+            .push(parking_lot::Mutex::new(ReplicaBook::default()));
+        Ok(slot)
+    }
+
+    /// Blocks the index believes `replica` holds.
+    pub fn replica_block_count(&self, replica: &str) -> u64 {
+        let table = self.replicas.read();
+        match table.by_name.get(replica) {
+            Some(slot) => u64::from(table.books[slot.index()].lock().blocks),
+            None => 0,
+        }
+    }
+
+    /// Distinct block hashes in the index (across replicas).
+    pub fn distinct_blocks(&self) -> usize {
+        self.shards.iter().map(|s| s.read().len()).sum()
+    }
+
+    /// Every (replica, block count) pair, for metrics.
+    pub fn replica_block_counts(&self) -> Vec<(String, u64)> {
+        let table = self.replicas.read();
+        table
+            .names
+            .iter()
+            .zip(&table.books)
+            .map(|(name, book)| (name.clone(), u64::from(book.lock().blocks)))
+            .collect()
+    }
+
+    /// The hashes the index believes `replica` holds, sorted (for `/debug` and tests).
+    pub fn replica_blocks(&self, replica: &str) -> Vec<ExternalHash> {
+        let Some(slot) = self.slot(replica) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for shard in self.shards.iter() {
+            let shard = shard.read();
+            out.extend(
+                shard
+                    .iter()
+                    .filter(|(_, holders)| holders.as_slice().iter().any(|h| h.slot == slot))
+                    .map(|(hash, _)| *hash),
+            );
+        }
+        out.sort_unstable();
+        out
+    }
+
+    fn store(&self, slot: ReplicaSlot, hashes: &[ExternalHash], medium: Medium) {
+        let table = self.replicas.read();
+        let mut book = table.books[slot.index()].lock();
+        for &hash in hashes {
+            let stamp = book.next_stamp;
+            book.next_stamp = book.next_stamp.wrapping_add(1);
+            let mut shard = self.shards[Self::shard_of(hash)].write();
+            let mut fresh = Holder {
+                stamp,
+                slot,
+                gpu_refs: 0,
+                offloaded_refs: 0,
+            };
+            *fresh.refs_mut(medium) = 1;
+            match shard.get_mut(&hash) {
+                None => {
+                    shard.insert(hash, Holders::One(fresh));
+                    book.blocks += 1;
+                }
+                Some(holders) => match holders.find_mut(slot) {
+                    Some(holder) => {
+                        let refs = holder.refs_mut(medium);
+                        *refs = refs.saturating_add(1);
+                        holder.stamp = stamp;
+                    }
+                    None => {
+                        holders.push(fresh);
+                        book.blocks += 1;
+                    }
+                },
+            }
+        }
+        if book.blocks > self.config.max_blocks_per_replica {
+            // Stamps count stores, so the youngest `keep` stamps are at most `keep` blocks.
+            let keep = self.config.max_blocks_per_replica / 10 * 9;
+            let next = book.next_stamp;
+            let dropped =
+                self.drop_holders(|h| h.slot == slot && next.wrapping_sub(h.stamp) > keep);
+            book.blocks = book
+                .blocks
+                .saturating_sub(u32::try_from(dropped).unwrap_or(u32::MAX));
+            tracing::warn!(
+                replica = %table.names[slot.index()],
+                dropped,
+                cap = self.config.max_blocks_per_replica,
+                "replica over its block cap: dropped its oldest blocks from the index"
+            );
+        }
+    }
+
+    fn remove(&self, slot: ReplicaSlot, hashes: &[ExternalHash], medium: Medium) {
+        let table = self.replicas.read();
+        let mut book = table.books[slot.index()].lock();
+        for &hash in hashes {
+            let mut shard = self.shards[Self::shard_of(hash)].write();
+            let Some(holders) = shard.get_mut(&hash) else {
+                continue;
+            };
+            let Some(holder) = holders.find_mut(slot) else {
+                continue;
+            };
+            let refs = holder.refs_mut(medium);
+            *refs = refs.saturating_sub(1);
+            if holder.is_empty() {
+                let (_, now_empty) = holders.retain(|h| h.slot != slot);
+                if now_empty {
+                    shard.remove(&hash);
+                }
+                book.blocks = book.blocks.saturating_sub(1);
+            }
+        }
+    }
+
+    fn clear(&self, slot: ReplicaSlot) {
+        let table = self.replicas.read();
+        let mut book = table.books[slot.index()].lock();
+        self.drop_holders(|h| h.slot == slot);
+        book.blocks = 0;
+    }
+
+    /// Removes every holder `drop` selects, shard by shard; returns how many.
+    fn drop_holders(&self, mut drop: impl FnMut(&Holder) -> bool) -> usize {
+        let mut dropped = 0;
+        for shard in self.shards.iter() {
+            shard.write().retain(|_, holders| {
+                let (n, now_empty) = holders.retain(|h| !drop(h));
+                dropped += n;
+                !now_empty
+            });
+        }
+        dropped
+    }
+
+    /// For each candidate, how many of the prompt's leading blocks it holds (and their tier
+    /// weight). `out[i]` answers for `candidates[i]`; a candidate the index never saw holds
+    /// nothing. Allocation-free apart from `out` when there are at most 64 candidates.
+    pub fn match_prefix(
+        &self,
+        prompt: &[ExternalHash],
+        candidates: &[Option<ReplicaSlot>],
+        out: &mut Vec<PrefixMatch>,
+    ) {
+        out.clear();
+        out.resize(candidates.len(), PrefixMatch::default());
+        let mut guards: [Option<RwLockReadGuard<'_, Shard>>; SHARDS] = Default::default();
+        let mut alive: smallbitset::Bits = smallbitset::Bits::new(candidates.len());
+        for (i, slot) in candidates.iter().enumerate() {
+            if slot.is_some() {
+                alive.set(i);
+            }
+        }
+        for hash in prompt {
+            if alive.is_empty() {
+                break;
+            }
+            let shard_index = Self::shard_of(*hash);
+            let shard = guards[shard_index].get_or_insert_with(|| self.shards[shard_index].read());
+            let Some(holders) = shard.get(hash) else {
+                break;
+            };
+            let holders = holders.as_slice();
+            for w in 0..alive.word_count() {
+                let mut bits = alive.word(w);
+                while bits != 0 {
+                    let i = w * 64 + bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    let held =
+                        candidates[i].and_then(|slot| holders.iter().find(|h| h.slot == slot));
+                    match held {
+                        Some(h) => {
+                            let m = &mut out[i];
+                            m.blocks += 1;
+                            m.weighted += if h.gpu_refs > 0 {
+                                1.0
+                            } else {
+                                self.config.offloaded_weight
+                            };
+                        }
+                        None => alive.clear(i),
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl KvEventSink for KvIndex {
+    fn stored(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
+        match self.slot_or_insert(replica) {
+            Ok(slot) => self.store(slot, hashes, medium),
+            Err(err) => tracing::error!(%replica, %err, "blocks not indexed"),
+        }
+    }
+
+    fn removed(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
+        if let Some(slot) = self.slot(replica) {
+            self.remove(slot, hashes, medium);
+        }
+    }
+
+    fn cleared(&self, replica: &str) {
+        if let Some(slot) = self.slot(replica) {
+            self.clear(slot);
+        }
+    }
+}
+
+/// A candidate set as a bitset: inline up to 64 candidates, on the heap beyond.
+mod smallbitset {
+    pub(super) enum Bits {
+        Inline(u64),
+        Heap(Vec<u64>),
+    }
+
+    impl Bits {
+        pub(super) fn new(len: usize) -> Self {
+            if len <= 64 {
+                Bits::Inline(0)
+            } else {
+                Bits::Heap(vec![0; len.div_ceil(64)])
+            }
+        }
+
+        fn words_mut(&mut self) -> &mut [u64] {
+            match self {
+                Bits::Inline(w) => std::slice::from_mut(w),
+                Bits::Heap(v) => v,
+            }
+        }
+
+        fn words(&self) -> &[u64] {
+            match self {
+                Bits::Inline(w) => std::slice::from_ref(w),
+                Bits::Heap(v) => v,
+            }
+        }
+
+        pub(super) fn set(&mut self, i: usize) {
+            self.words_mut()[i / 64] |= 1 << (i % 64);
+        }
+
+        pub(super) fn clear(&mut self, i: usize) {
+            self.words_mut()[i / 64] &= !(1 << (i % 64));
+        }
+
+        pub(super) fn is_empty(&self) -> bool {
+            self.words().iter().all(|w| *w == 0)
+        }
+
+        pub(super) fn word_count(&self) -> usize {
+            self.words().len()
+        }
+
+        pub(super) fn word(&self, w: usize) -> u64 {
+            self.words()[w]
+        }
+    }
 }

@@ -1,0 +1,230 @@
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use tokio::time::Instant;
+
+use super::*;
+
+fn h(v: u64) -> ExternalHash {
+    ExternalHash(v)
+}
+
+fn hashes(vs: &[u64]) -> Vec<ExternalHash> {
+    vs.iter().copied().map(ExternalHash).collect()
+}
+
+fn matches(index: &KvIndex, prompt: &[u64], replicas: &[&str]) -> Vec<u32> {
+    let candidates: Vec<_> = replicas.iter().map(|r| index.slot(r)).collect();
+    let mut out = Vec::new();
+    index.match_prefix(&hashes(prompt), &candidates, &mut out);
+    out.iter().map(|m| m.blocks).collect()
+}
+
+#[test]
+fn leading_blocks_per_replica() {
+    let index = KvIndex::new(IndexConfig::default());
+    index.stored("a:1", &hashes(&[1, 2, 3]), Medium::Gpu);
+    index.stored("b:1", &hashes(&[1, 2]), Medium::Gpu);
+    index.stored("c:1", &hashes(&[2, 3]), Medium::Gpu);
+    assert_eq!(
+        matches(&index, &[1, 2, 3, 4], &["a:1", "b:1", "c:1", "unknown:1"]),
+        vec![3, 2, 0, 0]
+    );
+    // A hole stops the match even if later blocks are held.
+    index.removed("a:1", &hashes(&[2]), Medium::Gpu);
+    assert_eq!(matches(&index, &[1, 2, 3], &["a:1", "b:1"]), vec![1, 2]);
+}
+
+#[test]
+fn duplicates_need_as_many_removes() {
+    let index = KvIndex::new(IndexConfig::default());
+    index.stored("a:1", &hashes(&[7]), Medium::Gpu);
+    index.stored("a:1", &hashes(&[7]), Medium::Gpu);
+    assert_eq!(index.replica_block_count("a:1"), 1);
+    index.removed("a:1", &hashes(&[7]), Medium::Gpu);
+    assert_eq!(matches(&index, &[7], &["a:1"]), vec![1]);
+    index.removed("a:1", &hashes(&[7]), Medium::Gpu);
+    assert_eq!(matches(&index, &[7], &["a:1"]), vec![0]);
+    assert_eq!(index.distinct_blocks(), 0);
+    assert_eq!(index.replica_block_count("a:1"), 0);
+}
+
+#[test]
+fn offloaded_blocks_count_with_their_weight() {
+    let index = KvIndex::new(IndexConfig {
+        offloaded_weight: 0.25,
+        ..IndexConfig::default()
+    });
+    index.stored("a:1", &hashes(&[1, 2]), Medium::Gpu);
+    index.stored("a:1", &hashes(&[2, 3]), Medium::Offloaded);
+    let mut out = Vec::new();
+    index.match_prefix(&hashes(&[1, 2, 3]), &[index.slot("a:1")], &mut out);
+    assert_eq!(out[0].blocks, 3);
+    assert!((out[0].weighted - 2.25).abs() < 1e-6, "{:?}", out[0]);
+    // Removing the GPU copy of block 2 leaves the offloaded one.
+    index.removed("a:1", &hashes(&[2]), Medium::Gpu);
+    index.match_prefix(&hashes(&[1, 2, 3]), &[index.slot("a:1")], &mut out);
+    assert_eq!(out[0].blocks, 3);
+    assert!((out[0].weighted - 1.5).abs() < 1e-6, "{:?}", out[0]);
+}
+
+#[test]
+fn clear_forgets_one_replica_only() {
+    let index = KvIndex::new(IndexConfig::default());
+    index.stored("a:1", &hashes(&[1, 2]), Medium::Gpu);
+    index.stored("b:1", &hashes(&[1, 2]), Medium::Gpu);
+    index.cleared("a:1");
+    assert_eq!(matches(&index, &[1, 2], &["a:1", "b:1"]), vec![0, 2]);
+    assert!(index.replica_blocks("a:1").is_empty());
+    assert_eq!(index.replica_blocks("b:1"), hashes(&[1, 2]));
+}
+
+#[test]
+fn over_the_cap_the_oldest_blocks_go_first() {
+    let index = KvIndex::new(IndexConfig {
+        max_blocks_per_replica: 100,
+        ..IndexConfig::default()
+    });
+    let all: Vec<u64> = (1..=101).collect();
+    index.stored("a:1", &hashes(&all), Medium::Gpu);
+    let held = index.replica_blocks("a:1");
+    assert!(held.len() <= 90, "{}", held.len());
+    assert_eq!(index.replica_block_count("a:1"), held.len() as u64);
+    // The newest survive, the oldest are gone.
+    assert!(held.contains(&h(101)));
+    assert!(!held.contains(&h(1)));
+    let oldest_kept = held.iter().min().copied().unwrap_or(h(0));
+    assert_eq!(held, hashes(&(oldest_kept.0..=101).collect::<Vec<_>>()));
+}
+
+#[test]
+fn more_than_64_candidates() {
+    let index = KvIndex::new(IndexConfig::default());
+    let names: Vec<String> = (0..130).map(|i| format!("r{i}:1")).collect();
+    for (i, name) in names.iter().enumerate() {
+        let n = (i % 5) as u64;
+        index.stored(name, &hashes(&(0..n).collect::<Vec<_>>()), Medium::Gpu);
+    }
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let got = matches(&index, &[0, 1, 2, 3, 4], &refs);
+    let want: Vec<u32> = (0..130).map(|i| (i % 5) as u32).collect();
+    assert_eq!(got, want);
+}
+
+#[tokio::test(start_paused = true)]
+async fn speculative_entries_expire() {
+    let spec = SpeculativeBlocks::new(Duration::from_secs(2));
+    let index = KvIndex::new(IndexConfig::default());
+    let a = index.slot_or_insert("a:1").expect("slot");
+    let b = index.slot_or_insert("b:1").expect("slot");
+    spec.insert(a, Arc::from(hashes(&[1, 2, 3])), Instant::now());
+    let mut out = vec![0, 0];
+    spec.raise_matches(
+        &hashes(&[1, 2, 9]),
+        &[Some(a), Some(b)],
+        Instant::now(),
+        &mut out,
+    );
+    assert_eq!(out, vec![2, 0]);
+    tokio::time::advance(Duration::from_millis(2001)).await;
+    let mut out = vec![0, 0];
+    spec.raise_matches(
+        &hashes(&[1, 2, 9]),
+        &[Some(a), Some(b)],
+        Instant::now(),
+        &mut out,
+    );
+    assert_eq!(out, vec![0, 0]);
+    spec.insert(b, Arc::from(hashes(&[5])), Instant::now());
+    assert_eq!(spec.len(), 1, "the expired entry was swept");
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Store(u8, Vec<u8>, bool),
+    Remove(u8, Vec<u8>, bool),
+    Clear(u8),
+    Query(Vec<u8>),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let replica = 0u8..5;
+    let blocks = prop::collection::vec(0u8..12, 0..6);
+    prop_oneof![
+        4 => (replica.clone(), blocks.clone(), any::<bool>()).prop_map(|(r, b, g)| Op::Store(r, b, g)),
+        3 => (replica.clone(), blocks.clone(), any::<bool>()).prop_map(|(r, b, g)| Op::Remove(r, b, g)),
+        1 => replica.prop_map(Op::Clear),
+        3 => blocks.prop_map(Op::Query),
+    ]
+}
+
+/// The obvious model: reference counts per (replica, block, tier).
+#[derive(Default)]
+struct Model {
+    refs: HashMap<(u8, u8, bool), u32>,
+}
+
+impl Model {
+    fn holds(&self, r: u8, b: u8) -> bool {
+        self.refs.get(&(r, b, true)).copied().unwrap_or(0) > 0
+            || self.refs.get(&(r, b, false)).copied().unwrap_or(0) > 0
+    }
+}
+
+fn medium(gpu: bool) -> Medium {
+    if gpu { Medium::Gpu } else { Medium::Offloaded }
+}
+
+proptest! {
+    #[test]
+    fn index_agrees_with_a_naive_model(ops in prop::collection::vec(op(), 1..80)) {
+        let index = KvIndex::new(IndexConfig::default());
+        let mut model = Model::default();
+        let name = |r: u8| format!("10.0.0.{r}:8000");
+        for op in ops {
+            match op {
+                Op::Store(r, blocks, gpu) => {
+                    let hs: Vec<u64> = blocks.iter().map(|&b| u64::from(b)).collect();
+                    index.stored(&name(r), &hashes(&hs), medium(gpu));
+                    for b in blocks {
+                        *model.refs.entry((r, b, gpu)).or_default() += 1;
+                    }
+                }
+                Op::Remove(r, blocks, gpu) => {
+                    let hs: Vec<u64> = blocks.iter().map(|&b| u64::from(b)).collect();
+                    index.removed(&name(r), &hashes(&hs), medium(gpu));
+                    for b in blocks {
+                        if let Some(n) = model.refs.get_mut(&(r, b, gpu)) {
+                            *n = n.saturating_sub(1);
+                        }
+                    }
+                }
+                Op::Clear(r) => {
+                    index.cleared(&name(r));
+                    model.refs.retain(|k, _| k.0 != r);
+                }
+                Op::Query(prompt) => {
+                    let names: Vec<String> = (0..5).map(name).collect();
+                    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+                    let hs: Vec<u64> = prompt.iter().map(|&b| u64::from(b)).collect();
+                    let got = matches(&index, &hs, &refs);
+                    let want: Vec<u32> = (0..5u8)
+                        .map(|r| prompt.iter().take_while(|&&b| model.holds(r, b)).count() as u32)
+                        .collect();
+                    prop_assert_eq!(got, want);
+                }
+            }
+            // Invariants after every step: the per-replica view and counts agree with the model.
+            for r in 0..5u8 {
+                let want: Vec<ExternalHash> = (0..12u8)
+                    .filter(|&b| model.holds(r, b))
+                    .map(|b| h(u64::from(b)))
+                    .collect();
+                prop_assert_eq!(index.replica_blocks(&name(r)), want.clone());
+                prop_assert_eq!(index.replica_block_count(&name(r)), want.len() as u64);
+            }
+        }
+    }
+}
