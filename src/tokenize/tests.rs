@@ -1,0 +1,205 @@
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::post;
+use serde_json::{Value, json};
+
+use super::*;
+use crate::openai::{EndpointKind, parse_request};
+
+/// A stand-in `/tokenize` that records the bodies it got and answers after `delay`.
+#[derive(Clone, Default)]
+struct Fake {
+    calls: Arc<AtomicUsize>,
+    bodies: Arc<parking_lot::Mutex<Vec<Value>>>,
+    delay: Duration,
+    status: Option<StatusCode>,
+}
+
+async fn tokenize(State(fake): State<Fake>, Json(body): Json<Value>) -> (StatusCode, Json<Value>) {
+    fake.calls.fetch_add(1, Ordering::SeqCst);
+    fake.bodies.lock().push(body.clone());
+    tokio::time::sleep(fake.delay).await;
+    if let Some(status) = fake.status {
+        return (status, Json(json!({"error": {"message": "nope"}})));
+    }
+    // Token ids: the byte length of the prompt or of the messages' JSON, then 1 2 3.
+    let n = body["prompt"]
+        .as_str()
+        .map(str::len)
+        .unwrap_or_else(|| body["messages"].to_string().len());
+    (
+        StatusCode::OK,
+        Json(
+            json!({"count": 4, "max_model_len": 2048, "tokens": [n, 1, 2, 3], "token_strs": null}),
+        ),
+    )
+}
+
+async fn serve(fake: Fake) -> SocketAddr {
+    let app = axum::Router::new()
+        .route("/tokenize", post(tokenize))
+        .with_state(fake);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+fn completion(prompt: &str) -> ParsedRequest {
+    let body = json!({"model": "m", "prompt": prompt}).to_string();
+    parse_request(EndpointKind::Completions, body.as_bytes()).expect("parses")
+}
+
+fn tokenizer(deadline_ms: u64) -> Tokenizer {
+    Tokenizer::new(TokenizerConfig {
+        deadline: Duration::from_millis(deadline_ms),
+        ..TokenizerConfig::default()
+    })
+}
+
+#[tokio::test]
+async fn completion_prompt_is_tokenized_once_then_cached() {
+    let fake = Fake::default();
+    let addr = serve(fake.clone()).await.to_string();
+    let t = tokenizer(2000);
+    let first = t
+        .tokens(&completion("hello"), &[&addr])
+        .await
+        .expect("tokens");
+    assert_eq!(&first[..], &[5, 1, 2, 3]);
+    let second = t
+        .tokens(&completion("hello"), &[&addr])
+        .await
+        .expect("tokens");
+    assert_eq!(first, second);
+    assert_eq!(fake.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(t.stats().cache_hits.load(Ordering::Relaxed), 1);
+    assert_eq!(t.stats().cache_misses.load(Ordering::Relaxed), 1);
+    assert_eq!(
+        fake.bodies.lock()[0],
+        json!({"model": "m", "prompt": "hello"})
+    );
+}
+
+#[tokio::test]
+async fn chat_forwards_messages_tools_and_flags() {
+    let fake = Fake::default();
+    let addr = serve(fake.clone()).await.to_string();
+    let body = json!({
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "chat_template_kwargs": {"enable_thinking": false},
+    })
+    .to_string();
+    let request = parse_request(EndpointKind::ChatCompletions, body.as_bytes()).expect("parses");
+    tokenizer(2000)
+        .tokens(&request, &[&addr])
+        .await
+        .expect("tokens");
+    assert_eq!(
+        fake.bodies.lock()[0],
+        json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "chat_template_kwargs": {"enable_thinking": false},
+            "add_generation_prompt": true,
+            "continue_final_message": false,
+        })
+    );
+}
+
+#[tokio::test]
+async fn token_array_prompts_need_no_call() {
+    let body = json!({"model": "m", "prompt": [7, 8, 9]}).to_string();
+    let request = parse_request(EndpointKind::Completions, body.as_bytes()).expect("parses");
+    let tokens = tokenizer(10).tokens(&request, &[]).await.expect("tokens");
+    assert_eq!(&tokens[..], &[7, 8, 9]);
+}
+
+#[tokio::test]
+async fn an_unreachable_replica_is_skipped() {
+    let fake = Fake::default();
+    let addr = serve(fake.clone()).await.to_string();
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr").to_string()
+    };
+    let tokens = tokenizer(5000)
+        .tokens(&completion("abc"), &[&dead, &addr])
+        .await
+        .expect("tokens");
+    assert_eq!(&tokens[..], &[3, 1, 2, 3]);
+}
+
+#[tokio::test]
+async fn an_error_status_is_an_error_not_tokens() {
+    let fake = Fake {
+        status: Some(StatusCode::NOT_FOUND),
+        ..Fake::default()
+    };
+    let addr = serve(fake).await.to_string();
+    let err = tokenizer(2000)
+        .tokens(&completion("x"), &[&addr])
+        .await
+        .unwrap_err();
+    assert_eq!(err.reason(), "tokenize_error");
+    assert!(err.to_string().contains("404"), "{err}");
+}
+
+#[tokio::test]
+async fn past_the_deadline_it_falls_back_and_the_late_answer_fills_the_cache() {
+    let fake = Fake {
+        delay: Duration::from_millis(300),
+        ..Fake::default()
+    };
+    let addr = serve(fake.clone()).await.to_string();
+    let t = tokenizer(20);
+    let err = t.tokens(&completion("slow"), &[&addr]).await.unwrap_err();
+    assert_eq!(err, TokenizeError::Timeout(Duration::from_millis(20)));
+    // Wait (bounded) for the background call to land in the cache.
+    for _ in 0..100 {
+        if t.cache_bytes() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let tokens = t
+        .tokens(&completion("slow"), &[&addr])
+        .await
+        .expect("cached now");
+    assert_eq!(&tokens[..], &[4, 1, 2, 3]);
+    assert_eq!(fake.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(t.stats().timeouts.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn the_cache_stays_within_its_byte_bound() {
+    let mut cache = TokenCache {
+        max_bytes: 1000,
+        bytes: 0,
+        entries: LruCache::unbounded(),
+    };
+    for key in 0..100u128 {
+        cache.insert(key, Arc::from(vec![1u32; 50]));
+        assert!(cache.bytes <= 1000);
+    }
+    // Each entry is 264 bytes: three fit, the newest three.
+    assert_eq!(cache.entries.len(), 3);
+    assert!(cache.get(99).is_some() && cache.get(97).is_some() && cache.get(96).is_none());
+    // Too big for the whole cache: not kept, nothing else evicted.
+    cache.insert(1000, Arc::from(vec![0u32; 1000]));
+    assert_eq!(cache.entries.len(), 3);
+    // Replacing a key re-accounts its size.
+    cache.insert(99, Arc::from(vec![1u32; 10]));
+    assert_eq!(cache.bytes, 264 * 2 + 104);
+}
