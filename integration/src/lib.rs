@@ -2,9 +2,12 @@
 //! workspace's binaries and Envoy, picking loopback ports, and child processes that never
 //! outlive a test.
 
+pub mod sim;
+
+use std::io::{BufRead as _, BufReader};
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use std::process::Child;
+use std::process::{Child, Command, Stdio};
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
@@ -22,7 +25,13 @@ pub fn bin_path(name: &str) -> PathBuf {
     // target/<profile>/deps/<test> → target/<profile>/<name>
     let dir = exe
         .parent()
-        .and_then(|d| if d.ends_with("deps") { d.parent() } else { Some(d) })
+        .and_then(|d| {
+            if d.ends_with("deps") {
+                d.parent()
+            } else {
+                Some(d)
+            }
+        })
         .expect("exe dir");
     let path = dir.join(name);
     assert!(
@@ -81,5 +90,82 @@ impl Drop for ChildGuard {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A running `llmgw-sim` process, killed when dropped.
+pub struct SimHandle {
+    /// The HTTP address (`http://{addr}/v1/completions`).
+    pub addr: SocketAddr,
+    /// The bound KV-events PUB endpoint (`tcp://127.0.0.1:PORT`), when events bind.
+    pub events: Option<String>,
+    /// The bound replay ROUTER endpoint, when configured.
+    pub replay: Option<String>,
+    pub guard: ChildGuard,
+}
+
+impl SimHandle {
+    /// `http://ADDR`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+/// Starts `llmgw-sim` on `127.0.0.1:0` with `args` added (later flags win, so `--host` or
+/// `--port` may be overridden), waits until it listens, and returns its addresses. The
+/// simulator prints its bound endpoints on stdout; this reads them. Test-support code: it panics
+/// with a clear message if the binary is missing or does not start.
+pub fn spawn_sim<I, S>(args: I) -> SimHandle
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    spawn_sim_with_env(args, std::iter::empty::<(String, String)>())
+}
+
+/// [`spawn_sim`] with extra environment variables (e.g. `PYTHONHASHSEED`).
+pub fn spawn_sim_with_env<I, S, E, K, V>(args: I, env: E) -> SimHandle
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+    E: IntoIterator<Item = (K, V)>,
+    K: AsRef<std::ffi::OsStr>,
+    V: AsRef<std::ffi::OsStr>,
+{
+    let mut cmd = Command::new(bin_path("llmgw-sim"));
+    cmd.args(["--host", "127.0.0.1", "--port", "0"])
+        .args(args)
+        .envs(env)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut child = cmd.spawn().expect("spawn llmgw-sim");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut guard = ChildGuard::new("llmgw-sim", child);
+    let mut lines = BufReader::new(stdout).lines();
+    let (mut events, mut replay) = (None, None);
+    loop {
+        let line = match lines.next() {
+            Some(Ok(line)) => line,
+            _ => {
+                let status = guard.child.wait().ok();
+                panic!("llmgw-sim exited before listening ({status:?})");
+            }
+        };
+        if let Some(ep) = line.strip_prefix("llmgw-sim kv-events on ") {
+            events = Some(ep.trim().to_owned());
+        } else if let Some(ep) = line.strip_prefix("llmgw-sim kv-replay on ") {
+            replay = Some(ep.trim().to_owned());
+        } else if let Some(url) = line.strip_prefix("llmgw-sim listening on http://") {
+            let addr = url.trim().parse().expect("listening address");
+            // Keep draining stdout so the child never blocks on a full pipe.
+            std::thread::spawn(move || for _ in lines {});
+            return SimHandle {
+                addr,
+                events,
+                replay,
+                guard,
+            };
+        }
     }
 }

@@ -1,5 +1,21 @@
-//! `llmgw-sim`: a simulated vLLM replica.
+//! `llmgw-sim`: a simulated vLLM replica (see `llmgw_integration::sim`).
+
+use clap::Parser as _;
+use llmgw_integration::sim::{self, cli::Cli};
 
 fn main() -> anyhow::Result<()> {
-    anyhow::bail!("llmgw-sim is not built yet: see issue 3")
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    // One simulated replica, one core: a current-thread runtime.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(sim::run(cli))?;
+    Ok(())
 }

@@ -1,0 +1,777 @@
+//! The OpenAI-compatible HTTP server, with vLLM's routes, JSON shapes, statuses and errors.
+//!
+//! Concurrency: axum runs each request as its own task; they share an immutable [`AppState`]
+//! behind an `Arc` (tokenizer, names, engine handle). A generation request tokenizes in its
+//! handler, submits to the engine task and reads its own output channel; streaming responses
+//! turn that channel into SSE frames. Dropping the response (client gone) closes the channel,
+//! which the engine notices and frees the request's blocks.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::StreamExt as _;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::sim::engine::{EngineHandle, Finished, Output, Submit};
+use crate::sim::error::ApiError;
+use crate::sim::metrics::{self, MetricsInfo};
+use crate::sim::publisher::Faults;
+use crate::sim::tokenizer::{ChatOptions, SimTokenizer, TokenizerError};
+
+/// The response header naming the replica that served a request.
+pub const REPLICA_HEADER: &str = "x-llmgw-sim-replica";
+
+/// Everything the handlers share.
+pub struct AppState {
+    pub names: Vec<String>,
+    pub root: String,
+    pub max_model_len: usize,
+    pub tokenizer: Arc<SimTokenizer>,
+    pub engine: EngineHandle,
+    pub faults: Arc<Faults>,
+    pub metrics: MetricsInfo,
+    pub replica: HeaderValue,
+    pub created: u64,
+    pub next_id: AtomicU64,
+}
+
+impl AppState {
+    fn served(&self) -> &str {
+        self.names.first().map_or("", String::as_str)
+    }
+
+    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            Some(m) if !self.names.iter().any(|n| n == m) => Err(ApiError::model_not_found(m)),
+            _ => Ok(()),
+        }
+    }
+
+    fn request_id(&self, prefix: &str) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let salt = self.created.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        format!("{prefix}-{:016x}{:016x}", salt ^ n, n)
+    }
+}
+
+/// All routes, with the replica header on every response.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/ping", get(health).post(health))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/metrics", get(metrics_text))
+        .route("/debug/blocks", get(debug_blocks))
+        .route("/sim/restart", post(sim_restart))
+        .route("/sim/stall", post(sim_stall))
+        .route("/sim/drop_seqs", post(sim_drop_seqs))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::map_response_with_state(
+            Arc::clone(&state),
+            add_replica_header,
+        ))
+        .with_state(state)
+}
+
+async fn add_replica_header(State(state): State<Arc<AppState>>, mut res: Response) -> Response {
+    res.headers_mut()
+        .insert(REPLICA_HEADER, state.replica.clone());
+    res
+}
+
+async fn not_found() -> Response {
+    (StatusCode::NOT_FOUND, Json(json!({"detail": "Not Found"}))).into_response()
+}
+
+async fn method_not_allowed() -> Response {
+    (
+        StatusCode::METHOD_NOT_ALLOWED,
+        Json(json!({"detail": "Method Not Allowed"})),
+    )
+        .into_response()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Request parsing
+
+/// Parses a JSON body into `T`, answering as vLLM (FastAPI + pydantic) does: 400 for
+/// malformed JSON and for missing or mistyped fields.
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad_request(format!(
+            "[{{'type': 'json_invalid', 'loc': ('body', {}), 'msg': 'JSON decode error', \
+             'ctx': {{'error': '{e}'}}}}]",
+            e.column()
+        ))
+    })?;
+    if !value.is_object() {
+        return Err(ApiError::bad_request(
+            "[{'type': 'model_attributes_type', 'loc': ('body',), 'msg': 'Input should be a \
+             valid dictionary or object to extract fields from'}]",
+        ));
+    }
+    serde_json::from_value(value)
+        .map_err(|e| ApiError::bad_request(format!("1 validation error: {e}")))
+}
+
+#[derive(Debug, Deserialize, Default)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    model: Option<String>,
+    prompt: Value,
+    max_tokens: Option<i64>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    cache_salt: Option<String>,
+    #[serde(default = "yes")]
+    add_special_tokens: bool,
+    n: Option<i64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    model: Option<String>,
+    messages: Vec<Value>,
+    max_tokens: Option<i64>,
+    max_completion_tokens: Option<i64>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    cache_salt: Option<String>,
+    #[serde(default = "yes")]
+    add_generation_prompt: bool,
+    #[serde(default)]
+    continue_final_message: bool,
+    #[serde(default)]
+    add_special_tokens: bool,
+    n: Option<i64>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn tokenizer_error(e: TokenizerError) -> ApiError {
+    match e {
+        TokenizerError::Load(_) | TokenizerError::Template(_) => ApiError::internal(e.to_string()),
+        _ => ApiError::bad_request(e.to_string()),
+    }
+}
+
+impl AppState {
+    /// A completion prompt: text, or token ids (a list holding one of either is accepted too).
+    fn prompt_tokens(&self, prompt: &Value, add_special: bool) -> Result<Vec<u32>, ApiError> {
+        let bad = || {
+            ApiError::bad_request(
+                "prompt must be a string, a list of token ids, or a list holding one of those \
+                 (llmgw-sim serves one prompt per request)",
+            )
+            .with_param("prompt")
+        };
+        match prompt {
+            Value::String(s) => self
+                .tokenizer
+                .encode(s, add_special)
+                .map_err(tokenizer_error),
+            Value::Array(items) => match items.as_slice() {
+                [one @ (Value::String(_) | Value::Array(_))] => {
+                    self.prompt_tokens(one, add_special)
+                }
+                ids => ids
+                    .iter()
+                    .map(|v| {
+                        v.as_u64()
+                            .and_then(|id| u32::try_from(id).ok())
+                            .filter(|&id| id < self.tokenizer.vocab_size())
+                            .ok_or_else(bad)
+                    })
+                    .collect(),
+            },
+            _ => Err(bad()),
+        }
+    }
+
+    fn chat_tokens(&self, messages: &[Value], opts: ChatOptions) -> Result<Vec<u32>, ApiError> {
+        if opts.add_generation_prompt && opts.continue_final_message {
+            return Err(ApiError::bad_request(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            ));
+        }
+        for m in messages {
+            if m.get("role").and_then(Value::as_str).is_none() {
+                return Err(ApiError::bad_request(
+                    "each message must be an object with a string `role`",
+                )
+                .with_param("messages"));
+            }
+        }
+        self.tokenizer
+            .encode_chat(messages, opts)
+            .map_err(tokenizer_error)
+    }
+
+    /// vLLM's length checks; returns max_tokens.
+    fn validate(
+        &self,
+        prompt_len: usize,
+        max_tokens: Option<i64>,
+        default: Option<usize>,
+        cache_salt: Option<&str>,
+        n: Option<i64>,
+    ) -> Result<usize, ApiError> {
+        if prompt_len == 0 {
+            return Err(ApiError::bad_request("Prompt cannot be empty").with_param("prompt"));
+        }
+        if cache_salt == Some("") {
+            return Err(ApiError::bad_request(
+                "Parameter 'cache_salt' must be a non-empty string if provided.",
+            )
+            .with_param("cache_salt"));
+        }
+        if n.is_some_and(|n| n != 1) {
+            return Err(ApiError::bad_request("llmgw-sim supports n=1 only").with_param("n"));
+        }
+        let limit = self.max_model_len;
+        if prompt_len >= limit {
+            return Err(ApiError::bad_request(format!(
+                "This model's maximum context length is {limit} tokens. However, your request \
+                 has {prompt_len} input tokens. Please reduce the length of the input messages."
+            ))
+            .with_param("input_tokens"));
+        }
+        let max_tokens = match max_tokens {
+            Some(m) if m < 1 => {
+                return Err(ApiError::bad_request(format!(
+                    "max_tokens must be at least 1, got {m}."
+                ))
+                .with_param("max_tokens"));
+            }
+            Some(m) => usize::try_from(m).unwrap_or(usize::MAX),
+            None => default.unwrap_or(limit - prompt_len),
+        };
+        if max_tokens > limit - prompt_len {
+            return Err(ApiError::bad_request(format!(
+                "'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This \
+                 model's maximum context length is {limit} tokens and your request has \
+                 {prompt_len} input tokens ({max_tokens} > {limit} - {prompt_len})."
+            ))
+            .with_param("max_tokens"));
+        }
+        Ok(max_tokens)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Generation
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Api {
+    Completions,
+    Chat,
+}
+
+struct Generation {
+    api: Api,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+}
+
+impl Generation {
+    fn usage(f: &Finished) -> Value {
+        json!({
+            "prompt_tokens": f.prompt_tokens,
+            "total_tokens": f.prompt_tokens + f.completion_tokens,
+            "completion_tokens": f.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
+        })
+    }
+
+    fn full(&self, text: String, f: &Finished) -> Value {
+        match self.api {
+            Api::Completions => json!({
+                "id": self.id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [{
+                    "index": 0,
+                    "text": text,
+                    "logprobs": null,
+                    "finish_reason": f.reason.as_str(),
+                    "stop_reason": null,
+                    "prompt_logprobs": null,
+                }],
+                "service_tier": null,
+                "system_fingerprint": null,
+                "usage": Self::usage(f),
+                "kv_transfer_params": null,
+            }),
+            Api::Chat => json!({
+                "id": self.id,
+                "object": "chat.completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [{
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": text,
+                        "refusal": null,
+                        "annotations": null,
+                        "audio": null,
+                        "function_call": null,
+                        "tool_calls": [],
+                        "reasoning_content": null,
+                    },
+                    "logprobs": null,
+                    "finish_reason": f.reason.as_str(),
+                    "stop_reason": null,
+                }],
+                "service_tier": null,
+                "system_fingerprint": null,
+                "usage": Self::usage(f),
+                "prompt_logprobs": null,
+                "kv_transfer_params": null,
+            }),
+        }
+    }
+
+    fn chunk(&self, choice: Value) -> Value {
+        let object = match self.api {
+            Api::Completions => "text_completion",
+            Api::Chat => "chat.completion.chunk",
+        };
+        json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        })
+    }
+
+    fn delta(&self, text: &str, finish: Option<&str>) -> Value {
+        match self.api {
+            Api::Completions => self.chunk(json!({
+                "index": 0, "text": text, "logprobs": null,
+                "finish_reason": finish, "stop_reason": null,
+            })),
+            Api::Chat => self.chunk(json!({
+                "index": 0, "delta": {"content": text}, "logprobs": null,
+                "finish_reason": finish, "stop_reason": null,
+            })),
+        }
+    }
+
+    fn usage_chunk(&self, f: &Finished) -> Value {
+        let mut v = self.chunk(Value::Null);
+        v["choices"] = json!([]);
+        v["usage"] = Self::usage(f);
+        v
+    }
+}
+
+fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+async fn generate(
+    state: Arc<AppState>,
+    api: Api,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    cache_salt: Option<String>,
+    stream: bool,
+    include_usage: bool,
+) -> Result<Response, ApiError> {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    state
+        .engine
+        .submit(Submit {
+            prompt,
+            max_tokens,
+            cache_salt,
+            out: tx,
+        })
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let prefix = match api {
+        Api::Completions => "cmpl",
+        Api::Chat => "chatcmpl",
+    };
+    let resp = Generation {
+        api,
+        id: state.request_id(prefix),
+        created: unix_secs(),
+        model: state.served().to_owned(),
+        include_usage,
+    };
+    if !stream {
+        let mut tokens = Vec::new();
+        while let Some(out) = rx.recv().await {
+            match out {
+                Output::Token(t) => tokens.push(t),
+                Output::Finished(f) => {
+                    let text = state.tokenizer.decode(&tokens).unwrap_or_default();
+                    return Ok(Json(resp.full(text, &f)).into_response());
+                }
+                Output::Failed(msg) => return Err(ApiError::internal(msg)),
+            }
+        }
+        return Err(ApiError::internal("the engine dropped the request"));
+    }
+
+    // Streaming: one chunk per token; the last token's chunk carries finish_reason.
+    let tokenizer = Arc::clone(&state.tokenizer);
+    let first = (api == Api::Chat).then(|| {
+        sse(&resp.chunk(json!({
+            "index": 0, "delta": {"role": "assistant", "content": ""},
+            "logprobs": null, "finish_reason": null,
+        })))
+    });
+    let body = futures::stream::unfold(
+        (rx, resp, None::<u32>, false),
+        move |(mut rx, resp, mut held, done)| {
+            let tokenizer = Arc::clone(&tokenizer);
+            async move {
+                if done {
+                    return None;
+                }
+                loop {
+                    match rx.recv().await {
+                        Some(Output::Token(t)) => {
+                            // Hold one token back so the final one can carry finish_reason.
+                            if let Some(prev) = held.replace(t) {
+                                let text = tokenizer.decode(&[prev]).unwrap_or_default();
+                                let frame = sse(&resp.delta(&text, None));
+                                return Some((frame, (rx, resp, held, false)));
+                            }
+                        }
+                        Some(Output::Finished(f)) => {
+                            let mut out = Vec::new();
+                            let text = held
+                                .take()
+                                .map(|t| tokenizer.decode(&[t]).unwrap_or_default())
+                                .unwrap_or_default();
+                            out.extend_from_slice(
+                                &sse(&resp.delta(&text, Some(f.reason.as_str()))),
+                            );
+                            if resp.include_usage {
+                                out.extend_from_slice(&sse(&resp.usage_chunk(&f)));
+                            }
+                            out.extend_from_slice(b"data: [DONE]\n\n");
+                            return Some((Bytes::from(out), (rx, resp, None, true)));
+                        }
+                        Some(Output::Failed(msg)) => {
+                            let mut out = sse(&ApiError::internal(msg).body()).to_vec();
+                            out.extend_from_slice(b"data: [DONE]\n\n");
+                            return Some((Bytes::from(out), (rx, resp, None, true)));
+                        }
+                        None => return None,
+                    }
+                }
+            }
+        },
+    );
+    let body = futures::stream::iter(first)
+        .chain(body)
+        .map(Ok::<Bytes, std::convert::Infallible>);
+    Ok(Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response()))
+}
+
+fn unix_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let result = async {
+        let req: CompletionRequest = parse(&body)?;
+        state.check_model(req.model.as_deref())?;
+        let prompt = state.prompt_tokens(&req.prompt, req.add_special_tokens)?;
+        let max_tokens = state.validate(
+            prompt.len(),
+            req.max_tokens,
+            Some(16),
+            req.cache_salt.as_deref(),
+            req.n,
+        )?;
+        let include_usage = req.stream_options.unwrap_or_default().include_usage;
+        generate(
+            Arc::clone(&state),
+            Api::Completions,
+            prompt,
+            max_tokens,
+            req.cache_salt,
+            req.stream,
+            include_usage,
+        )
+        .await
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let result = async {
+        let req: ChatRequest = parse(&body)?;
+        state.check_model(req.model.as_deref())?;
+        let prompt = state.chat_tokens(
+            &req.messages,
+            ChatOptions {
+                add_generation_prompt: req.add_generation_prompt,
+                continue_final_message: req.continue_final_message,
+                add_special_tokens: req.add_special_tokens,
+            },
+        )?;
+        let max_tokens = state.validate(
+            prompt.len(),
+            req.max_completion_tokens.or(req.max_tokens),
+            None,
+            req.cache_salt.as_deref(),
+            req.n,
+        )?;
+        let include_usage = req.stream_options.unwrap_or_default().include_usage;
+        generate(
+            Arc::clone(&state),
+            Api::Chat,
+            prompt,
+            max_tokens,
+            req.cache_salt,
+            req.stream,
+            include_usage,
+        )
+        .await
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tokenizer endpoints
+
+#[derive(Debug, Deserialize)]
+struct TokenizeCompletion {
+    model: Option<String>,
+    prompt: String,
+    #[serde(default = "yes")]
+    add_special_tokens: bool,
+    #[serde(default)]
+    return_token_strs: bool,
+}
+
+#[derive(Debug, Deserialize)]
+struct TokenizeChat {
+    model: Option<String>,
+    messages: Vec<Value>,
+    #[serde(default = "yes")]
+    add_generation_prompt: bool,
+    #[serde(default)]
+    continue_final_message: bool,
+    #[serde(default)]
+    add_special_tokens: bool,
+    #[serde(default)]
+    return_token_strs: bool,
+}
+
+async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let result = (|| {
+        let probe: Value = parse(&body)?;
+        let (tokens, strs) = if probe.get("messages").is_some() {
+            let req: TokenizeChat = parse(&body)?;
+            state.check_model(req.model.as_deref())?;
+            let opts = ChatOptions {
+                add_generation_prompt: req.add_generation_prompt,
+                continue_final_message: req.continue_final_message,
+                add_special_tokens: req.add_special_tokens,
+            };
+            (
+                state.chat_tokens(&req.messages, opts)?,
+                req.return_token_strs,
+            )
+        } else {
+            let req: TokenizeCompletion = parse(&body)?;
+            state.check_model(req.model.as_deref())?;
+            let tokens = state
+                .tokenizer
+                .encode(&req.prompt, req.add_special_tokens)
+                .map_err(tokenizer_error)?;
+            (tokens, req.return_token_strs)
+        };
+        let token_strs = strs.then(|| state.tokenizer.token_strs(&tokens));
+        Ok::<_, ApiError>(Json(json!({
+            "count": tokens.len(),
+            "max_model_len": state.max_model_len,
+            "tokens": tokens,
+            "token_strs": token_strs,
+        })))
+    })();
+    result.map_or_else(IntoResponse::into_response, IntoResponse::into_response)
+}
+
+#[derive(Debug, Deserialize)]
+struct DetokenizeRequest {
+    model: Option<String>,
+    tokens: Vec<i64>,
+}
+
+async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let result = (|| {
+        let req: DetokenizeRequest = parse(&body)?;
+        state.check_model(req.model.as_deref())?;
+        let ids = req
+            .tokens
+            .iter()
+            .map(|&t| {
+                u32::try_from(t).map_err(|_| {
+                    ApiError::bad_request(format!("token id {t} is out of vocabulary"))
+                        .with_param("tokens")
+                })
+            })
+            .collect::<Result<Vec<u32>, _>>()?;
+        let prompt = state.tokenizer.decode(&ids).map_err(tokenizer_error)?;
+        Ok::<_, ApiError>(Json(json!({ "prompt": prompt })))
+    })();
+    result.map_or_else(IntoResponse::into_response, IntoResponse::into_response)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Server endpoints
+
+async fn models(State(state): State<Arc<AppState>>) -> Response {
+    let data: Vec<Value> = state
+        .names
+        .iter()
+        .map(|name| {
+            json!({
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "vllm",
+                "root": state.root,
+                "parent": null,
+                "max_model_len": state.max_model_len,
+                "permission": [{
+                    "id": format!("modelperm-{:032x}", state.created),
+                    "object": "model_permission",
+                    "created": state.created,
+                    "allow_create_engine": false,
+                    "allow_sampling": true,
+                    "allow_logprobs": true,
+                    "allow_search_indices": false,
+                    "allow_view": true,
+                    "allow_fine_tuning": false,
+                    "organization": "*",
+                    "group": null,
+                    "is_blocking": false,
+                }],
+            })
+        })
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn health() -> Response {
+    StatusCode::OK.into_response()
+}
+
+async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Response {
+    match state.engine.reset_prefix_cache().await {
+        Ok(true) => StatusCode::OK.into_response(),
+        Ok(false) => {
+            tracing::warn!("reset_prefix_cache refused: requests hold KV blocks");
+            StatusCode::OK.into_response()
+        }
+        Err(e) => ApiError::internal(e.to_string()).into_response(),
+    }
+}
+
+async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
+    let text = metrics::render(&state.metrics, &state.engine.stats());
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+async fn debug_blocks(State(state): State<Arc<AppState>>) -> Response {
+    match state.engine.cached_hashes().await {
+        Ok(hashes) => Json(json!({"count": hashes.len(), "block_hashes": hashes})).into_response(),
+        Err(e) => ApiError::internal(e.to_string()).into_response(),
+    }
+}
+
+async fn sim_restart(State(state): State<Arc<AppState>>) -> Response {
+    match state.engine.restart() {
+        Ok(()) => Json(json!({"ok": true})).into_response(),
+        Err(e) => ApiError::internal(e.to_string()).into_response(),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct StallRequest {
+    ms: u64,
+}
+
+async fn sim_stall(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let result = parse::<StallRequest>(&body).and_then(|req| {
+        state
+            .engine
+            .stall(Duration::from_millis(req.ms))
+            .map_err(|e| ApiError::internal(e.to_string()))
+    });
+    match result {
+        Ok(()) => Json(json!({"ok": true})).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct DropRequest {
+    from: u64,
+    to: u64,
+}
+
+async fn sim_drop_seqs(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    match parse::<DropRequest>(&body) {
+        Ok(req) if req.from <= req.to => {
+            state.faults.drop_seqs(req.from..=req.to);
+            Json(json!({"ok": true})).into_response()
+        }
+        Ok(_) => ApiError::bad_request("from must not exceed to").into_response(),
+        Err(e) => e.into_response(),
+    }
+}
