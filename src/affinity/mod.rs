@@ -1,0 +1,349 @@
+//! The scheduler's prefix slot: precise prefix affinity from the KV index, with the approximate
+//! prefix tree where the index cannot answer.
+//!
+//! For each request: tokenize through a replica ([`crate::tokenize`]), hash the blocks as the
+//! engine does ([`crate::blockhash`]), ask the index ([`crate::kvindex`]) how many leading blocks
+//! each candidate holds (speculative entries of recent picks included), and score the share of
+//! the prompt held. When the model's hash settings are unknown, no candidate ever reported
+//! events, or tokenization fails or misses its deadline, the prefix tree ([`crate::prefix`])
+//! scores instead. After the pick, the chosen replica is credited in the tree (always) and with
+//! speculative index entries (precise branch), and the branch that decided is counted.
+//!
+//! Concurrency: shared by every ext_proc stream behind an `Arc`; all state lives in the index,
+//! tree and tokenizer, each with its own short-held locks. The hash settings table is an
+//! immutable snapshot swapped atomically on reload.
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use futures::future::BoxFuture;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use tokio::time::Instant;
+
+use crate::blockhash::{BlockHasher, ExternalHash};
+use crate::kvindex::{KvIndex, PrefixMatch, ReplicaSlot, SpeculativeBlocks};
+use crate::openai::{ParsedRequest, Prompt, RequestInput};
+use crate::pool::Replica;
+use crate::prefix::PrefixTree;
+use crate::scheduler::{Candidate, PrefixScorer, PrefixScores, PrefixUnavailable};
+use crate::tokenize::Tokenizer;
+
+/// Settings of the prefix slot.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AffinityConfig {
+    /// Leading blocks a replica must hold before its cache counts at all (a block or two of a
+    /// shared system prompt is not worth a detour).
+    pub min_blocks: u32,
+    /// How long a pick credits the chosen replica with the prompt's blocks.
+    pub speculative_ttl: Duration,
+}
+
+impl Default for AffinityConfig {
+    fn default() -> Self {
+        AffinityConfig {
+            min_blocks: 1,
+            speculative_ttl: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Each model's engine hash settings, as a block hasher.
+pub type HashersByModel = HashMap<String, Arc<BlockHasher>>;
+
+/// Which tier decided, and why the precise one could not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Branch {
+    Index,
+    Tree(&'static str),
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DecisionLabels {
+    decision: &'static str,
+}
+
+/// `llmgw_kv_decisions_total{decision}` and `llmgw_prefix_decisions_total{decision}`.
+#[derive(Debug, Clone, Default)]
+pub struct AffinityMetrics {
+    kv_decisions: Family<DecisionLabels, Counter>,
+    prefix_decisions: Family<DecisionLabels, Counter>,
+}
+
+impl AffinityMetrics {
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "llmgw_kv_decisions",
+            "Decisions of the precise KV index tier: hit, miss, load_override, or why it could \
+             not answer",
+            self.kv_decisions.clone(),
+        );
+        registry.register(
+            "llmgw_prefix_decisions",
+            "Decisions of the approximate prefix tree tier: hit, miss, load_override",
+            self.prefix_decisions.clone(),
+        );
+    }
+
+    fn kv(&self, decision: &'static str) {
+        self.kv_decisions
+            .get_or_create(&DecisionLabels { decision })
+            .inc();
+    }
+
+    fn tree(&self, decision: &'static str) {
+        self.prefix_decisions
+            .get_or_create(&DecisionLabels { decision })
+            .inc();
+    }
+
+    /// Count of one `llmgw_kv_decisions_total` label (for tests and `/debug`).
+    pub fn kv_count(&self, decision: &'static str) -> u64 {
+        self.kv_decisions
+            .get_or_create(&DecisionLabels { decision })
+            .get()
+    }
+
+    /// Count of one `llmgw_prefix_decisions_total` label.
+    pub fn tree_count(&self, decision: &'static str) -> u64 {
+        self.prefix_decisions
+            .get_or_create(&DecisionLabels { decision })
+            .get()
+    }
+}
+
+/// What `score` hands to `after_pick`.
+struct Memo {
+    branch: Branch,
+    /// The prompt's external block hashes (precise branch only).
+    hashes: Option<Arc<[ExternalHash]>>,
+    /// The candidates in scoring order, with how much each matched (blocks, or tree share).
+    matched: Vec<(Arc<Replica>, f64)>,
+}
+
+/// The prefix scorer: precise index first, prefix tree second.
+pub struct PrefixAffinity {
+    config: AffinityConfig,
+    hashers: ArcSwap<HashersByModel>,
+    index: Arc<KvIndex>,
+    speculative: SpeculativeBlocks,
+    tree: Arc<PrefixTree>,
+    tokenizer: Tokenizer,
+    metrics: AffinityMetrics,
+}
+
+impl PrefixAffinity {
+    pub fn new(
+        config: AffinityConfig,
+        hashers: HashersByModel,
+        index: Arc<KvIndex>,
+        tree: Arc<PrefixTree>,
+        tokenizer: Tokenizer,
+    ) -> Self {
+        PrefixAffinity {
+            config,
+            hashers: ArcSwap::from_pointee(hashers),
+            speculative: SpeculativeBlocks::new(config.speculative_ttl),
+            index,
+            tree,
+            tokenizer,
+            metrics: AffinityMetrics::default(),
+        }
+    }
+
+    pub fn metrics(&self) -> &AffinityMetrics {
+        &self.metrics
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// Replaces the per-model hash settings (config reload).
+    pub fn set_hashers(&self, hashers: HashersByModel) {
+        self.hashers.store(Arc::new(hashers));
+    }
+
+    /// The precise tier: `Ok` with scores, or `Err(reason)` to fall back.
+    async fn score_precise(
+        &self,
+        request: &ParsedRequest,
+        candidates: &[Candidate],
+    ) -> Result<(Vec<f64>, Memo), &'static str> {
+        let hashers = self.hashers.load();
+        let hasher = hashers.get(&request.model).ok_or("unknown_settings")?;
+        let slots: Vec<Option<ReplicaSlot>> = candidates
+            .iter()
+            .map(|c| self.index.slot(c.replica.endpoint()))
+            .collect();
+        if slots.iter().all(Option::is_none) {
+            return Err("no_events");
+        }
+        // Tokenize on the least loaded candidates first.
+        let mut order: Vec<&Candidate> = candidates.iter().collect();
+        order.sort_by_key(|c| c.in_flight);
+        let addresses: Vec<&str> = order.iter().map(|c| c.replica.endpoint()).collect();
+        let tokens = self
+            .tokenizer
+            .tokens(request, &addresses)
+            .await
+            .map_err(|e| {
+                tracing::debug!(model = %request.model, error = %e, "precise tier unavailable");
+                e.reason()
+            })?;
+
+        let mut hashes = Vec::new();
+        hasher.external_hashes_into(&tokens, request.cache_salt.as_deref(), &mut hashes);
+        let mut matches: Vec<PrefixMatch> = Vec::with_capacity(candidates.len());
+        self.index.match_prefix(&hashes, &slots, &mut matches);
+        let mut blocks: Vec<u32> = matches.iter().map(|m| m.blocks).collect();
+        self.speculative
+            .raise_matches(&hashes, &slots, Instant::now(), &mut blocks);
+
+        let total = hashes.len().max(1) as f64;
+        let scores = matches
+            .iter()
+            .zip(&blocks)
+            .map(|(m, &held)| {
+                if held < self.config.min_blocks {
+                    0.0
+                } else if held > m.blocks {
+                    // Speculative blocks are assumed to be on the GPU.
+                    (m.weighted as f64 + f64::from(held - m.blocks)) / total
+                } else {
+                    m.weighted as f64 / total
+                }
+            })
+            .collect();
+        let matched = candidates
+            .iter()
+            .zip(&blocks)
+            .map(|(c, &b)| (Arc::clone(&c.replica), f64::from(b)))
+            .collect();
+        Ok((
+            scores,
+            Memo {
+                branch: Branch::Index,
+                hashes: Some(Arc::from(hashes)),
+                matched,
+            },
+        ))
+    }
+
+    fn score_tree(
+        &self,
+        request: &ParsedRequest,
+        candidates: &[Candidate],
+        reason: &'static str,
+    ) -> (Vec<f64>, Memo) {
+        let endpoints: Vec<&str> = candidates.iter().map(|c| c.replica.endpoint()).collect();
+        let mut shares = Vec::with_capacity(candidates.len());
+        self.tree.match_shares(
+            &request.model,
+            &prompt_text(request),
+            &endpoints,
+            &mut shares,
+        );
+        let matched = candidates
+            .iter()
+            .zip(&shares)
+            .map(|(c, &s)| (Arc::clone(&c.replica), s))
+            .collect();
+        (
+            shares,
+            Memo {
+                branch: Branch::Tree(reason),
+                hashes: None,
+                matched,
+            },
+        )
+    }
+}
+
+/// The bytes the prefix tree keys a request by: the prompt text, the token ids, or the chat
+/// messages' JSON (which grows by appending as a conversation goes on).
+fn prompt_text(request: &ParsedRequest) -> std::borrow::Cow<'_, [u8]> {
+    match &request.input {
+        RequestInput::Completion(Prompt::Text(text)) => text.as_bytes().into(),
+        RequestInput::Completion(Prompt::TokenIds(ids)) => ids
+            .iter()
+            .flat_map(|id| id.to_le_bytes())
+            .collect::<Vec<u8>>()
+            .into(),
+        RequestInput::Chat(chat) => chat.messages.get().as_bytes().into(),
+    }
+}
+
+/// hit: the chosen replica matched as much as the best; miss: nobody matched; load_override:
+/// someone matched more but load decided otherwise.
+fn classify(matched: &[(Arc<Replica>, f64)], chosen: &Candidate) -> &'static str {
+    let best = matched.iter().map(|(_, m)| *m).fold(0.0, f64::max);
+    let mine = matched
+        .iter()
+        .find(|(r, _)| Arc::ptr_eq(r, &chosen.replica))
+        .map_or(0.0, |(_, m)| *m);
+    if best <= 0.0 {
+        "miss"
+    } else if mine >= best {
+        "hit"
+    } else {
+        "load_override"
+    }
+}
+
+impl PrefixScorer for PrefixAffinity {
+    fn name(&self) -> &'static str {
+        "prefix_affinity"
+    }
+
+    fn score<'a>(
+        &'a self,
+        request: &'a ParsedRequest,
+        candidates: &'a [Candidate],
+    ) -> BoxFuture<'a, Result<PrefixScores, PrefixUnavailable>> {
+        Box::pin(async move {
+            let (per_candidate, memo) = match self.score_precise(request, candidates).await {
+                Ok(scored) => scored,
+                Err(reason) => self.score_tree(request, candidates, reason),
+            };
+            Ok(PrefixScores {
+                per_candidate,
+                memo: Some(Box::new(memo)),
+            })
+        })
+    }
+
+    fn after_pick(&self, request: &ParsedRequest, chosen: &Candidate, scores: &PrefixScores) {
+        let Some(memo) = scores.memo.as_ref().and_then(|m| m.downcast_ref::<Memo>()) else {
+            return;
+        };
+        self.tree.record(
+            &request.model,
+            &prompt_text(request),
+            chosen.replica.endpoint(),
+        );
+        let decision = classify(&memo.matched, chosen);
+        match memo.branch {
+            Branch::Index => {
+                self.metrics.kv(decision);
+                if let Some(hashes) = &memo.hashes
+                    && let Ok(slot) = self.index.slot_or_insert(chosen.replica.endpoint())
+                {
+                    self.speculative
+                        .insert(slot, Arc::clone(hashes), Instant::now());
+                }
+            }
+            Branch::Tree(reason) => {
+                self.metrics.kv(reason);
+                self.metrics.tree(decision);
+            }
+        }
+    }
+}
