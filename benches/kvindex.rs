@@ -1,0 +1,117 @@
+//! KV index: apply throughput (block events/s), prefix lookup latency for a 512-block prompt over
+//! 64 replicas, and memory per (block, replica) entry.
+//!
+//! `cargo bench -p llmgw --bench kvindex`. Memory is printed once, measured by counting the bytes
+//! the global allocator holds before and after filling the index.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use llmgw::blockhash::ExternalHash;
+use llmgw::kvindex::{IndexConfig, KvEventSink, KvIndex, Medium, PrefixMatch};
+
+struct Counting;
+
+static ALLOCATED: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATED.fetch_add(layout.size(), Ordering::Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        ALLOCATED.fetch_sub(layout.size(), Ordering::Relaxed);
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn hashes(seed: u64, n: usize) -> Vec<ExternalHash> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ExternalHash(x)
+        })
+        .collect()
+}
+
+fn replica(i: usize) -> String {
+    format!("10.0.{}.{}:8000", i / 250, i % 250)
+}
+
+fn bench_apply(c: &mut Criterion) {
+    let mut group = c.benchmark_group("kvindex/apply");
+    let batch = hashes(1, 64);
+    group.throughput(Throughput::Elements(2 * batch.len() as u64));
+    let index = KvIndex::new(IndexConfig::default());
+    // A store and the matching remove of a 64-block batch: the index's size stays flat.
+    group.bench_function("store_remove_64_blocks", |b| {
+        b.iter(|| {
+            index.stored("10.0.0.1:8000", black_box(&batch), Medium::Gpu);
+            index.removed("10.0.0.1:8000", black_box(&batch), Medium::Gpu);
+        })
+    });
+    group.finish();
+}
+
+fn bench_lookup(c: &mut Criterion) {
+    let index = KvIndex::new(IndexConfig::default());
+    let prompt = hashes(7, 512);
+    // 64 replicas; replica i holds the first 8·i blocks of the prompt plus 2,000 blocks of its own.
+    for i in 0..64 {
+        index.stored(&replica(i), &prompt[..(8 * i).min(512)], Medium::Gpu);
+        index.stored(&replica(i), &hashes(1000 + i as u64, 2000), Medium::Gpu);
+    }
+    let candidates: Vec<_> = (0..64).map(|i| index.slot(&replica(i))).collect();
+    let mut out: Vec<PrefixMatch> = Vec::with_capacity(64);
+    let mut group = c.benchmark_group("kvindex/lookup");
+    group.bench_function("512_blocks_64_replicas", |b| {
+        b.iter(|| {
+            index.match_prefix(black_box(&prompt), &candidates, &mut out);
+            black_box(out[63].blocks)
+        })
+    });
+    // Every replica holds the whole prompt: the longest walk.
+    let full = KvIndex::new(IndexConfig::default());
+    for i in 0..64 {
+        full.stored(&replica(i), &prompt, Medium::Gpu);
+    }
+    let candidates: Vec<_> = (0..64).map(|i| full.slot(&replica(i))).collect();
+    group.bench_function("512_blocks_64_replicas_all_hold_all", |b| {
+        b.iter(|| {
+            full.match_prefix(black_box(&prompt), &candidates, &mut out);
+            black_box(out[63].blocks)
+        })
+    });
+    group.finish();
+}
+
+fn report_memory(_: &mut Criterion) {
+    for (label, replicas_per_block) in [("1 replica per block", 1), ("4 replicas per block", 4)] {
+        let before = ALLOCATED.load(Ordering::Relaxed);
+        let index = KvIndex::new(IndexConfig::default());
+        let blocks = 1_000_000;
+        let all = hashes(3, blocks);
+        for r in 0..replicas_per_block {
+            index.stored(&replica(r), &all, Medium::Gpu);
+        }
+        let bytes = ALLOCATED.load(Ordering::Relaxed) - before;
+        let entries = blocks * replicas_per_block;
+        println!(
+            "kvindex/memory ({label}): {entries} (block, replica) entries in {:.1} MiB = {:.1} bytes per entry",
+            bytes as f64 / (1 << 20) as f64,
+            bytes as f64 / entries as f64
+        );
+        drop(index);
+    }
+}
+
+criterion_group!(benches, bench_apply, bench_lookup, report_memory);
+criterion_main!(benches);
