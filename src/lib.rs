@@ -4,8 +4,20 @@
 //! [`blockhash`] → `kvindex` / `prefix` → `scheduler` → back to `extproc`, with `pool` and
 //! `feed` beside it.
 
+pub mod affinity;
+pub mod admin;
+pub mod app;
 pub mod blockhash;
+pub mod config;
+pub mod extproc;
 pub mod kvindex;
+pub mod metrics;
+pub mod prefix;
+pub mod openai;
+pub mod pool;
+pub mod router;
+pub mod scheduler;
+pub mod tokenize;
 
 #[doc(hidden)]
 pub mod fixtures;

@@ -1,0 +1,185 @@
+//! Wiring: builds the pool, its monitors, the scheduler, the router and the servers from
+//! [`Settings`], and runs them until shutdown.
+//!
+//! # Concurrency model
+//! Background tasks: the health checker, the scraper, the configuration watcher (with a file)
+//! and the readiness reporter; each owns nothing but `Arc`s to shared immutable or lock-free
+//! state. The gRPC server (ext_proc + health) and the admin server run side by side and stop
+//! together on the shutdown signal; the background tasks are aborted when [`serve`] returns.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+use tonic_health::ServingStatus;
+
+use crate::admin::{self, AdminState};
+use crate::config::{self, Settings};
+use crate::extproc::{ExtProcService, ExtProcSettings};
+use crate::metrics::Metrics;
+use crate::pool::Pool;
+use crate::pool::monitor::{self, HttpProber, ProbeError, ProbeSettings};
+use crate::router::Router;
+use crate::scheduler::Scheduler;
+
+/// The gRPC health service name for the ext_proc service (same as readiness).
+pub const EXT_PROC_HEALTH_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+
+#[derive(Debug, Error)]
+pub enum ServeError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot build the HTTP client: {0}")]
+    HttpClient(#[from] ProbeError),
+    #[error("gRPC server failed: {0}")]
+    Grpc(#[from] tonic::transport::Error),
+    #[error("admin server failed: {0}")]
+    Admin(#[source] std::io::Error),
+}
+
+/// The addresses actually bound (useful with port 0).
+#[derive(Debug, Clone, Copy)]
+pub struct BoundAddrs {
+    pub grpc: SocketAddr,
+    pub admin: SocketAddr,
+}
+
+/// Runs the router until `shutdown` completes. `on_bound` is called once both listeners are
+/// bound.
+pub async fn serve(
+    settings: Settings,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    on_bound: impl FnOnce(BoundAddrs),
+) -> Result<(), ServeError> {
+    let pool = Arc::new(Pool::new(
+        settings.replicas.clone(),
+        settings.metrics_staleness,
+    ));
+    let probe = ProbeSettings {
+        health_interval: settings.health_interval,
+        scrape_interval: settings.scrape_interval,
+        timeout: settings.probe_timeout,
+    };
+    let prober = Arc::new(HttpProber::new(settings.probe_timeout)?);
+    let mut background = JoinSet::new();
+    background.spawn(monitor::run_health_checks(
+        Arc::clone(&pool),
+        Arc::clone(&prober),
+        probe,
+    ));
+    background.spawn(monitor::run_scrapes(Arc::clone(&pool), prober, probe));
+    if let Some(path) = &settings.config_path {
+        background.spawn(config::watch_replicas(
+            path.clone(),
+            settings.config_poll_interval,
+            settings.flag_replicas.clone(),
+            Arc::clone(&pool),
+        ));
+    }
+
+    let metrics = Arc::new(Metrics::new(Arc::clone(&pool)));
+    let scheduler = Scheduler::new(Arc::clone(&pool), settings.scheduler);
+    let router = Arc::new(Router::new(
+        scheduler,
+        Arc::clone(&metrics),
+        settings.allow_test_endpoint_selection,
+    ));
+    let ext_proc = ExtProcService::new(
+        router,
+        ExtProcSettings {
+            destination_header: settings.destination_header.clone(),
+            max_body_bytes: settings.max_body_bytes,
+        },
+    );
+
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_service_status("liveness", ServingStatus::Serving)
+        .await;
+    background.spawn(report_readiness(Arc::clone(&pool), health_reporter));
+
+    let grpc_listener = bind(settings.grpc_addr).await?;
+    let admin_listener = bind(settings.admin_addr).await?;
+    let bound = BoundAddrs {
+        grpc: local_addr(&grpc_listener, settings.grpc_addr)?,
+        admin: local_addr(&admin_listener, settings.admin_addr)?,
+    };
+    on_bound(bound);
+    tracing::info!(grpc = %bound.grpc, admin = %bound.admin, replicas = settings.replicas.len(), "llmgw-router serving");
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let mut grpc_stop = stop_rx.clone();
+    let mut admin_stop = stop_rx;
+
+    let grpc = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(health_service)
+        .add_service(ext_proc.into_server())
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(grpc_listener),
+            async move {
+                let _ = grpc_stop.wait_for(|stop| *stop).await;
+            },
+        );
+    let admin_state = Arc::new(AdminState {
+        pool,
+        metrics,
+        scheduler: settings.scheduler,
+    });
+    let admin = axum::serve(admin_listener, admin::routes(admin_state)).with_graceful_shutdown(
+        async move {
+            let _ = admin_stop.wait_for(|stop| *stop).await;
+        },
+    );
+    let (grpc_result, admin_result) = tokio::join!(grpc, admin);
+    background.abort_all();
+    grpc_result?;
+    admin_result.map_err(ServeError::Admin)?;
+    Ok(())
+}
+
+async fn bind(addr: SocketAddr) -> Result<TcpListener, ServeError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServeError::Bind { addr, source })
+}
+
+fn local_addr(listener: &TcpListener, addr: SocketAddr) -> Result<SocketAddr, ServeError> {
+    listener
+        .local_addr()
+        .map_err(|source| ServeError::Bind { addr, source })
+}
+
+/// Keeps `readiness` and the ext_proc health service in step with the pool: serving while at
+/// least one replica is healthy.
+async fn report_readiness(pool: Arc<Pool>, reporter: tonic_health::server::HealthReporter) {
+    let mut ready = None;
+    let mut ticker = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        ticker.tick().await;
+        let now_ready = pool.snapshot().any_healthy();
+        if ready == Some(now_ready) {
+            continue;
+        }
+        ready = Some(now_ready);
+        let status = if now_ready {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        for service in ["readiness", EXT_PROC_HEALTH_SERVICE] {
+            reporter.set_service_status(service, status).await;
+        }
+    }
+}

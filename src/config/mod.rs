@@ -1,0 +1,418 @@
+//! The router's configuration: a YAML file, flags and `LLMGW_*` environment variables saying the
+//! same things. A flag (or its environment variable) overrides the file, and the file overrides
+//! the defaults. Replicas from `--replica` are added to the file's.
+//!
+//! ```yaml
+//! grpc_addr: 127.0.0.1:9002
+//! admin_addr: 127.0.0.1:9090
+//! health_interval: 1s
+//! scrape_interval: 200ms
+//! replicas:
+//!   - address: 127.0.0.1:8001
+//!     models: [tiny, tiny-lora]
+//!     node: node-a
+//! scheduler:
+//!   weights: {queue: 1, in_flight: 1, kv_cache: 1, prefix: 2}
+//!   saturation: {max_waiting: 128, max_kv_cache_usage: 0.99}
+//! ```
+//!
+//! The file is polled for changes ([`watch_replicas`]); a change re-reads the replica list and
+//! swaps it into the pool. Other settings need a restart.
+//!
+//! Replica addresses are `IP:PORT` (or `localhost:PORT`): Envoy's `override_host` policy matches
+//! the destination against the cluster's host addresses, so names would never match.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use serde::{Deserialize, Deserializer};
+use thiserror::Error;
+
+use crate::extproc::DESTINATION_HEADER;
+use crate::pool::{Pool, ReplicaSpec};
+use crate::scheduler::SchedulerSettings;
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid configuration file {path}: {source}")]
+    Yaml {
+        path: PathBuf,
+        #[source]
+        source: serde_yaml::Error,
+    },
+    #[error("invalid replica {0:?}: expected MODEL=IP:PORT[@NODE]")]
+    ReplicaFlag(String),
+    #[error("invalid replica address {0:?}: expected IP:PORT or localhost:PORT")]
+    Address(String),
+    #[error("replica {0} serves no model")]
+    NoModels(String),
+    #[error("invalid duration {0:?}: expected e.g. 250ms, 2s, 1m")]
+    Duration(String),
+    #[error("{0} must be positive")]
+    NotPositive(&'static str),
+}
+
+/// `serve` options. Every one is also an `LLMGW_*` environment variable.
+#[derive(Debug, Clone, Default, Args)]
+pub struct ServeArgs {
+    /// YAML configuration file (reloaded when it changes).
+    #[arg(long, env = "LLMGW_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// A replica, repeatable: MODEL=IP:PORT[@NODE]. The same address under several models (a
+    /// base model and its LoRA adapters) is one replica.
+    #[arg(long = "replica", env = "LLMGW_REPLICAS", value_delimiter = ',')]
+    pub replicas: Vec<String>,
+    /// ext_proc gRPC listen address (default 127.0.0.1:9002).
+    #[arg(long, env = "LLMGW_GRPC_ADDR")]
+    pub grpc_addr: Option<SocketAddr>,
+    /// Admin HTTP listen address: /metrics, /healthz, /debug (default 127.0.0.1:9090).
+    #[arg(long, env = "LLMGW_ADMIN_ADDR")]
+    pub admin_addr: Option<SocketAddr>,
+    /// How often each replica's /health is probed (default 1s).
+    #[arg(long, env = "LLMGW_HEALTH_INTERVAL", value_parser = parse_duration)]
+    pub health_interval: Option<Duration>,
+    /// How often each replica's /metrics is scraped (default 200ms).
+    #[arg(long, env = "LLMGW_SCRAPE_INTERVAL", value_parser = parse_duration)]
+    pub scrape_interval: Option<Duration>,
+    /// A scrape older than this counts as unknown load (default 2s).
+    #[arg(long, env = "LLMGW_METRICS_STALENESS", value_parser = parse_duration)]
+    pub metrics_staleness: Option<Duration>,
+    /// Timeout of one health probe or scrape (default 1s).
+    #[arg(long, env = "LLMGW_PROBE_TIMEOUT", value_parser = parse_duration)]
+    pub probe_timeout: Option<Duration>,
+    /// How often the configuration file is checked for changes (default 2s).
+    #[arg(long, env = "LLMGW_CONFIG_POLL_INTERVAL", value_parser = parse_duration)]
+    pub config_poll_interval: Option<Duration>,
+    /// Request bodies above this many bytes get 413 (default 16 MiB).
+    #[arg(long, env = "LLMGW_MAX_BODY_BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// The destination header and envoy.lb metadata key (default x-gateway-destination-endpoint).
+    #[arg(long, env = "LLMGW_DESTINATION_HEADER")]
+    pub destination_header: Option<String>,
+    /// How many next-best replicas follow the pick in the destination (default 2). Use 0 with
+    /// ORIGINAL_DST clusters, which take a single address.
+    #[arg(long, env = "LLMGW_FALLBACKS")]
+    pub fallbacks: Option<usize>,
+    /// Honour the conformance suite's `test-epp-endpoint-selection` header. Never in production.
+    #[arg(long, env = "LLMGW_ALLOW_TEST_ENDPOINT_SELECTION")]
+    pub allow_test_endpoint_selection: bool,
+    /// Scorer weight: engine queue length.
+    #[arg(long, env = "LLMGW_WEIGHT_QUEUE")]
+    pub weight_queue: Option<f64>,
+    /// Scorer weight: llmgw's in-flight count.
+    #[arg(long, env = "LLMGW_WEIGHT_IN_FLIGHT")]
+    pub weight_in_flight: Option<f64>,
+    /// Scorer weight: free KV cache.
+    #[arg(long, env = "LLMGW_WEIGHT_KV_CACHE")]
+    pub weight_kv_cache: Option<f64>,
+    /// Scorer weight: the prefix slot.
+    #[arg(long, env = "LLMGW_WEIGHT_PREFIX")]
+    pub weight_prefix: Option<f64>,
+    /// A replica with this many requests waiting is saturated.
+    #[arg(long, env = "LLMGW_MAX_WAITING")]
+    pub max_waiting: Option<f64>,
+    /// A replica with this KV-cache usage (0–1) is saturated.
+    #[arg(long, env = "LLMGW_MAX_KV_CACHE_USAGE")]
+    pub max_kv_cache_usage: Option<f64>,
+    /// A replica with this many llmgw requests in flight is saturated (0 = no limit).
+    #[arg(long, env = "LLMGW_MAX_IN_FLIGHT")]
+    pub max_in_flight: Option<u32>,
+    /// Load spread (in flight + waiting) from which prefix affinity is ignored.
+    #[arg(long, env = "LLMGW_IMBALANCE_THRESHOLD")]
+    pub imbalance_threshold: Option<f64>,
+}
+
+/// The configuration file. Every field is optional.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub grpc_addr: Option<SocketAddr>,
+    pub admin_addr: Option<SocketAddr>,
+    #[serde(default, deserialize_with = "opt_duration")]
+    pub health_interval: Option<Duration>,
+    #[serde(default, deserialize_with = "opt_duration")]
+    pub scrape_interval: Option<Duration>,
+    #[serde(default, deserialize_with = "opt_duration")]
+    pub metrics_staleness: Option<Duration>,
+    #[serde(default, deserialize_with = "opt_duration")]
+    pub probe_timeout: Option<Duration>,
+    #[serde(default, deserialize_with = "opt_duration")]
+    pub config_poll_interval: Option<Duration>,
+    pub max_body_bytes: Option<usize>,
+    pub destination_header: Option<String>,
+    pub allow_test_endpoint_selection: Option<bool>,
+    #[serde(default)]
+    pub replicas: Vec<FileReplica>,
+    #[serde(default)]
+    pub scheduler: Option<SchedulerSettings>,
+}
+
+/// One replica in the file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileReplica {
+    /// `IP:PORT`.
+    pub address: String,
+    /// Served model names, LoRA adapters included.
+    pub models: Vec<String>,
+    #[serde(default)]
+    pub node: Option<String>,
+}
+
+/// The resolved configuration.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub grpc_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub replicas: Vec<ReplicaSpec>,
+    pub health_interval: Duration,
+    pub scrape_interval: Duration,
+    pub metrics_staleness: Duration,
+    pub probe_timeout: Duration,
+    pub config_poll_interval: Duration,
+    pub max_body_bytes: usize,
+    pub destination_header: String,
+    pub allow_test_endpoint_selection: bool,
+    pub scheduler: SchedulerSettings,
+    /// The file, for reloads.
+    pub config_path: Option<PathBuf>,
+    /// The `--replica` flags, re-added on every reload.
+    pub flag_replicas: Vec<ReplicaSpec>,
+}
+
+impl Settings {
+    /// Flags over file over defaults.
+    pub fn resolve(args: &ServeArgs) -> Result<Settings, ConfigError> {
+        let file = match &args.config {
+            Some(path) => read_file(path)?,
+            None => FileConfig::default(),
+        };
+        let flag_replicas = args
+            .replicas
+            .iter()
+            .map(|r| parse_replica_flag(r))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut replicas = file_replicas(&file)?;
+        replicas.extend(flag_replicas.iter().cloned());
+
+        let mut scheduler = file.scheduler.unwrap_or_default();
+        let weights = &mut scheduler.weights;
+        override_with(&mut weights.queue, args.weight_queue);
+        override_with(&mut weights.in_flight, args.weight_in_flight);
+        override_with(&mut weights.kv_cache, args.weight_kv_cache);
+        override_with(&mut weights.prefix, args.weight_prefix);
+        let saturation = &mut scheduler.saturation;
+        override_with(&mut saturation.max_waiting, args.max_waiting);
+        override_with(&mut saturation.max_kv_cache_usage, args.max_kv_cache_usage);
+        override_with(&mut saturation.max_in_flight, args.max_in_flight);
+        override_with(&mut scheduler.imbalance_threshold, args.imbalance_threshold);
+        override_with(&mut scheduler.fallbacks, args.fallbacks);
+
+        let settings = Settings {
+            grpc_addr: args
+                .grpc_addr
+                .or(file.grpc_addr)
+                .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 9002))),
+            admin_addr: args
+                .admin_addr
+                .or(file.admin_addr)
+                .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 9090))),
+            replicas,
+            health_interval: args
+                .health_interval
+                .or(file.health_interval)
+                .unwrap_or(Duration::from_secs(1)),
+            scrape_interval: args
+                .scrape_interval
+                .or(file.scrape_interval)
+                .unwrap_or(Duration::from_millis(200)),
+            metrics_staleness: args
+                .metrics_staleness
+                .or(file.metrics_staleness)
+                .unwrap_or(Duration::from_secs(2)),
+            probe_timeout: args
+                .probe_timeout
+                .or(file.probe_timeout)
+                .unwrap_or(Duration::from_secs(1)),
+            config_poll_interval: args
+                .config_poll_interval
+                .or(file.config_poll_interval)
+                .unwrap_or(Duration::from_secs(2)),
+            max_body_bytes: args
+                .max_body_bytes
+                .or(file.max_body_bytes)
+                .unwrap_or(16 * 1024 * 1024),
+            destination_header: args
+                .destination_header
+                .clone()
+                .or(file.destination_header)
+                .unwrap_or_else(|| DESTINATION_HEADER.to_string())
+                .to_ascii_lowercase(),
+            allow_test_endpoint_selection: args.allow_test_endpoint_selection
+                || file.allow_test_endpoint_selection.unwrap_or(false),
+            scheduler,
+            config_path: args.config.clone(),
+            flag_replicas,
+        };
+        for (name, value) in [
+            ("health_interval", settings.health_interval),
+            ("scrape_interval", settings.scrape_interval),
+            ("probe_timeout", settings.probe_timeout),
+            ("config_poll_interval", settings.config_poll_interval),
+        ] {
+            if value.is_zero() {
+                return Err(ConfigError::NotPositive(name));
+            }
+        }
+        Ok(settings)
+    }
+}
+
+fn override_with<T>(target: &mut T, value: Option<T>) {
+    if let Some(value) = value {
+        *target = value;
+    }
+}
+
+fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    if text.trim().is_empty() {
+        return Ok(FileConfig::default());
+    }
+    serde_yaml::from_str(&text).map_err(|source| ConfigError::Yaml {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn file_replicas(file: &FileConfig) -> Result<Vec<ReplicaSpec>, ConfigError> {
+    file.replicas
+        .iter()
+        .map(|r| {
+            if r.models.is_empty() {
+                return Err(ConfigError::NoModels(r.address.clone()));
+            }
+            Ok(ReplicaSpec {
+                address: parse_address(&r.address)?,
+                models: r.models.clone(),
+                node: r.node.clone(),
+            })
+        })
+        .collect()
+}
+
+/// `MODEL=IP:PORT[@NODE]`.
+pub fn parse_replica_flag(flag: &str) -> Result<ReplicaSpec, ConfigError> {
+    let invalid = || ConfigError::ReplicaFlag(flag.to_string());
+    let (model, rest) = flag.trim().split_once('=').ok_or_else(invalid)?;
+    let (address, node) = match rest.split_once('@') {
+        Some((address, node)) if !node.is_empty() => (address, Some(node.to_string())),
+        Some(_) => return Err(invalid()),
+        None => (rest, None),
+    };
+    if model.is_empty() {
+        return Err(invalid());
+    }
+    Ok(ReplicaSpec {
+        address: parse_address(address)?,
+        models: vec![model.to_string()],
+        node,
+    })
+}
+
+/// `IP:PORT`, `[IPv6]:PORT` or `localhost:PORT` (127.0.0.1).
+pub fn parse_address(address: &str) -> Result<SocketAddr, ConfigError> {
+    if let Ok(addr) = address.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    match address.split_once(':') {
+        Some(("localhost", port)) => port
+            .parse::<u16>()
+            .map(|port| SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port))
+            .map_err(|_| ConfigError::Address(address.to_string())),
+        _ => Err(ConfigError::Address(address.to_string())),
+    }
+}
+
+/// `250ms`, `2s`, `1m`, or a bare number of seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, ConfigError> {
+    let text = text.trim();
+    let invalid = || ConfigError::Duration(text.to_string());
+    let (number, unit) = match text.find(|c: char| !(c.is_ascii_digit() || c == '.')) {
+        Some(i) => text.split_at(i),
+        None => (text, "s"),
+    };
+    let value: f64 = number.parse().map_err(|_| invalid())?;
+    let seconds = match unit {
+        "ms" => value / 1000.0,
+        "s" => value,
+        "m" => value * 60.0,
+        _ => return Err(invalid()),
+    };
+    Duration::try_from_secs_f64(seconds).map_err(|_| invalid())
+}
+
+fn opt_duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {
+    let text: Option<String> = Option::deserialize(deserializer)?;
+    text.map(|t| parse_duration(&t).map_err(serde::de::Error::custom))
+        .transpose()
+}
+
+/// Polls the configuration file every `interval` and swaps a changed replica list into the pool.
+/// A file that fails to parse is reported and the pool kept as it is. The file's contents at the
+/// time of the call are the baseline; the returned future runs until dropped.
+pub fn watch_replicas(
+    path: PathBuf,
+    interval: Duration,
+    flag_replicas: Vec<ReplicaSpec>,
+    pool: Arc<Pool>,
+) -> impl Future<Output = ()> + Send {
+    let baseline = std::fs::read(&path).ok();
+    watch_from(path, interval, flag_replicas, pool, baseline)
+}
+
+async fn watch_from(
+    path: PathBuf,
+    interval: Duration,
+    flag_replicas: Vec<ReplicaSpec>,
+    pool: Arc<Pool>,
+    mut last: Option<Vec<u8>>,
+) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let current = tokio::fs::read(&path).await.ok();
+        if current == last {
+            continue;
+        }
+        last = current;
+        let replicas = read_file(&path).and_then(|file| file_replicas(&file));
+        match replicas {
+            Ok(mut replicas) => {
+                replicas.extend(flag_replicas.iter().cloned());
+                if pool.set_replicas(replicas) {
+                    tracing::info!(path = %path.display(), "replica list reloaded");
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%error, "configuration reload failed; keeping the replicas")
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

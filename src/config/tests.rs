@@ -1,0 +1,132 @@
+use std::io::Write;
+
+use super::*;
+use crate::pool::Pool;
+
+#[test]
+fn replica_flags_parse() {
+    let spec = parse_replica_flag("tiny=127.0.0.1:8001@node-a").unwrap();
+    assert_eq!(spec.address, "127.0.0.1:8001".parse().unwrap());
+    assert_eq!(spec.models, vec!["tiny"]);
+    assert_eq!(spec.node.as_deref(), Some("node-a"));
+    let local = parse_replica_flag("m=localhost:9").unwrap();
+    assert_eq!(local.address, "127.0.0.1:9".parse().unwrap());
+    assert_eq!(local.node, None);
+    for bad in [
+        "tiny",
+        "=1.2.3.4:1",
+        "m=host.example:1",
+        "m=1.2.3.4",
+        "m=1.2.3.4:1@",
+    ] {
+        assert!(parse_replica_flag(bad).is_err(), "{bad}");
+    }
+}
+
+#[test]
+fn durations_parse() {
+    assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+    assert_eq!(parse_duration("2s").unwrap(), Duration::from_secs(2));
+    assert_eq!(parse_duration("1.5").unwrap(), Duration::from_millis(1500));
+    assert_eq!(parse_duration("1m").unwrap(), Duration::from_secs(60));
+    assert!(parse_duration("fast").is_err());
+    assert!(parse_duration("5h").is_err());
+}
+
+fn write_file(dir: &tempfile::TempDir, text: &str) -> PathBuf {
+    let path = dir.path().join("llmgw.yaml");
+    let mut file = std::fs::File::create(&path).unwrap();
+    file.write_all(text.as_bytes()).unwrap();
+    path
+}
+
+#[test]
+fn flags_override_file_override_defaults() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_file(
+        &dir,
+        "grpc_addr: 127.0.0.1:7000\nscrape_interval: 50ms\nreplicas:\n  - address: 127.0.0.1:8001\n    models: [tiny, tiny-lora]\nscheduler:\n  weights: {queue: 3}\n  fallbacks: 1\n",
+    );
+    let args = ServeArgs {
+        config: Some(path),
+        replicas: vec!["tiny=127.0.0.1:8002".to_string()],
+        grpc_addr: Some("127.0.0.1:7001".parse().unwrap()),
+        weight_kv_cache: Some(0.5),
+        ..ServeArgs::default()
+    };
+    let settings = Settings::resolve(&args).unwrap();
+    assert_eq!(settings.grpc_addr, "127.0.0.1:7001".parse().unwrap());
+    assert_eq!(settings.admin_addr, "127.0.0.1:9090".parse().unwrap());
+    assert_eq!(settings.scrape_interval, Duration::from_millis(50));
+    assert_eq!(settings.health_interval, Duration::from_secs(1));
+    assert_eq!(settings.replicas.len(), 2);
+    assert_eq!(settings.replicas[0].models, vec!["tiny", "tiny-lora"]);
+    assert_eq!(settings.scheduler.weights.queue, 3.0);
+    assert_eq!(settings.scheduler.weights.kv_cache, 0.5);
+    assert_eq!(settings.scheduler.weights.in_flight, 1.0);
+    assert_eq!(settings.scheduler.fallbacks, 1);
+    assert_eq!(settings.destination_header, DESTINATION_HEADER);
+}
+
+#[test]
+fn unknown_file_fields_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_file(&dir, "grpc_adr: 127.0.0.1:7000\n");
+    let args = ServeArgs {
+        config: Some(path),
+        ..ServeArgs::default()
+    };
+    assert!(matches!(
+        Settings::resolve(&args),
+        Err(ConfigError::Yaml { .. })
+    ));
+}
+
+#[tokio::test]
+async fn changed_file_swaps_the_replicas() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_file(
+        &dir,
+        "replicas:\n  - address: 127.0.0.1:8001\n    models: [m]\n",
+    );
+    let flag = parse_replica_flag("m=127.0.0.1:8009").unwrap();
+    let settings = Settings::resolve(&ServeArgs {
+        config: Some(path.clone()),
+        ..ServeArgs::default()
+    })
+    .unwrap();
+    let pool = Arc::new(Pool::new(settings.replicas, Duration::from_secs(2)));
+    let watcher = tokio::spawn(watch_replicas(
+        path.clone(),
+        Duration::from_millis(20),
+        vec![flag],
+        Arc::clone(&pool),
+    ));
+    write_file(
+        &dir,
+        "replicas:\n  - address: 127.0.0.1:8001\n    models: [m]\n  - address: 127.0.0.1:8002\n    models: [m]\n",
+    );
+    let mut endpoints = Vec::new();
+    for _ in 0..200 {
+        endpoints = pool
+            .snapshot()
+            .replicas()
+            .iter()
+            .map(|r| r.endpoint().to_string())
+            .collect();
+        if endpoints.len() == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        endpoints,
+        vec!["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8009"]
+    );
+
+    // A broken file keeps the current replicas.
+    write_file(&dir, "replicas: [oops\n");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(pool.snapshot().replicas().len(), 3);
+    watcher.abort();
+}

@@ -1,0 +1,171 @@
+//! Envoy's external processing protocol (`envoy.service.ext_proc.v3.ExternalProcessor`), as the
+//! Endpoint Picker Protocol uses it. This module knows the protocol only: it collects a request's
+//! headers and body, asks a [`Picker`] where the request goes, and answers Envoy in protocol
+//! order. It knows nothing of models, replicas or scoring.
+//!
+//! # Body modes
+//! The first message of a stream carries the filter's `protocol_config`:
+//! * **BUFFERED** (our fast path): the header message is answered at once (removing any client
+//!   copy of the destination header), Envoy then sends the whole body in one message, and the
+//!   body answer carries the routing.
+//! * **FULL_DUPLEX_STREAMED** (what Gateway API Inference Extension gateways send): the header
+//!   answer is held until the body is complete, then sent with the routing, followed by the body
+//!   echoed back in order as `streamed_response` chunks of at most [`MAX_CHUNK`] bytes.
+//! * **STREAMED** / **BUFFERED_PARTIAL**: answered chunk by chunk, routing on the last chunk.
+//!   Envoy may have chosen the upstream before then; use BUFFERED instead.
+//! * **NONE**, or a request without a body: routed on the headers.
+//!
+//! The response direction is not processed; when Envoy is configured to send it anyway it gets
+//! pass-through answers (echo in full duplex). The end of the gRPC stream is the end of the HTTP
+//! request, so the picker's hold (an in-flight count) lives exactly as long as the stream.
+//!
+//! # Concurrency model
+//! One gRPC stream per HTTP request; each stream's state ([`state::StreamState`]) is owned by the
+//! stream's own response future and polled inline by tonic, with no task spawned per request.
+//! The picker is shared (`Arc`) and must be `Sync`.
+
+mod response;
+pub mod state;
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
+use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
+use futures::Stream;
+use thiserror::Error;
+use tonic::{Request, Response, Status, Streaming};
+
+pub use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+pub use response::error_body;
+
+/// The largest body chunk echoed back in FULL_DUPLEX_STREAMED mode (Envoy's 64 KiB guidance).
+pub const MAX_CHUNK: usize = 64 * 1024;
+
+/// The header and `envoy.lb` metadata key of the Endpoint Picker Protocol.
+pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// The subset hint key Envoy may send in `envoy.lb` metadata.
+pub const SUBSET_HINT_KEY: &str = "x-gateway-destination-endpoint-subset";
+/// The Gateway API conformance suite's steering header.
+pub const TEST_SELECTION_HEADER: &str = "test-epp-endpoint-selection";
+
+/// What the picker gets to decide on.
+#[derive(Debug, Clone, Default)]
+pub struct RoutingRequest {
+    pub method: String,
+    /// `:path`, query string included.
+    pub path: String,
+    /// The complete body, or `None` when the filter does not send bodies (mode NONE). An
+    /// empty body (a GET) is `Some` and empty.
+    pub body: Option<Bytes>,
+    /// The proxy's subset hint: pick only among these `ip:port`s.
+    pub subset: Option<Vec<String>>,
+    /// The value of `test-epp-endpoint-selection`, if the client sent one. Whether to honour it
+    /// is the picker's business.
+    pub test_selection: Option<String>,
+}
+
+/// A routing answer: where to go and what to hold until the request ends.
+#[derive(Debug)]
+pub struct Routed<H> {
+    /// `ip:port`, or an ordered list `ip:port,ip:port,…` (primary first).
+    pub destination: String,
+    /// Dropped when the ext_proc stream (so the HTTP request) ends.
+    pub hold: H,
+}
+
+/// A refusal, answered to the client as an OpenAI-style JSON error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    /// HTTP status.
+    pub status: u16,
+    /// OpenAI error `type` (e.g. `invalid_request_error`).
+    pub error_type: &'static str,
+    pub message: String,
+}
+
+/// Decides where a request goes. Implemented by the router over the scheduler, and by fakes in
+/// tests.
+pub trait Picker: Send + Sync + 'static {
+    /// Kept for the request's lifetime (the in-flight count).
+    type Hold: Send + 'static;
+
+    fn pick(
+        &self,
+        request: RoutingRequest,
+    ) -> impl Future<Output = Result<Routed<Self::Hold>, Rejection>> + Send;
+
+    /// Told when the protocol layer refuses a request itself (413), for accounting.
+    fn rejected_by_protocol(&self, _rejection: &Rejection) {}
+}
+
+/// Settings of the protocol layer.
+#[derive(Debug, Clone)]
+pub struct ExtProcSettings {
+    /// The destination header (and `envoy.lb` metadata key) to set.
+    pub destination_header: String,
+    /// Bodies above this many bytes are refused with 413.
+    pub max_body_bytes: usize,
+}
+
+impl Default for ExtProcSettings {
+    fn default() -> Self {
+        ExtProcSettings {
+            destination_header: DESTINATION_HEADER.to_string(),
+            max_body_bytes: 16 * 1024 * 1024,
+        }
+    }
+}
+
+/// A message that breaks the protocol's order; the stream is closed with an error, which Envoy
+/// handles according to `failure_mode_allow`.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ProtocolError {
+    #[error("{0} before the request headers")]
+    BeforeHeaders(&'static str),
+    #[error("empty processing request")]
+    Empty,
+}
+
+/// The gRPC service: one [`state::StreamState`] per stream.
+#[derive(Debug)]
+pub struct ExtProcService<P> {
+    picker: Arc<P>,
+    settings: Arc<ExtProcSettings>,
+}
+
+impl<P: Picker> ExtProcService<P> {
+    pub fn new(picker: Arc<P>, settings: ExtProcSettings) -> Self {
+        ExtProcService {
+            picker,
+            settings: Arc::new(settings),
+        }
+    }
+
+    /// The tonic server wrapper for this service.
+    pub fn into_server(self) -> ExternalProcessorServer<Self> {
+        ExternalProcessorServer::new(self)
+            .max_decoding_message_size(usize::MAX)
+            .max_encoding_message_size(usize::MAX)
+    }
+}
+
+type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl<P: Picker> ExternalProcessor for ExtProcService<P> {
+    type ProcessStream = ResponseStream;
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
+        let inbound = request.into_inner();
+        let state = state::StreamState::new(Arc::clone(&self.picker), Arc::clone(&self.settings));
+        Ok(Response::new(Box::pin(state::drive(inbound, state))))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,207 @@
+//! Building the `ProcessingResponse` messages the state machine sends.
+
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
+use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse,
+    ProcessingResponse, StreamedBodyResponse, TrailersResponse,
+};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+
+use super::{MAX_CHUNK, Rejection};
+
+/// The namespace the `override_host` load-balancing policy (and subset LB) reads.
+const LB_NAMESPACE: &str = "envoy.lb";
+
+fn header(key: &str, value: &str) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue {
+            key: key.to_string(),
+            raw_value: value.as_bytes().to_vec(),
+            ..HeaderValue::default()
+        }),
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        ..HeaderValueOption::default()
+    }
+}
+
+/// Removes the client's copy of the destination header and changes nothing else.
+pub(super) fn strip_destination(destination_header: &str) -> CommonResponse {
+    CommonResponse {
+        header_mutation: Some(HeaderMutation {
+            remove_headers: vec![destination_header.to_string()],
+            ..HeaderMutation::default()
+        }),
+        ..CommonResponse::default()
+    }
+}
+
+/// Sets the destination header (overwriting any client copy), asks Envoy to pick the route
+/// again, and optionally fixes `content-length` (Envoy drops it when the body is streamed back).
+pub(super) fn route_to(
+    destination_header: &str,
+    destination: &str,
+    content_length: Option<usize>,
+) -> CommonResponse {
+    let mut set_headers = vec![header(destination_header, destination)];
+    if let Some(length) = content_length {
+        set_headers.push(header("content-length", &length.to_string()));
+    }
+    CommonResponse {
+        header_mutation: Some(HeaderMutation {
+            set_headers,
+            ..HeaderMutation::default()
+        }),
+        clear_route_cache: true,
+        ..CommonResponse::default()
+    }
+}
+
+/// `envoy.lb: {<destination_header>: destination}` dynamic metadata.
+pub(super) fn lb_metadata(destination_header: &str, destination: &str) -> Struct {
+    let inner = Struct {
+        fields: [(
+            destination_header.to_string(),
+            Value {
+                kind: Some(Kind::StringValue(destination.to_string())),
+            },
+        )]
+        .into_iter()
+        .collect(),
+    };
+    Struct {
+        fields: [(
+            LB_NAMESPACE.to_string(),
+            Value {
+                kind: Some(Kind::StructValue(inner)),
+            },
+        )]
+        .into_iter()
+        .collect(),
+    }
+}
+
+pub(super) fn request_headers(
+    common: CommonResponse,
+    metadata: Option<Struct>,
+) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::RequestHeaders(HeadersResponse {
+            response: Some(common),
+        })),
+        dynamic_metadata: metadata,
+        ..ProcessingResponse::default()
+    }
+}
+
+pub(super) fn request_body(common: CommonResponse, metadata: Option<Struct>) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::RequestBody(BodyResponse {
+            response: Some(common),
+        })),
+        dynamic_metadata: metadata,
+        ..ProcessingResponse::default()
+    }
+}
+
+pub(super) fn request_trailers() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::RequestTrailers(TrailersResponse::default())),
+        ..ProcessingResponse::default()
+    }
+}
+
+pub(super) fn response_headers() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ResponseHeaders(HeadersResponse::default())),
+        ..ProcessingResponse::default()
+    }
+}
+
+pub(super) fn response_body(echo: Option<(Vec<u8>, bool)>) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ResponseBody(BodyResponse {
+            response: Some(CommonResponse {
+                body_mutation: echo.map(streamed),
+                ..CommonResponse::default()
+            }),
+        })),
+        ..ProcessingResponse::default()
+    }
+}
+
+pub(super) fn response_trailers() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ResponseTrailers(TrailersResponse::default())),
+        ..ProcessingResponse::default()
+    }
+}
+
+fn streamed((body, end_of_stream): (Vec<u8>, bool)) -> BodyMutation {
+    BodyMutation {
+        mutation: Some(Mutation::StreamedResponse(StreamedBodyResponse {
+            body,
+            end_of_stream,
+            ..StreamedBodyResponse::default()
+        })),
+    }
+}
+
+/// The request body echoed back as `streamed_response` chunks of at most [`MAX_CHUNK`] bytes;
+/// the last chunk carries `end_of_stream` (an empty body is one empty chunk).
+pub(super) fn echo_request_body(body: &[u8], end_of_stream: bool) -> Vec<ProcessingResponse> {
+    let mut chunks: Vec<&[u8]> = body.chunks(MAX_CHUNK).collect();
+    if chunks.is_empty() {
+        chunks.push(&[]);
+    }
+    let last = chunks.len() - 1;
+    chunks
+        .into_iter()
+        .enumerate()
+        .map(|(i, chunk)| {
+            request_body(
+                CommonResponse {
+                    body_mutation: Some(streamed((chunk.to_vec(), end_of_stream && i == last))),
+                    ..CommonResponse::default()
+                },
+                None,
+            )
+        })
+        .collect()
+}
+
+/// An OpenAI-style error document: `{"error": {"message", "type", "param", "code"}}`.
+pub fn error_body(rejection: &Rejection) -> Vec<u8> {
+    serde_json::json!({
+        "error": {
+            "message": rejection.message,
+            "type": rejection.error_type,
+            "param": null,
+            "code": rejection.status,
+        }
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// A local reply with `rejection` as the JSON error body.
+pub(super) fn immediate(rejection: &Rejection) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ImmediateResponse(ImmediateResponse {
+            status: Some(HttpStatus {
+                code: i32::from(rejection.status),
+            }),
+            headers: Some(HeaderMutation {
+                set_headers: vec![header("content-type", "application/json")],
+                ..HeaderMutation::default()
+            }),
+            body: error_body(rejection),
+            details: format!("llmgw_{}", rejection.status),
+            ..ImmediateResponse::default()
+        })),
+        ..ProcessingResponse::default()
+    }
+}

@@ -1,0 +1,359 @@
+//! One ext_proc stream as an explicit state machine.
+//!
+//! ```text
+//! AwaitingHeaders ──headers, no body──────────────────────────────▶ Routed
+//!        │ headers, body follows
+//!        ▼
+//! CollectingBody ──last chunk / trailers──▶ (pick) ──────────────▶ Routed
+//!        │ too large / rejected                                       │ response messages
+//!        ▼                                                            ▼ answered pass-through
+//!   Finished (immediate response sent; the stream ends)         (until Envoy closes)
+//! ```
+
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Message;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+};
+use envoy_types::pb::google::protobuf::value::Kind;
+use futures::Stream;
+use tonic::{Status, Streaming};
+
+use super::response;
+use super::{
+    ExtProcSettings, Picker, ProtocolError, Rejection, RoutingRequest, SUBSET_HINT_KEY,
+    TEST_SELECTION_HEADER,
+};
+
+/// How the filter sends the request body (from `protocol_config`; BUFFERED when absent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestBodyMode {
+    None,
+    /// BUFFERED: one message with the whole body.
+    Buffered,
+    /// STREAMED or BUFFERED_PARTIAL: chunks, each answered.
+    Chunked,
+    /// FULL_DUPLEX_STREAMED: chunks answered when we like, in order, echoed back.
+    FullDuplex,
+}
+
+impl RequestBodyMode {
+    fn from_wire(mode: i32) -> RequestBodyMode {
+        match BodySendMode::try_from(mode) {
+            Ok(BodySendMode::None) => RequestBodyMode::None,
+            Ok(BodySendMode::Streamed | BodySendMode::BufferedPartial) => RequestBodyMode::Chunked,
+            Ok(BodySendMode::FullDuplexStreamed | BodySendMode::Grpc) => {
+                RequestBodyMode::FullDuplex
+            }
+            Ok(BodySendMode::Buffered) | Err(_) => RequestBodyMode::Buffered,
+        }
+    }
+}
+
+enum Phase {
+    AwaitingHeaders,
+    CollectingBody {
+        request: RoutingRequest,
+        body: BytesMut,
+    },
+    Routed,
+    Finished,
+}
+
+/// The state of one stream.
+pub struct StreamState<P: Picker> {
+    picker: Arc<P>,
+    settings: Arc<ExtProcSettings>,
+    request_mode: RequestBodyMode,
+    echo_response_body: bool,
+    phase: Phase,
+    hold: Option<P::Hold>,
+}
+
+impl<P: Picker> StreamState<P> {
+    pub fn new(picker: Arc<P>, settings: Arc<ExtProcSettings>) -> Self {
+        StreamState {
+            picker,
+            settings,
+            request_mode: RequestBodyMode::Buffered,
+            echo_response_body: false,
+            phase: Phase::AwaitingHeaders,
+            hold: None,
+        }
+    }
+
+    /// Whether an immediate response ended the exchange.
+    pub fn finished(&self) -> bool {
+        matches!(self.phase, Phase::Finished)
+    }
+
+    /// Whether the picker's hold is still held (the request counts as in flight).
+    pub fn holding(&self) -> bool {
+        self.hold.is_some()
+    }
+
+    /// Handles one message from Envoy and returns the answers to send, in order.
+    pub async fn on_message(
+        &mut self,
+        message: ProcessingRequest,
+    ) -> Result<Vec<ProcessingResponse>, ProtocolError> {
+        if let Some(config) = &message.protocol_config {
+            self.request_mode = RequestBodyMode::from_wire(config.request_body_mode);
+            self.echo_response_body = matches!(
+                BodySendMode::try_from(config.response_body_mode),
+                Ok(BodySendMode::FullDuplexStreamed | BodySendMode::Grpc)
+            );
+        }
+        match message.request.ok_or(ProtocolError::Empty)? {
+            Message::RequestHeaders(headers) => {
+                self.on_request_headers(headers, message.metadata_context.as_ref())
+                    .await
+            }
+            Message::RequestBody(body) => self.on_request_body(body).await,
+            Message::RequestTrailers(_) => self.on_request_trailers().await,
+            Message::ResponseHeaders(_) => Ok(vec![response::response_headers()]),
+            Message::ResponseBody(body) => Ok(vec![response::response_body(
+                self.echo_response_body
+                    .then_some((body.body, body.end_of_stream)),
+            )]),
+            Message::ResponseTrailers(_) => Ok(vec![response::response_trailers()]),
+        }
+    }
+
+    async fn on_request_headers(
+        &mut self,
+        headers: HttpHeaders,
+        metadata: Option<&Metadata>,
+    ) -> Result<Vec<ProcessingResponse>, ProtocolError> {
+        let mut request = read_headers(headers.headers.as_ref());
+        request.subset = subset_hint(metadata);
+        if headers.end_of_stream || self.request_mode == RequestBodyMode::None {
+            if headers.end_of_stream {
+                request.body = Some(Bytes::new());
+            }
+            return Ok(self.route(request, Answer::Headers).await);
+        }
+        self.phase = Phase::CollectingBody {
+            request,
+            body: BytesMut::new(),
+        };
+        match self.request_mode {
+            RequestBodyMode::FullDuplex => Ok(Vec::new()),
+            _ => Ok(vec![response::request_headers(
+                response::strip_destination(&self.settings.destination_header),
+                None,
+            )]),
+        }
+    }
+
+    async fn on_request_body(
+        &mut self,
+        chunk: HttpBody,
+    ) -> Result<Vec<ProcessingResponse>, ProtocolError> {
+        let Phase::CollectingBody { body, .. } = &mut self.phase else {
+            return match self.phase {
+                Phase::AwaitingHeaders => Err(ProtocolError::BeforeHeaders("request body")),
+                // Late chunks after routing (STREAMED mode) pass unchanged.
+                _ => Ok(vec![response::request_body(Default::default(), None)]),
+            };
+        };
+        if body.len() + chunk.body.len() > self.settings.max_body_bytes {
+            let rejection = Rejection {
+                status: 413,
+                error_type: "invalid_request_error",
+                message: format!(
+                    "request body exceeds the limit of {} bytes",
+                    self.settings.max_body_bytes
+                ),
+            };
+            self.picker.rejected_by_protocol(&rejection);
+            return Ok(self.reject(rejection));
+        }
+        let complete = chunk.end_of_stream || self.request_mode == RequestBodyMode::Buffered;
+        if body.is_empty() && complete {
+            // The usual BUFFERED case: take the message's buffer without copying.
+            *body = BytesMut::from(Bytes::from(chunk.body));
+        } else {
+            body.extend_from_slice(&chunk.body);
+        }
+        if complete {
+            return Ok(self.finish_body(true).await);
+        }
+        match self.request_mode {
+            RequestBodyMode::Chunked => Ok(vec![response::request_body(Default::default(), None)]),
+            _ => Ok(Vec::new()),
+        }
+    }
+
+    async fn on_request_trailers(&mut self) -> Result<Vec<ProcessingResponse>, ProtocolError> {
+        match self.phase {
+            Phase::AwaitingHeaders => Err(ProtocolError::BeforeHeaders("request trailers")),
+            Phase::CollectingBody { .. } if self.request_mode == RequestBodyMode::FullDuplex => {
+                let mut answers = self.finish_body(false).await;
+                if !self.finished() {
+                    answers.push(response::request_trailers());
+                }
+                Ok(answers)
+            }
+            _ => Ok(vec![response::request_trailers()]),
+        }
+    }
+
+    /// The body is complete: pick, and answer as the mode requires.
+    async fn finish_body(&mut self, body_end_of_stream: bool) -> Vec<ProcessingResponse> {
+        let Phase::CollectingBody { mut request, body } =
+            std::mem::replace(&mut self.phase, Phase::Routed)
+        else {
+            return Vec::new();
+        };
+        let body = body.freeze();
+        request.body = Some(body.clone());
+        let answer = match self.request_mode {
+            RequestBodyMode::FullDuplex => Answer::HeadersThenEcho {
+                body,
+                end_of_stream: body_end_of_stream,
+            },
+            _ => Answer::Body,
+        };
+        self.route(request, answer).await
+    }
+
+    async fn route(&mut self, request: RoutingRequest, answer: Answer) -> Vec<ProcessingResponse> {
+        let routed = match self.picker.pick(request).await {
+            Ok(routed) => routed,
+            Err(rejection) => return self.reject(rejection),
+        };
+        self.hold = Some(routed.hold);
+        self.phase = Phase::Routed;
+        let header = &self.settings.destination_header;
+        let metadata = Some(response::lb_metadata(header, &routed.destination));
+        match answer {
+            Answer::Headers => vec![response::request_headers(
+                response::route_to(header, &routed.destination, None),
+                metadata,
+            )],
+            Answer::Body => vec![response::request_body(
+                response::route_to(header, &routed.destination, None),
+                metadata,
+            )],
+            Answer::HeadersThenEcho {
+                body,
+                end_of_stream,
+            } => {
+                let mut answers = vec![response::request_headers(
+                    response::route_to(header, &routed.destination, Some(body.len())),
+                    metadata,
+                )];
+                answers.extend(response::echo_request_body(&body, end_of_stream));
+                answers
+            }
+        }
+    }
+
+    fn reject(&mut self, rejection: Rejection) -> Vec<ProcessingResponse> {
+        self.phase = Phase::Finished;
+        vec![response::immediate(&rejection)]
+    }
+}
+
+/// Which message carries the routing.
+enum Answer {
+    /// The request-headers answer (no body).
+    Headers,
+    /// The request-body answer (BUFFERED, chunked).
+    Body,
+    /// The deferred request-headers answer, then the body echoed (FULL_DUPLEX_STREAMED).
+    HeadersThenEcho { body: Bytes, end_of_stream: bool },
+}
+
+fn header_value(header: &envoy_types::pb::envoy::config::core::v3::HeaderValue) -> String {
+    if header.raw_value.is_empty() {
+        header.value.clone()
+    } else {
+        String::from_utf8_lossy(&header.raw_value).into_owned()
+    }
+}
+
+fn read_headers(headers: Option<&HeaderMap>) -> RoutingRequest {
+    let mut request = RoutingRequest::default();
+    for header in headers.map(|h| h.headers.as_slice()).unwrap_or(&[]) {
+        match header.key.as_str() {
+            ":method" => request.method = header_value(header),
+            ":path" => request.path = header_value(header),
+            TEST_SELECTION_HEADER => request.test_selection = Some(header_value(header)),
+            _ => {}
+        }
+    }
+    request
+}
+
+/// `envoy.lb` → `x-gateway-destination-endpoint-subset`, a list of strings or one
+/// comma-separated string.
+fn subset_hint(metadata: Option<&Metadata>) -> Option<Vec<String>> {
+    let lb = metadata?.filter_metadata.get("envoy.lb")?;
+    let value = lb.fields.get(SUBSET_HINT_KEY)?;
+    let mut endpoints = Vec::new();
+    let mut push_all = |s: &str| {
+        endpoints.extend(
+            s.split(',')
+                .map(str::trim)
+                .filter(|e| !e.is_empty())
+                .map(String::from),
+        )
+    };
+    match value.kind.as_ref()? {
+        Kind::StringValue(s) => push_all(s),
+        Kind::ListValue(list) => {
+            for item in &list.values {
+                if let Some(Kind::StringValue(s)) = &item.kind {
+                    push_all(s);
+                }
+            }
+        }
+        _ => return None,
+    }
+    Some(endpoints)
+}
+
+/// Runs one stream: reads Envoy's messages, answers them, and ends when Envoy closes the stream
+/// (the request is over) or after an immediate response. The state, and with it the picker's
+/// hold, is dropped when the returned stream is.
+pub fn drive<P: Picker>(
+    inbound: Streaming<ProcessingRequest>,
+    state: StreamState<P>,
+) -> impl Stream<Item = Result<ProcessingResponse, Status>> + Send {
+    let queue = std::collections::VecDeque::new();
+    futures::stream::unfold(
+        (inbound, state, queue, false),
+        |(mut inbound, mut state, mut queue, failed)| async move {
+            loop {
+                if let Some(answer) = queue.pop_front() {
+                    return Some((Ok(answer), (inbound, state, queue, failed)));
+                }
+                if failed || state.finished() {
+                    return None;
+                }
+                let message = match inbound.message().await {
+                    Ok(Some(message)) => message,
+                    Ok(None) => return None,
+                    Err(status) => {
+                        tracing::debug!(%status, "ext_proc stream ended by the proxy");
+                        return None;
+                    }
+                };
+                match state.on_message(message).await {
+                    Ok(answers) => queue.extend(answers),
+                    Err(error) => {
+                        tracing::warn!(%error, "ext_proc protocol error");
+                        let status = Status::failed_precondition(error.to_string());
+                        return Some((Err(status), (inbound, state, queue, true)));
+                    }
+                }
+            }
+        },
+    )
+}

@@ -1,0 +1,481 @@
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Message;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Answer;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    CommonResponse, HttpBody, HttpHeaders, HttpTrailers, ProcessingRequest, ProcessingResponse,
+    ProtocolConfiguration,
+};
+use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
+use parking_lot::Mutex;
+
+use super::state::StreamState;
+use super::*;
+
+/// Routes everything to one fixed destination, or rejects when the body says "reject"; records
+/// what it was asked and counts live holds.
+#[derive(Default)]
+struct FakePicker {
+    seen: Mutex<Vec<RoutingRequest>>,
+    live_holds: Arc<AtomicUsize>,
+}
+
+struct FakeHold(Arc<AtomicUsize>);
+
+impl Drop for FakeHold {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Picker for FakePicker {
+    type Hold = FakeHold;
+
+    async fn pick(&self, request: RoutingRequest) -> Result<Routed<FakeHold>, Rejection> {
+        let reject = request.body.as_deref() == Some(b"reject".as_slice());
+        self.seen.lock().push(request);
+        if reject {
+            return Err(Rejection {
+                status: 429,
+                error_type: "rate_limit_error",
+                message: "busy".to_string(),
+            });
+        }
+        self.live_holds.fetch_add(1, Ordering::SeqCst);
+        Ok(Routed {
+            destination: "10.0.0.1:8000,10.0.0.2:8000".to_string(),
+            hold: FakeHold(Arc::clone(&self.live_holds)),
+        })
+    }
+}
+
+fn settings() -> ExtProcSettings {
+    ExtProcSettings {
+        max_body_bytes: 200_000,
+        ..ExtProcSettings::default()
+    }
+}
+
+fn headers_msg(
+    mode: BodySendMode,
+    end_of_stream: bool,
+    extra: &[(&str, &str)],
+) -> ProcessingRequest {
+    let mut headers = vec![
+        HeaderValue {
+            key: ":method".into(),
+            raw_value: b"POST".to_vec(),
+            ..Default::default()
+        },
+        HeaderValue {
+            key: ":path".into(),
+            raw_value: b"/v1/completions".to_vec(),
+            ..Default::default()
+        },
+    ];
+    for (k, v) in extra {
+        headers.push(HeaderValue {
+            key: k.to_string(),
+            raw_value: v.as_bytes().to_vec(),
+            ..Default::default()
+        });
+    }
+    ProcessingRequest {
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: mode as i32,
+            response_body_mode: BodySendMode::None as i32,
+            ..Default::default()
+        }),
+        request: Some(Message::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap { headers }),
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+fn body_msg(body: &[u8], end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(Message::RequestBody(HttpBody {
+            body: body.to_vec(),
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+fn common(answer: &ProcessingResponse) -> &CommonResponse {
+    match answer.response.as_ref().unwrap() {
+        Answer::RequestHeaders(h) => h.response.as_ref().unwrap(),
+        Answer::RequestBody(b) => b.response.as_ref().unwrap(),
+        other => panic!("no common response in {other:?}"),
+    }
+}
+
+fn set_header<'a>(common: &'a CommonResponse, key: &str) -> Option<&'a str> {
+    common
+        .header_mutation
+        .as_ref()?
+        .set_headers
+        .iter()
+        .filter_map(|h| h.header.as_ref())
+        .find(|h| h.key == key)
+        .map(|h| std::str::from_utf8(&h.raw_value).unwrap())
+}
+
+fn lb_destination(answer: &ProcessingResponse) -> Option<&str> {
+    let lb = answer.dynamic_metadata.as_ref()?.fields.get("envoy.lb")?;
+    let Some(Kind::StructValue(inner)) = &lb.kind else {
+        return None;
+    };
+    match &inner.fields.get(DESTINATION_HEADER)?.kind {
+        Some(Kind::StringValue(s)) => Some(s),
+        _ => None,
+    }
+}
+
+fn assert_routed(answer: &ProcessingResponse) {
+    let common = common(answer);
+    assert!(common.clear_route_cache);
+    assert_eq!(
+        set_header(common, DESTINATION_HEADER),
+        Some("10.0.0.1:8000,10.0.0.2:8000")
+    );
+    assert_eq!(lb_destination(answer), Some("10.0.0.1:8000,10.0.0.2:8000"));
+}
+
+fn state(picker: &Arc<FakePicker>) -> StreamState<FakePicker> {
+    StreamState::new(Arc::clone(picker), Arc::new(settings()))
+}
+
+#[tokio::test]
+async fn buffered_answers_headers_at_once_and_routes_on_the_body() {
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    let answers = stream
+        .on_message(headers_msg(
+            BodySendMode::Buffered,
+            false,
+            &[(DESTINATION_HEADER, "6.6.6.6:1")],
+        ))
+        .await
+        .unwrap();
+    assert_eq!(answers.len(), 1);
+    let Some(Answer::RequestHeaders(headers)) = &answers[0].response else {
+        panic!("expected a headers answer: {answers:?}")
+    };
+    let removed = &headers
+        .response
+        .as_ref()
+        .unwrap()
+        .header_mutation
+        .as_ref()
+        .unwrap()
+        .remove_headers;
+    assert_eq!(removed, &vec![DESTINATION_HEADER.to_string()]);
+
+    let answers = stream
+        .on_message(body_msg(b"{\"x\":1}", true))
+        .await
+        .unwrap();
+    assert_eq!(answers.len(), 1);
+    assert!(matches!(answers[0].response, Some(Answer::RequestBody(_))));
+    assert_routed(&answers[0]);
+    assert!(common(&answers[0]).body_mutation.is_none());
+
+    let seen = picker.seen.lock();
+    assert_eq!(seen[0].method, "POST");
+    assert_eq!(seen[0].path, "/v1/completions");
+    assert_eq!(seen[0].body.as_deref(), Some(b"{\"x\":1}".as_slice()));
+    drop(seen);
+    assert!(stream.holding());
+    assert_eq!(picker.live_holds.load(Ordering::SeqCst), 1);
+    drop(stream);
+    assert_eq!(picker.live_holds.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn headers_only_request_is_routed_on_the_headers() {
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    let answers = stream
+        .on_message(headers_msg(BodySendMode::Buffered, true, &[]))
+        .await
+        .unwrap();
+    assert_eq!(answers.len(), 1);
+    assert!(matches!(
+        answers[0].response,
+        Some(Answer::RequestHeaders(_))
+    ));
+    assert_routed(&answers[0]);
+    assert_eq!(picker.seen.lock()[0].body.as_deref(), Some(b"".as_slice()));
+}
+
+#[tokio::test]
+async fn full_duplex_holds_headers_then_echoes_body_in_64k_chunks() {
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    assert!(
+        stream
+            .on_message(headers_msg(BodySendMode::FullDuplexStreamed, false, &[]))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let body: Vec<u8> = (0..150_000u32).map(|i| (i % 251) as u8).collect();
+    assert!(
+        stream
+            .on_message(body_msg(&body[..70_000], false))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let answers = stream
+        .on_message(body_msg(&body[70_000..], true))
+        .await
+        .unwrap();
+
+    assert!(matches!(
+        answers[0].response,
+        Some(Answer::RequestHeaders(_))
+    ));
+    assert_routed(&answers[0]);
+    assert_eq!(
+        set_header(common(&answers[0]), "content-length"),
+        Some("150000")
+    );
+    let mut echoed = Vec::new();
+    for (i, answer) in answers[1..].iter().enumerate() {
+        let Some(Mutation::StreamedResponse(chunk)) = common(answer)
+            .body_mutation
+            .as_ref()
+            .and_then(|m| m.mutation.as_ref())
+        else {
+            panic!("expected a streamed body chunk");
+        };
+        assert!(chunk.body.len() <= MAX_CHUNK);
+        assert_eq!(chunk.end_of_stream, i == answers.len() - 2);
+        echoed.extend_from_slice(&chunk.body);
+    }
+    assert_eq!(answers.len(), 1 + 3);
+    assert_eq!(echoed, body);
+    assert_eq!(picker.seen.lock()[0].body.as_deref(), Some(body.as_slice()));
+}
+
+#[tokio::test]
+async fn full_duplex_with_trailers_routes_on_the_trailers() {
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    stream
+        .on_message(headers_msg(BodySendMode::FullDuplexStreamed, false, &[]))
+        .await
+        .unwrap();
+    assert!(
+        stream
+            .on_message(body_msg(b"abc", false))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let answers = stream
+        .on_message(ProcessingRequest {
+            request: Some(Message::RequestTrailers(HttpTrailers::default())),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(answers.len(), 3);
+    assert_routed(&answers[0]);
+    assert!(matches!(
+        answers[2].response,
+        Some(Answer::RequestTrailers(_))
+    ));
+}
+
+#[tokio::test]
+async fn oversized_body_gets_413_json() {
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    stream
+        .on_message(headers_msg(BodySendMode::FullDuplexStreamed, false, &[]))
+        .await
+        .unwrap();
+    stream
+        .on_message(body_msg(&[b'a'; 150_000], false))
+        .await
+        .unwrap();
+    let answers = stream
+        .on_message(body_msg(&[b'a'; 60_000], false))
+        .await
+        .unwrap();
+    let Some(Answer::ImmediateResponse(immediate)) = &answers[0].response else {
+        panic!("expected an immediate response")
+    };
+    assert_eq!(immediate.status.as_ref().unwrap().code, 413);
+    let error: serde_json::Value = serde_json::from_slice(&immediate.body).unwrap();
+    assert_eq!(error["error"]["code"], 413);
+    assert_eq!(error["error"]["type"], "invalid_request_error");
+    assert!(stream.finished());
+    assert!(picker.seen.lock().is_empty());
+}
+
+#[tokio::test]
+async fn picker_rejection_becomes_immediate_response() {
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    stream
+        .on_message(headers_msg(BodySendMode::Buffered, false, &[]))
+        .await
+        .unwrap();
+    let answers = stream.on_message(body_msg(b"reject", true)).await.unwrap();
+    let Some(Answer::ImmediateResponse(immediate)) = &answers[0].response else {
+        panic!("expected an immediate response")
+    };
+    assert_eq!(immediate.status.as_ref().unwrap().code, 429);
+    let error: serde_json::Value = serde_json::from_slice(&immediate.body).unwrap();
+    assert_eq!(error["error"]["message"], "busy");
+    assert!(!stream.holding());
+}
+
+#[tokio::test]
+async fn body_before_headers_is_a_protocol_error() {
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    assert_eq!(
+        stream.on_message(body_msg(b"x", true)).await.unwrap_err(),
+        ProtocolError::BeforeHeaders("request body")
+    );
+}
+
+#[tokio::test]
+async fn subset_hint_and_test_header_reach_the_picker() {
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    let mut message = headers_msg(
+        BodySendMode::Buffered,
+        true,
+        &[(TEST_SELECTION_HEADER, "10.0.0.9:1")],
+    );
+    let hint = Value {
+        kind: Some(Kind::ListValue(ListValue {
+            values: vec![
+                Value {
+                    kind: Some(Kind::StringValue("10.0.0.1:8000".into())),
+                },
+                Value {
+                    kind: Some(Kind::StringValue("10.0.0.2:8000, 10.0.0.3:8000".into())),
+                },
+            ],
+        })),
+    };
+    message.metadata_context = Some(Metadata {
+        filter_metadata: [(
+            "envoy.lb".to_string(),
+            Struct {
+                fields: [(SUBSET_HINT_KEY.to_string(), hint)].into_iter().collect(),
+            },
+        )]
+        .into_iter()
+        .collect(),
+        ..Default::default()
+    });
+    stream.on_message(message).await.unwrap();
+    let seen = picker.seen.lock();
+    assert_eq!(
+        seen[0].subset.as_deref(),
+        Some(
+            ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+                .map(String::from)
+                .as_slice()
+        )
+    );
+    assert_eq!(seen[0].test_selection.as_deref(), Some("10.0.0.9:1"));
+}
+
+#[tokio::test]
+async fn response_messages_pass_through_and_echo_in_full_duplex() {
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    let mut message = headers_msg(BodySendMode::Buffered, true, &[]);
+    message.protocol_config.as_mut().unwrap().response_body_mode =
+        BodySendMode::FullDuplexStreamed as i32;
+    stream.on_message(message).await.unwrap();
+    let answers = stream
+        .on_message(ProcessingRequest {
+            request: Some(Message::ResponseBody(HttpBody {
+                body: b"data: x\n\n".to_vec(),
+                end_of_stream: true,
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let Some(Answer::ResponseBody(body)) = &answers[0].response else {
+        panic!("expected a response body answer")
+    };
+    let Some(Mutation::StreamedResponse(chunk)) = body
+        .response
+        .as_ref()
+        .and_then(|c| c.body_mutation.as_ref())
+        .and_then(|m| m.mutation.as_ref())
+    else {
+        panic!("expected an echo")
+    };
+    assert_eq!(chunk.body, b"data: x\n\n");
+    assert!(chunk.end_of_stream);
+}
+
+/// The whole gRPC path in process: a tonic server with the service, the generated client, and a
+/// hold that lasts until the client closes its side of the stream.
+#[tokio::test]
+async fn grpc_stream_keeps_the_hold_until_the_stream_ends() {
+    let picker = Arc::new(FakePicker::default());
+    let service = ExtProcService::new(Arc::clone(&picker), settings());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service.into_server())
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let (sender, receiver) = tokio::sync::mpsc::channel(4);
+    let mut answers = client
+        .process(tokio_stream::wrappers::ReceiverStream::new(receiver))
+        .await
+        .unwrap()
+        .into_inner();
+    sender
+        .send(headers_msg(BodySendMode::Buffered, false, &[]))
+        .await
+        .unwrap();
+    let first = answers.message().await.unwrap().unwrap();
+    assert!(matches!(first.response, Some(Answer::RequestHeaders(_))));
+    sender.send(body_msg(b"{}", true)).await.unwrap();
+    let second = answers.message().await.unwrap().unwrap();
+    assert_routed(&second);
+    assert_eq!(picker.live_holds.load(Ordering::SeqCst), 1);
+
+    drop(sender);
+    assert!(answers.message().await.unwrap().is_none());
+    // The server drops the stream state once it has ended the response stream.
+    for _ in 0..100 {
+        if picker.live_holds.load(Ordering::SeqCst) == 0 {
+            break;
+        }
+        tokio::task::yield_now().await;
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert_eq!(picker.live_holds.load(Ordering::SeqCst), 0);
+    server.abort();
+}

@@ -1,0 +1,267 @@
+//! Prometheus metrics, all prefixed `llmgw_`.
+//!
+//! * `llmgw_decisions_total{outcome}`: every routing decision by outcome ([`Outcome`]).
+//! * `llmgw_pick_duration_seconds`: time from a complete request to the routing answer (parse +
+//!   filters + scorers + picker).
+//! * `llmgw_imbalance_guard_total`, `llmgw_prefix_unavailable_total`.
+//! * Per replica, read from the pool at scrape time: `llmgw_replica_in_flight`,
+//!   `llmgw_replica_healthy`, and, while the last scrape is fresh, `llmgw_replica_waiting`,
+//!   `llmgw_replica_running`, `llmgw_replica_kv_cache_usage`.
+//!
+//! # Concurrency model
+//! Counters and the histogram are atomics updated from every stream; the per-replica gauges are
+//! computed from a lock-free pool snapshot when `/metrics` is read, so the request path never
+//! touches them. The registry itself is only read (encoded) after start-up.
+
+use std::sync::Arc;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+use tokio::time::Instant;
+
+use crate::pool::{Health, Pool};
+
+/// How a routing decision ended.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum Outcome {
+    /// A completion routed by the scheduler.
+    Routed,
+    /// A non-completion request (e.g. `GET /v1/models`) sent to any ready replica.
+    RoutedAny,
+    /// Steered by `test-epp-endpoint-selection` (only when allowed).
+    RoutedTestSelection,
+    BadRequest,
+    UnknownModel,
+    BodyTooLarge,
+    NoReadyReplica,
+    Saturated,
+}
+
+impl Outcome {
+    /// The `outcome` label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Routed => "routed",
+            Outcome::RoutedAny => "routed_any",
+            Outcome::RoutedTestSelection => "routed_test_selection",
+            Outcome::BadRequest => "bad_request",
+            Outcome::UnknownModel => "unknown_model",
+            Outcome::BodyTooLarge => "body_too_large",
+            Outcome::NoReadyReplica => "no_ready_replica",
+            Outcome::Saturated => "saturated",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+/// The router's metrics and their registry.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    decisions: Family<OutcomeLabels, Counter>,
+    pick_duration: Histogram,
+    imbalance_guard: Counter,
+    prefix_unavailable: Counter,
+}
+
+impl Metrics {
+    /// Registers everything, including per-replica gauges read from `pool`.
+    pub fn new(pool: Arc<Pool>) -> Metrics {
+        let mut registry = Registry::default();
+        let decisions = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "llmgw_decisions",
+            "Routing decisions by outcome",
+            decisions.clone(),
+        );
+        // 10 µs … ~0.33 s.
+        let pick_duration = Histogram::new(exponential_buckets(10e-6, 2.0, 16));
+        registry.register(
+            "llmgw_pick_duration_seconds",
+            "Time from a complete request to the routing answer",
+            pick_duration.clone(),
+        );
+        let imbalance_guard = Counter::default();
+        registry.register(
+            "llmgw_imbalance_guard",
+            "Decisions where load imbalance overruled prefix affinity",
+            imbalance_guard.clone(),
+        );
+        let prefix_unavailable = Counter::default();
+        registry.register(
+            "llmgw_prefix_unavailable",
+            "Decisions made on load alone because the prefix scorer failed",
+            prefix_unavailable.clone(),
+        );
+        registry.register_collector(Box::new(ReplicaCollector { pool }));
+        Metrics {
+            registry,
+            decisions,
+            pick_duration,
+            imbalance_guard,
+            prefix_unavailable,
+        }
+    }
+
+    pub fn record(&self, outcome: Outcome) {
+        self.decisions
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.as_str(),
+            })
+            .inc();
+    }
+
+    pub fn observe_pick(&self, started: Instant) {
+        self.pick_duration.observe(started.elapsed().as_secs_f64());
+    }
+
+    pub fn imbalance_guard_fired(&self) {
+        self.imbalance_guard.inc();
+    }
+
+    pub fn prefix_unavailable(&self) {
+        self.prefix_unavailable.inc();
+    }
+
+    /// The Prometheus text exposition.
+    pub fn encode(&self) -> Result<String, std::fmt::Error> {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.registry)?;
+        Ok(text)
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReplicaLabels {
+    replica: String,
+}
+
+/// Per-replica gauges computed from the pool at scrape time.
+#[derive(Debug)]
+struct ReplicaCollector {
+    pool: Arc<Pool>,
+}
+
+impl Collector for ReplicaCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let in_flight = Family::<ReplicaLabels, Gauge>::default();
+        let healthy = Family::<ReplicaLabels, Gauge>::default();
+        let waiting = Family::<ReplicaLabels, Gauge<f64, AtomicU64>>::default();
+        let running = Family::<ReplicaLabels, Gauge<f64, AtomicU64>>::default();
+        let kv_usage = Family::<ReplicaLabels, Gauge<f64, AtomicU64>>::default();
+        let snapshot = self.pool.snapshot();
+        let now = Instant::now();
+        for replica in snapshot.replicas() {
+            let labels = ReplicaLabels {
+                replica: replica.endpoint().to_string(),
+            };
+            in_flight
+                .get_or_create(&labels)
+                .set(i64::from(replica.in_flight()));
+            healthy
+                .get_or_create(&labels)
+                .set(i64::from(replica.health() == Health::Healthy));
+            if let Some(load) = replica.engine_load(now, self.pool.metrics_staleness()) {
+                if let Some(v) = load.waiting {
+                    waiting.get_or_create(&labels).set(v);
+                }
+                if let Some(v) = load.running {
+                    running.get_or_create(&labels).set(v);
+                }
+                if let Some(v) = load.kv_cache_usage {
+                    kv_usage.get_or_create(&labels).set(v);
+                }
+            }
+        }
+        let families: [(&str, &str, &dyn EncodeMetric); 5] = [
+            (
+                "llmgw_replica_in_flight",
+                "Requests llmgw has in flight to the replica",
+                &in_flight,
+            ),
+            (
+                "llmgw_replica_healthy",
+                "1 when the replica's last health check passed",
+                &healthy,
+            ),
+            (
+                "llmgw_replica_waiting",
+                "vllm:num_requests_waiting from a fresh scrape",
+                &waiting,
+            ),
+            (
+                "llmgw_replica_running",
+                "vllm:num_requests_running from a fresh scrape",
+                &running,
+            ),
+            (
+                "llmgw_replica_kv_cache_usage",
+                "vllm:kv_cache_usage_perc from a fresh scrape",
+                &kv_usage,
+            ),
+        ];
+        for (name, help, family) in families {
+            family.encode(encoder.encode_descriptor(name, help, None, family.metric_type())?)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::pool::{EngineLoad, ReplicaSpec};
+
+    #[test]
+    fn exposition_has_decisions_latency_and_replica_load() {
+        let pool = Arc::new(Pool::new(
+            vec![ReplicaSpec {
+                address: SocketAddr::from(([127, 0, 0, 1], 8001)),
+                models: vec!["m".to_string()],
+                node: None,
+            }],
+            Duration::from_secs(60),
+        ));
+        let replica = Arc::clone(&pool.snapshot().replicas()[0]);
+        replica.set_health(Health::Healthy);
+        replica.record_scrape(
+            EngineLoad {
+                waiting: Some(3.0),
+                running: None,
+                kv_cache_usage: Some(0.5),
+            },
+            Instant::now(),
+        );
+        let _guard = replica.start_request();
+        let metrics = Metrics::new(Arc::clone(&pool));
+        metrics.record(Outcome::Routed);
+        metrics.record(Outcome::Saturated);
+        metrics.observe_pick(Instant::now());
+        let text = metrics.encode().unwrap();
+        for expected in [
+            "llmgw_decisions_total{outcome=\"routed\"} 1",
+            "llmgw_decisions_total{outcome=\"saturated\"} 1",
+            "llmgw_pick_duration_seconds_count 1",
+            "llmgw_replica_in_flight{replica=\"127.0.0.1:8001\"} 1",
+            "llmgw_replica_healthy{replica=\"127.0.0.1:8001\"} 1",
+            "llmgw_replica_waiting{replica=\"127.0.0.1:8001\"} 3.0",
+            "llmgw_replica_kv_cache_usage{replica=\"127.0.0.1:8001\"} 0.5",
+        ] {
+            assert!(text.contains(expected), "missing {expected:?} in\n{text}");
+        }
+        assert!(!text.contains("llmgw_replica_running{"));
+    }
+}

@@ -1,0 +1,330 @@
+//! The replicas llmgw routes to, their health and their load.
+//!
+//! # Concurrency model
+//! The replica set is an immutable [`PoolSnapshot`] behind an [`ArcSwap`]: the request path loads
+//! it without locks ([`Pool::snapshot`]) and a configuration reload swaps in a new one
+//! ([`Pool::set_replicas`]). Each [`Replica`] is shared (`Arc`) between snapshots for as long as
+//! its address, models and node stay the same, so its counters survive reloads. Per-replica state
+//! changes without locks too: health is an atomic, the in-flight count is an atomic counted by
+//! [`InFlightGuard`]s, and the last `/metrics` scrape is an immutable [`EngineLoad`] swapped in
+//! whole by the monitor ([`monitor`]), so a reader never sees half of one scrape and half of
+//! another. Writers: the monitor tasks (health, scrape) and the reload path; readers: every
+//! routing decision, the admin endpoints and the Prometheus collector.
+
+pub mod monitor;
+pub mod vllm_metrics;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
+use std::time::Duration;
+
+use arc_swap::{ArcSwap, ArcSwapOption};
+use serde::Serialize;
+use tokio::time::Instant;
+
+/// One replica as configured: where it listens, what it serves, where it runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaSpec {
+    /// The `ip:port` Envoy knows the replica by; also the value of the destination header.
+    pub address: SocketAddr,
+    /// Served model names, LoRA adapters included.
+    pub models: Vec<String>,
+    /// The node (machine) the replica runs on, when known.
+    pub node: Option<String>,
+}
+
+/// What the replica's last `/health` probe said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Health {
+    /// Not probed yet; not a candidate.
+    Unknown,
+    Healthy,
+    Unhealthy,
+}
+
+impl Health {
+    fn to_u8(self) -> u8 {
+        match self {
+            Health::Unknown => 0,
+            Health::Healthy => 1,
+            Health::Unhealthy => 2,
+        }
+    }
+
+    fn from_u8(value: u8) -> Health {
+        match value {
+            1 => Health::Healthy,
+            2 => Health::Unhealthy,
+            _ => Health::Unknown,
+        }
+    }
+}
+
+/// The engine's own view of its load, from one `/metrics` scrape. A series missing from the
+/// scrape is `None`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct EngineLoad {
+    /// `vllm:num_requests_waiting`, summed over engines.
+    pub waiting: Option<f64>,
+    /// `vllm:num_requests_running`, summed over engines.
+    pub running: Option<f64>,
+    /// `vllm:kv_cache_usage_perc` (0–1), the fullest engine's.
+    pub kv_cache_usage: Option<f64>,
+}
+
+#[derive(Debug)]
+struct Scrape {
+    load: EngineLoad,
+    at: Instant,
+}
+
+/// A replica and its live state. Shared by `Arc` between snapshots, guards and tasks.
+#[derive(Debug)]
+pub struct Replica {
+    spec: ReplicaSpec,
+    endpoint: String,
+    health: AtomicU8,
+    in_flight: AtomicU32,
+    last_scrape: ArcSwapOption<Scrape>,
+}
+
+impl Replica {
+    pub fn new(spec: ReplicaSpec) -> Replica {
+        Replica {
+            endpoint: spec.address.to_string(),
+            spec,
+            health: AtomicU8::new(Health::Unknown.to_u8()),
+            in_flight: AtomicU32::new(0),
+            last_scrape: ArcSwapOption::empty(),
+        }
+    }
+
+    pub fn spec(&self) -> &ReplicaSpec {
+        &self.spec
+    }
+
+    /// `ip:port`, as the destination header carries it.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    pub fn serves(&self, model: &str) -> bool {
+        self.spec.models.iter().any(|m| m == model)
+    }
+
+    pub fn health(&self) -> Health {
+        Health::from_u8(self.health.load(Ordering::Relaxed))
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.health() == Health::Healthy
+    }
+
+    /// Records a probe result; returns the previous value.
+    pub fn set_health(&self, health: Health) -> Health {
+        Health::from_u8(self.health.swap(health.to_u8(), Ordering::Relaxed))
+    }
+
+    /// Requests llmgw sent here whose ext_proc stream has not ended yet.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Counts one more request in flight until the guard is dropped.
+    pub fn start_request(self: &Arc<Self>) -> InFlightGuard {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlightGuard {
+            replica: Arc::clone(self),
+        }
+    }
+
+    /// Stores a scrape taken at `at`.
+    pub fn record_scrape(&self, load: EngineLoad, at: Instant) {
+        self.last_scrape.store(Some(Arc::new(Scrape { load, at })));
+    }
+
+    /// Forgets the last scrape (the replica stopped answering).
+    pub fn forget_scrape(&self) {
+        self.last_scrape.store(None);
+    }
+
+    /// The engine's load if it was scraped within `staleness` of `now`; `None` means unknown,
+    /// which scorers must not mistake for idle.
+    pub fn engine_load(&self, now: Instant, staleness: Duration) -> Option<EngineLoad> {
+        let guard = self.last_scrape.load();
+        let scrape = guard.as_ref()?;
+        (now.saturating_duration_since(scrape.at) <= staleness).then_some(scrape.load)
+    }
+}
+
+/// Holds one in-flight request against a replica; dropping it ends the request.
+#[derive(Debug)]
+pub struct InFlightGuard {
+    replica: Arc<Replica>,
+}
+
+impl InFlightGuard {
+    pub fn replica(&self) -> &Arc<Replica> {
+        &self.replica
+    }
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        self.replica.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// An immutable view of the replica set.
+#[derive(Debug, Default)]
+pub struct PoolSnapshot {
+    replicas: Vec<Arc<Replica>>,
+    by_model: HashMap<String, Vec<Arc<Replica>>>,
+}
+
+impl PoolSnapshot {
+    pub fn new(replicas: Vec<Arc<Replica>>) -> PoolSnapshot {
+        let mut by_model: HashMap<String, Vec<Arc<Replica>>> = HashMap::new();
+        for replica in &replicas {
+            for model in &replica.spec.models {
+                by_model
+                    .entry(model.clone())
+                    .or_default()
+                    .push(Arc::clone(replica));
+            }
+        }
+        PoolSnapshot { replicas, by_model }
+    }
+
+    pub fn replicas(&self) -> &[Arc<Replica>] {
+        &self.replicas
+    }
+
+    /// Replicas serving `model`, healthy or not (empty when none does).
+    pub fn serving(&self, model: &str) -> &[Arc<Replica>] {
+        self.by_model.get(model).map(Vec::as_slice).unwrap_or(&[])
+    }
+
+    pub fn find(&self, endpoint: &str) -> Option<&Arc<Replica>> {
+        self.replicas.iter().find(|r| r.endpoint() == endpoint)
+    }
+
+    pub fn any_healthy(&self) -> bool {
+        self.replicas.iter().any(|r| r.is_healthy())
+    }
+}
+
+/// The live replica set.
+#[derive(Debug)]
+pub struct Pool {
+    snapshot: ArcSwap<PoolSnapshot>,
+    metrics_staleness: Duration,
+}
+
+impl Pool {
+    pub fn new(specs: Vec<ReplicaSpec>, metrics_staleness: Duration) -> Pool {
+        let replicas = dedup(specs)
+            .into_iter()
+            .map(|s| Arc::new(Replica::new(s)))
+            .collect();
+        Pool {
+            snapshot: ArcSwap::from_pointee(PoolSnapshot::new(replicas)),
+            metrics_staleness,
+        }
+    }
+
+    /// The current replica set (lock-free).
+    pub fn snapshot(&self) -> Arc<PoolSnapshot> {
+        self.snapshot.load_full()
+    }
+
+    /// How old a scrape may be and still count.
+    pub fn metrics_staleness(&self) -> Duration {
+        self.metrics_staleness
+    }
+
+    /// Replaces the replica set. Replicas whose spec is unchanged keep their state (health,
+    /// in-flight count, last scrape); new ones start unprobed. Returns whether anything changed.
+    pub fn set_replicas(&self, specs: Vec<ReplicaSpec>) -> bool {
+        let specs = dedup(specs);
+        let current = self.snapshot();
+        let unchanged = specs.len() == current.replicas.len()
+            && specs
+                .iter()
+                .zip(&current.replicas)
+                .all(|(s, r)| s == &r.spec);
+        if unchanged {
+            return false;
+        }
+        let replicas = specs
+            .into_iter()
+            .map(|spec| {
+                current
+                    .replicas
+                    .iter()
+                    .find(|r| r.spec == spec)
+                    .cloned()
+                    .unwrap_or_else(|| Arc::new(Replica::new(spec)))
+            })
+            .collect();
+        self.snapshot.store(Arc::new(PoolSnapshot::new(replicas)));
+        true
+    }
+}
+
+/// Merges specs naming the same address (e.g. `--replica base=A --replica lora=A`), keeping the
+/// first-seen order.
+fn dedup(specs: Vec<ReplicaSpec>) -> Vec<ReplicaSpec> {
+    let mut merged: Vec<ReplicaSpec> = Vec::with_capacity(specs.len());
+    for spec in specs {
+        match merged.iter_mut().find(|m| m.address == spec.address) {
+            Some(existing) => {
+                for model in spec.models {
+                    if !existing.models.contains(&model) {
+                        existing.models.push(model);
+                    }
+                }
+                if existing.node.is_none() {
+                    existing.node = spec.node;
+                }
+            }
+            None => merged.push(spec),
+        }
+    }
+    merged
+}
+
+/// A replica's state as `/debug` shows it.
+#[derive(Debug, Serialize)]
+pub struct ReplicaView {
+    pub endpoint: String,
+    pub models: Vec<String>,
+    pub node: Option<String>,
+    pub health: Health,
+    pub in_flight: u32,
+    /// `None` when the last scrape is missing or stale.
+    pub engine: Option<EngineLoad>,
+}
+
+impl PoolSnapshot {
+    /// Every replica's state, for `/debug`.
+    pub fn views(&self, now: Instant, staleness: Duration) -> Vec<ReplicaView> {
+        self.replicas
+            .iter()
+            .map(|r| ReplicaView {
+                endpoint: r.endpoint.clone(),
+                models: r.spec.models.clone(),
+                node: r.spec.node.clone(),
+                health: r.health(),
+                in_flight: r.in_flight(),
+                engine: r.engine_load(now, staleness),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests;

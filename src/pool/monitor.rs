@@ -1,0 +1,147 @@
+//! Background probing: `/health` for membership, `/metrics` for load.
+//!
+//! Two tasks per pool, each a loop on its own interval that probes every replica of the current
+//! snapshot concurrently and writes the results into the replicas' atomics (see the parent
+//! module's concurrency model). A probe never blocks the request path; a slow replica only delays
+//! its own result, bounded by the probe timeout.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::join_all;
+use thiserror::Error;
+use tokio::time::{Instant, MissedTickBehavior};
+use tracing::{info, warn};
+
+use super::{Health, Pool, Replica, vllm_metrics};
+
+/// How often and how patiently replicas are probed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ProbeSettings {
+    pub health_interval: Duration,
+    pub scrape_interval: Duration,
+    /// Per HTTP probe.
+    pub timeout: Duration,
+}
+
+/// Something that can probe a replica over HTTP. The real one is [`HttpProber`]; tests use fakes
+/// to drive health changes under paused time.
+pub trait Prober: Send + Sync + 'static {
+    /// `Ok` when `/health` answered 2xx.
+    fn health(&self, replica: &Replica) -> impl Future<Output = Result<(), ProbeError>> + Send;
+    /// The `/metrics` page.
+    fn metrics(&self, replica: &Replica)
+    -> impl Future<Output = Result<String, ProbeError>> + Send;
+}
+
+#[derive(Debug, Error)]
+pub enum ProbeError {
+    #[error("request failed: {0}")]
+    Request(#[from] reqwest::Error),
+    #[error("answered HTTP {0}")]
+    Status(u16),
+    #[error("timed out")]
+    Timeout,
+}
+
+/// Probes over plain HTTP with a shared connection pool.
+#[derive(Debug, Clone)]
+pub struct HttpProber {
+    client: reqwest::Client,
+}
+
+impl HttpProber {
+    pub fn new(timeout: Duration) -> Result<HttpProber, ProbeError> {
+        let client = reqwest::Client::builder()
+            .timeout(timeout)
+            .connect_timeout(timeout)
+            .pool_max_idle_per_host(2)
+            .build()?;
+        Ok(HttpProber { client })
+    }
+
+    async fn get(&self, replica: &Replica, path: &str) -> Result<reqwest::Response, ProbeError> {
+        let url = format!("http://{}{}", replica.endpoint(), path);
+        let response = self.client.get(url).send().await?;
+        let status = response.status();
+        if status.is_success() {
+            Ok(response)
+        } else {
+            Err(ProbeError::Status(status.as_u16()))
+        }
+    }
+}
+
+impl Prober for HttpProber {
+    async fn health(&self, replica: &Replica) -> Result<(), ProbeError> {
+        self.get(replica, "/health").await.map(drop)
+    }
+
+    async fn metrics(&self, replica: &Replica) -> Result<String, ProbeError> {
+        Ok(self.get(replica, "/metrics").await?.text().await?)
+    }
+}
+
+/// Probes `/health` of every replica each `interval`, forever. A replica that refuses, times
+/// out or answers non-2xx leaves the candidates; the next good answer brings it back.
+pub async fn run_health_checks<P: Prober>(
+    pool: Arc<Pool>,
+    prober: Arc<P>,
+    settings: ProbeSettings,
+) {
+    let mut ticker = tokio::time::interval(settings.health_interval);
+    ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let snapshot = pool.snapshot();
+        join_all(snapshot.replicas().iter().map(|replica| {
+            let prober = &prober;
+            async move {
+                let result = tokio::time::timeout(settings.timeout, prober.health(replica))
+                    .await
+                    .unwrap_or(Err(ProbeError::Timeout));
+                let health = if result.is_ok() {
+                    Health::Healthy
+                } else {
+                    Health::Unhealthy
+                };
+                let before = replica.set_health(health);
+                if before != health {
+                    match &result {
+                        Ok(()) => info!(replica = replica.endpoint(), "replica healthy"),
+                        Err(e) => {
+                            warn!(replica = replica.endpoint(), error = %e, "replica unhealthy")
+                        }
+                    }
+                }
+            }
+        }))
+        .await;
+    }
+}
+
+/// Scrapes `/metrics` of every replica each `interval`, forever. A failed scrape forgets the
+/// previous one at once, so the replica's load reads as unknown rather than as its old value; a
+/// successful scrape that merely ages past the pool's staleness limit reads as unknown too.
+pub async fn run_scrapes<P: Prober>(pool: Arc<Pool>, prober: Arc<P>, settings: ProbeSettings) {
+    let mut ticker = tokio::time::interval(settings.scrape_interval);
+    ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let snapshot = pool.snapshot();
+        join_all(snapshot.replicas().iter().map(|replica| {
+            let prober = &prober;
+            async move {
+                let result = tokio::time::timeout(settings.timeout, prober.metrics(replica))
+                    .await
+                    .unwrap_or(Err(ProbeError::Timeout));
+                match result {
+                    Ok(page) => replica
+                        .record_scrape(vllm_metrics::parse_engine_load(&page), Instant::now()),
+                    Err(_) => replica.forget_scrape(),
+                }
+            }
+        }))
+        .await;
+    }
+}

@@ -1,0 +1,192 @@
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use super::monitor::{ProbeError, ProbeSettings, Prober, run_health_checks, run_scrapes};
+use super::*;
+
+fn spec(port: u16, models: &[&str]) -> ReplicaSpec {
+    ReplicaSpec {
+        address: SocketAddr::from(([127, 0, 0, 1], port)),
+        models: models.iter().map(|m| m.to_string()).collect(),
+        node: None,
+    }
+}
+
+#[test]
+fn same_address_specs_merge_models() {
+    let pool = Pool::new(
+        vec![spec(1, &["base"]), spec(2, &["base"]), spec(1, &["lora-a"])],
+        Duration::from_secs(2),
+    );
+    let snapshot = pool.snapshot();
+    assert_eq!(snapshot.replicas().len(), 2);
+    assert_eq!(snapshot.serving("base").len(), 2);
+    let lora: Vec<_> = snapshot
+        .serving("lora-a")
+        .iter()
+        .map(|r| r.endpoint())
+        .collect();
+    assert_eq!(lora, vec!["127.0.0.1:1"]);
+    assert!(snapshot.serving("other").is_empty());
+}
+
+#[test]
+fn in_flight_guard_counts_until_dropped() {
+    let replica = Arc::new(Replica::new(spec(1, &["m"])));
+    let first = replica.start_request();
+    let second = replica.start_request();
+    assert_eq!(replica.in_flight(), 2);
+    drop(first);
+    assert_eq!(replica.in_flight(), 1);
+    drop(second);
+    assert_eq!(replica.in_flight(), 0);
+}
+
+#[test]
+fn reload_keeps_state_of_unchanged_replicas() {
+    let pool = Pool::new(
+        vec![spec(1, &["m"]), spec(2, &["m"])],
+        Duration::from_secs(2),
+    );
+    let kept = Arc::clone(&pool.snapshot().replicas()[0]);
+    kept.set_health(Health::Healthy);
+    let _guard = kept.start_request();
+    assert!(!pool.set_replicas(vec![spec(1, &["m"]), spec(2, &["m"])]));
+    assert!(pool.set_replicas(vec![spec(1, &["m"]), spec(3, &["m"])]));
+    let snapshot = pool.snapshot();
+    assert!(Arc::ptr_eq(&snapshot.replicas()[0], &kept));
+    assert_eq!(snapshot.replicas()[0].in_flight(), 1);
+    assert_eq!(snapshot.replicas()[1].health(), Health::Unknown);
+    assert!(snapshot.find("127.0.0.1:2").is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn scrape_goes_stale_and_reads_as_unknown() {
+    let replica = Replica::new(spec(1, &["m"]));
+    let staleness = Duration::from_secs(2);
+    assert_eq!(replica.engine_load(Instant::now(), staleness), None);
+    let load = EngineLoad {
+        waiting: Some(1.0),
+        running: Some(2.0),
+        kv_cache_usage: Some(0.5),
+    };
+    replica.record_scrape(load, Instant::now());
+    tokio::time::advance(Duration::from_millis(1999)).await;
+    assert_eq!(replica.engine_load(Instant::now(), staleness), Some(load));
+    tokio::time::advance(Duration::from_millis(2)).await;
+    assert_eq!(replica.engine_load(Instant::now(), staleness), None);
+}
+
+/// A prober whose answers the test sets: replicas in `down` fail, others succeed.
+#[derive(Default)]
+struct FakeProber {
+    down: Mutex<HashSet<String>>,
+    hang: Mutex<HashSet<String>>,
+}
+
+impl FakeProber {
+    async fn answer(&self, replica: &Replica) -> Result<(), ProbeError> {
+        if self.hang.lock().contains(replica.endpoint()) {
+            std::future::pending::<()>().await;
+        }
+        if self.down.lock().contains(replica.endpoint()) {
+            Err(ProbeError::Status(503))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl Prober for FakeProber {
+    async fn health(&self, replica: &Replica) -> Result<(), ProbeError> {
+        self.answer(replica).await
+    }
+
+    async fn metrics(&self, replica: &Replica) -> Result<String, ProbeError> {
+        self.answer(replica).await?;
+        Ok("vllm:num_requests_waiting 4\nvllm:kv_cache_usage_perc 0.1\n".to_string())
+    }
+}
+
+fn settings() -> ProbeSettings {
+    ProbeSettings {
+        health_interval: Duration::from_secs(1),
+        scrape_interval: Duration::from_millis(100),
+        timeout: Duration::from_millis(300),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn failed_health_checks_remove_and_restore_a_replica() {
+    let pool = Arc::new(Pool::new(
+        vec![spec(1, &["m"]), spec(2, &["m"])],
+        Duration::from_secs(2),
+    ));
+    let prober = Arc::new(FakeProber::default());
+    let task = tokio::spawn(run_health_checks(
+        Arc::clone(&pool),
+        Arc::clone(&prober),
+        settings(),
+    ));
+    let snapshot = pool.snapshot();
+    let (one, two) = (&snapshot.replicas()[0], &snapshot.replicas()[1]);
+
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(
+        (one.health(), two.health()),
+        (Health::Healthy, Health::Healthy)
+    );
+
+    prober.down.lock().insert("127.0.0.1:2".to_string());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        (one.health(), two.health()),
+        (Health::Healthy, Health::Unhealthy)
+    );
+
+    // A probe that never answers counts as a failure once the timeout passes.
+    prober.down.lock().clear();
+    prober.hang.lock().insert("127.0.0.1:1".to_string());
+    tokio::time::sleep(Duration::from_millis(1400)).await;
+    assert_eq!(
+        (one.health(), two.health()),
+        (Health::Unhealthy, Health::Healthy)
+    );
+
+    prober.hang.lock().clear();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        (one.health(), two.health()),
+        (Health::Healthy, Health::Healthy)
+    );
+    task.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn failed_scrape_forgets_load_at_once() {
+    let pool = Arc::new(Pool::new(vec![spec(1, &["m"])], Duration::from_secs(2)));
+    let prober = Arc::new(FakeProber::default());
+    let task = tokio::spawn(run_scrapes(
+        Arc::clone(&pool),
+        Arc::clone(&prober),
+        settings(),
+    ));
+    let replica = Arc::clone(&pool.snapshot().replicas()[0]);
+    let staleness = pool.metrics_staleness();
+
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let load = replica.engine_load(Instant::now(), staleness).unwrap();
+    assert_eq!(load.waiting, Some(4.0));
+    assert_eq!(load.running, None);
+    assert_eq!(load.kv_cache_usage, Some(0.1));
+
+    prober.down.lock().insert("127.0.0.1:1".to_string());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(replica.engine_load(Instant::now(), staleness), None);
+    task.abort();
+}

@@ -1,0 +1,96 @@
+//! Reading the three load series llmgw needs out of a vLLM `/metrics` page (Prometheus text
+//! format), without a general parser: one pass over the lines, everything else skipped.
+
+use super::EngineLoad;
+
+const WAITING: &str = "vllm:num_requests_waiting";
+const RUNNING: &str = "vllm:num_requests_running";
+const KV_CACHE_USAGE: &str = "vllm:kv_cache_usage_perc";
+
+/// Extracts the load series. Waiting and running are summed over label sets (data-parallel
+/// engines); KV-cache usage is the highest of them, the engine closest to evicting.
+pub fn parse_engine_load(text: &str) -> EngineLoad {
+    let mut load = EngineLoad {
+        waiting: None,
+        running: None,
+        kv_cache_usage: None,
+    };
+    for line in text.lines() {
+        if !line.starts_with("vllm:") {
+            continue;
+        }
+        if let Some(v) = sample_value(line, WAITING) {
+            load.waiting = Some(load.waiting.unwrap_or(0.0) + v);
+        } else if let Some(v) = sample_value(line, RUNNING) {
+            load.running = Some(load.running.unwrap_or(0.0) + v);
+        } else if let Some(v) = sample_value(line, KV_CACHE_USAGE) {
+            load.kv_cache_usage = Some(load.kv_cache_usage.map_or(v, |u: f64| u.max(v)));
+        }
+    }
+    load
+}
+
+/// The value of `line` if it is a sample of exactly the series `name` (not `name_total` or a
+/// longer name) with a finite, non-negative value.
+fn sample_value(line: &str, name: &str) -> Option<f64> {
+    let rest = line.strip_prefix(name)?;
+    let after_labels = match rest.as_bytes().first()? {
+        b'{' => &rest[closing_brace(rest)? + 1..],
+        b' ' | b'\t' => rest,
+        _ => return None,
+    };
+    let value: f64 = after_labels.split_ascii_whitespace().next()?.parse().ok()?;
+    (value.is_finite() && value >= 0.0).then_some(value)
+}
+
+/// The index of the `}` ending a label set, skipping braces inside quoted label values.
+fn closing_brace(labels: &str) -> Option<usize> {
+    let mut in_quotes = false;
+    let mut escaped = false;
+    for (i, b) in labels.bytes().enumerate() {
+        match b {
+            _ if escaped => escaped = false,
+            b'\\' if in_quotes => escaped = true,
+            b'"' => in_quotes = !in_quotes,
+            b'}' if !in_quotes => return Some(i),
+            _ => {}
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_vllm_series_and_skips_the_rest() {
+        let page = r#"# HELP vllm:num_requests_waiting Number of requests waiting.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="tiny"} 2.0
+vllm:num_requests_waiting_by_reason{reason="capacity"} 9.0
+vllm:num_requests_running{engine="0",model_name="ti}ny \"q\""} 4.0
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.5
+vllm:prefix_cache_queries_total{engine="0"} 100.0
+python_gc_objects_collected_total{generation="0"} 7.0
+"#;
+        let load = parse_engine_load(page);
+        assert_eq!(load.waiting, Some(5.0));
+        assert_eq!(load.running, Some(4.0));
+        assert_eq!(load.kv_cache_usage, Some(0.5));
+    }
+
+    #[test]
+    fn missing_or_garbage_series_are_unknown() {
+        let load = parse_engine_load(
+            "vllm:num_requests_waiting NaN\nvllm:num_requests_running{engine=\"0\" 1\nvllm:kv_cache_usage_perc -1\n",
+        );
+        assert_eq!(load.waiting, None);
+        assert_eq!(load.running, None);
+        assert_eq!(load.kv_cache_usage, None);
+        let unlabelled = parse_engine_load("vllm:num_requests_running 7 1700000000000\n");
+        assert_eq!(unlabelled.running, Some(7.0));
+    }
+}

@@ -1,0 +1,140 @@
+//! The routing policy behind the ext_proc protocol: parse the body ([`crate::openai`]), let the
+//! [`Scheduler`] choose, and turn every failure into the HTTP status a client should see.
+//!
+//! # Concurrency model
+//! A [`Router`] is immutable and shared by all streams; a pick touches only lock-free pool
+//! snapshots, atomics and the metrics' atomics.
+
+use std::sync::Arc;
+
+use tokio::time::Instant;
+
+use crate::extproc::{Picker, Rejection, Routed, RoutingRequest};
+use crate::metrics::{Metrics, Outcome};
+use crate::openai::{EndpointKind, parse_request};
+use crate::pool::InFlightGuard;
+use crate::scheduler::{DecideError, Decision, Scheduler, Scope};
+
+/// Parses, schedules and accounts.
+#[derive(Debug)]
+pub struct Router {
+    scheduler: Scheduler,
+    metrics: Arc<Metrics>,
+    allow_test_selection: bool,
+}
+
+impl Router {
+    /// `allow_test_selection` honours the conformance suite's `test-epp-endpoint-selection`
+    /// header; it lets any client choose among the pool's replicas.
+    pub fn new(scheduler: Scheduler, metrics: Arc<Metrics>, allow_test_selection: bool) -> Router {
+        Router {
+            scheduler,
+            metrics,
+            allow_test_selection,
+        }
+    }
+
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    async fn route(&self, request: RoutingRequest) -> Result<(Decision, Outcome), Rejection> {
+        let scope = Scope {
+            subset: request.subset.as_deref(),
+        };
+        if self.allow_test_selection
+            && let Some(selection) = &request.test_selection
+        {
+            return self.test_selection(selection);
+        }
+        let kind = EndpointKind::from_path(&request.path).filter(|_| request.method == "POST");
+        let (Some(kind), Some(body)) = (kind, &request.body) else {
+            return self
+                .scheduler
+                .decide_any(scope)
+                .map(|d| (d, Outcome::RoutedAny))
+                .map_err(|e| self.refuse(e));
+        };
+        let parsed = parse_request(kind, body).map_err(|error| {
+            self.metrics.record(Outcome::BadRequest);
+            Rejection {
+                status: 400,
+                error_type: "invalid_request_error",
+                message: error.to_string(),
+            }
+        })?;
+        let decision = self
+            .scheduler
+            .decide(&parsed, scope)
+            .await
+            .map_err(|e| self.refuse(e))?;
+        if decision.imbalance_guard_fired {
+            self.metrics.imbalance_guard_fired();
+        }
+        if decision.prefix_unavailable {
+            self.metrics.prefix_unavailable();
+        }
+        Ok((decision, Outcome::Routed))
+    }
+
+    /// `test-epp-endpoint-selection: ip:port[,ip:port]`, restricted to the pool's replicas.
+    fn test_selection(&self, selection: &str) -> Result<(Decision, Outcome), Rejection> {
+        let snapshot = self.scheduler.pool().snapshot();
+        let mut chosen = selection
+            .split(',')
+            .map(str::trim)
+            .filter_map(|endpoint| snapshot.find(endpoint).cloned());
+        let Some(primary) = chosen.next() else {
+            return Err(self.refuse(DecideError::EmptySubset));
+        };
+        let decision = Decision {
+            in_flight: primary.start_request(),
+            fallbacks: chosen.collect(),
+            imbalance_guard_fired: false,
+            prefix_unavailable: false,
+        };
+        Ok((decision, Outcome::RoutedTestSelection))
+    }
+
+    fn refuse(&self, error: DecideError) -> Rejection {
+        let (status, error_type, outcome) = match &error {
+            DecideError::UnknownModel(_) => (404, "not_found_error", Outcome::UnknownModel),
+            DecideError::NoReadyReplica | DecideError::EmptySubset => {
+                (503, "service_unavailable_error", Outcome::NoReadyReplica)
+            }
+            DecideError::AllSaturated => (429, "rate_limit_error", Outcome::Saturated),
+        };
+        self.metrics.record(outcome);
+        Rejection {
+            status,
+            error_type,
+            message: error.to_string(),
+        }
+    }
+}
+
+impl Picker for Router {
+    type Hold = InFlightGuard;
+
+    async fn pick(&self, request: RoutingRequest) -> Result<Routed<InFlightGuard>, Rejection> {
+        let started = Instant::now();
+        let result = self.route(request).await;
+        self.metrics.observe_pick(started);
+        let (decision, outcome) = result?;
+        self.metrics.record(outcome);
+        tracing::debug!(destination = %decision.destination(), ?outcome, "routed");
+        Ok(Routed {
+            destination: decision.destination(),
+            hold: decision.in_flight,
+        })
+    }
+
+    fn rejected_by_protocol(&self, rejection: &Rejection) {
+        if rejection.status == 413 {
+            self.metrics.record(Outcome::BodyTooLarge);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,184 @@
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::*;
+use crate::pool::{EngineLoad, Health, Pool, ReplicaSpec};
+use crate::scheduler::SchedulerSettings;
+
+fn pool() -> Arc<Pool> {
+    let specs = [8001, 8002]
+        .map(|port| ReplicaSpec {
+            address: SocketAddr::from(([127, 0, 0, 1], port)),
+            models: vec!["tiny".to_string()],
+            node: None,
+        })
+        .to_vec();
+    let pool = Arc::new(Pool::new(specs, Duration::from_secs(60)));
+    for replica in pool.snapshot().replicas() {
+        replica.set_health(Health::Healthy);
+    }
+    pool
+}
+
+fn router(pool: &Arc<Pool>, allow_test_selection: bool) -> Router {
+    let metrics = Arc::new(Metrics::new(Arc::clone(pool)));
+    Router::new(
+        Scheduler::new(Arc::clone(pool), SchedulerSettings::default()),
+        metrics,
+        allow_test_selection,
+    )
+}
+
+fn post(path: &str, body: &str) -> RoutingRequest {
+    RoutingRequest {
+        method: "POST".to_string(),
+        path: path.to_string(),
+        body: Some(Bytes::from(body.to_string())),
+        ..RoutingRequest::default()
+    }
+}
+
+async fn status_of(router: &Router, request: RoutingRequest) -> u16 {
+    match router.pick(request).await {
+        Ok(_) => 200,
+        Err(rejection) => rejection.status,
+    }
+}
+
+#[tokio::test]
+async fn completions_and_chat_are_routed_and_counted() {
+    let pool = pool();
+    let router = router(&pool, false);
+    let routed = router
+        .pick(post("/v1/completions", r#"{"model":"tiny","prompt":"hi"}"#))
+        .await
+        .unwrap();
+    assert!(routed.destination.starts_with("127.0.0.1:800"));
+    assert_eq!(routed.hold.replica().in_flight(), 1);
+    let chat = router
+        .pick(post(
+            "/v1/chat/completions",
+            r#"{"model":"tiny","messages":[{"role":"user","content":"hi"}]}"#,
+        ))
+        .await
+        .unwrap();
+    // The second request goes to the replica without one in flight.
+    assert_ne!(
+        chat.hold.replica().endpoint(),
+        routed.hold.replica().endpoint()
+    );
+    let text = router.metrics.encode().unwrap();
+    assert!(
+        text.contains("llmgw_decisions_total{outcome=\"routed\"} 2"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn bad_inputs_get_their_statuses() {
+    let pool = pool();
+    let router = router(&pool, false);
+    assert_eq!(
+        status_of(&router, post("/v1/completions", "{oops")).await,
+        400
+    );
+    assert_eq!(
+        status_of(&router, post("/v1/completions", r#"{"prompt":"x"}"#)).await,
+        400
+    );
+    assert_eq!(
+        status_of(&router, post("/v1/completions", r#"{"model":"tiny"}"#)).await,
+        400
+    );
+    assert_eq!(
+        status_of(
+            &router,
+            post("/v1/completions", r#"{"model":"big","prompt":"x"}"#)
+        )
+        .await,
+        404
+    );
+    for replica in pool.snapshot().replicas() {
+        replica.record_scrape(
+            EngineLoad {
+                waiting: Some(1000.0),
+                running: None,
+                kv_cache_usage: None,
+            },
+            Instant::now(),
+        );
+    }
+    assert_eq!(
+        status_of(
+            &router,
+            post("/v1/completions", r#"{"model":"tiny","prompt":"x"}"#)
+        )
+        .await,
+        429
+    );
+    for replica in pool.snapshot().replicas() {
+        replica.set_health(Health::Unhealthy);
+    }
+    assert_eq!(
+        status_of(
+            &router,
+            post("/v1/completions", r#"{"model":"tiny","prompt":"x"}"#)
+        )
+        .await,
+        503
+    );
+    let text = router.metrics.encode().unwrap();
+    for outcome in [
+        "bad_request\"} 3",
+        "unknown_model\"} 1",
+        "saturated\"} 1",
+        "no_ready_replica\"} 1",
+    ] {
+        assert!(text.contains(outcome), "{outcome} in {text}");
+    }
+}
+
+#[tokio::test]
+async fn non_completions_go_to_any_ready_replica() {
+    let pool = pool();
+    let router = router(&pool, false);
+    let request = RoutingRequest {
+        method: "GET".to_string(),
+        path: "/v1/models".to_string(),
+        body: Some(Bytes::new()),
+        ..RoutingRequest::default()
+    };
+    let routed = router.pick(request).await.unwrap();
+    assert!(routed.destination.starts_with("127.0.0.1:800"));
+    // A completion path without a body (body mode NONE) is routed on load alone too.
+    let headers_only = RoutingRequest {
+        body: None,
+        ..post("/v1/completions", "")
+    };
+    assert!(router.pick(headers_only).await.is_ok());
+}
+
+#[tokio::test]
+async fn test_selection_header_only_behind_the_flag() {
+    let pool = pool();
+    let selection = |value: &str| RoutingRequest {
+        test_selection: Some(value.to_string()),
+        ..post("/v1/completions", r#"{"model":"tiny","prompt":"x"}"#)
+    };
+    let allowed = router(&pool, true);
+    let routed = allowed
+        .pick(selection("127.0.0.1:8002, 127.0.0.1:8001"))
+        .await
+        .unwrap();
+    assert_eq!(routed.destination, "127.0.0.1:8002,127.0.0.1:8001");
+    assert_eq!(status_of(&allowed, selection("10.9.9.9:1")).await, 503);
+
+    // Without the flag the header is ignored: load decides, so 8002 (already holding one
+    // request) loses.
+    let _busy = routed;
+    let ignored = router(&pool, false);
+    let routed = ignored.pick(selection("127.0.0.1:8002")).await.unwrap();
+    assert_eq!(routed.hold.replica().endpoint(), "127.0.0.1:8001");
+}
