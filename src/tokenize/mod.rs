@@ -10,9 +10,13 @@
 //! Concurrency: the cache is one `parking_lot::Mutex` held for a map operation; HTTP calls run
 //! in spawned tasks and report back through a oneshot channel.
 
+mod local;
 #[cfg(test)]
 mod tests;
 
+pub use local::{LocalTokenizer, LocalTokenizerError};
+
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -149,6 +153,8 @@ pub struct Tokenizer {
     client: reqwest::Client,
     cache: Arc<Mutex<TokenCache>>,
     stats: Arc<TokenizeStats>,
+    /// Models whose completion prompts are tokenized in process.
+    local: HashMap<String, LocalTokenizer>,
 }
 
 impl Tokenizer {
@@ -166,7 +172,14 @@ impl Tokenizer {
                 entries: LruCache::unbounded(),
             })),
             stats: Arc::new(TokenizeStats::default()),
+            local: HashMap::new(),
         }
+    }
+
+    /// Tokenizes `model`'s completion prompts with `tokenizer` instead of calling `/tokenize`.
+    pub fn with_local(mut self, model: impl Into<String>, tokenizer: LocalTokenizer) -> Self {
+        self.local.insert(model.into(), tokenizer);
+        self
     }
 
     pub fn stats(&self) -> &Arc<TokenizeStats> {
@@ -189,6 +202,11 @@ impl Tokenizer {
         let body = match &request.input {
             RequestInput::Completion(Prompt::TokenIds(ids)) => {
                 return Ok(Arc::from(ids.as_slice()));
+            }
+            RequestInput::Completion(Prompt::Text(text))
+                if self.local.contains_key(&request.model) =>
+            {
+                return self.tokens_locally(&request.model, text);
             }
             RequestInput::Completion(Prompt::Text(text)) => TokenizeBody::Prompt {
                 model: &request.model,
@@ -242,6 +260,32 @@ impl Tokenizer {
             }
         }
     }
+}
+
+impl Tokenizer {
+    fn tokens_locally(&self, model: &str, text: &str) -> Result<Tokens, TokenizeError> {
+        let local = self.local.get(model).ok_or(TokenizeError::NoReplica)?;
+        let key = xxhash_rust::xxh3::xxh3_128_with_seed(text.as_bytes(), local_seed(model));
+        if let Some(tokens) = self.cache.lock().get(key) {
+            self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
+            return Ok(tokens);
+        }
+        self.stats.cache_misses.fetch_add(1, Ordering::Relaxed);
+        let tokens: Tokens = local
+            .encode_prompt(text)
+            .map_err(|e| TokenizeError::Call {
+                replica: "local".to_owned(),
+                reason: e.to_string(),
+            })?
+            .into();
+        self.cache.lock().insert(key, Arc::clone(&tokens));
+        Ok(tokens)
+    }
+}
+
+/// Keeps local-tokenizer cache keys apart from `/tokenize` ones and per model.
+fn local_seed(model: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(model.as_bytes()) ^ 0x6c6f_6361_6c00_0000
 }
 
 /// Tries each replica in order until one answers; connection failures move on, an HTTP error

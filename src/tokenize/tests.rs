@@ -203,3 +203,41 @@ fn the_cache_stays_within_its_byte_bound() {
     cache.insert(99, Arc::from(vec![1u32; 10]));
     assert_eq!(cache.bytes, 264 * 2 + 104);
 }
+
+fn sim_tokenizer() -> LocalTokenizer {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("integration/assets/tokenizer.json");
+    LocalTokenizer::from_file(&path).expect("the simulator's tokenizer loads")
+}
+
+#[tokio::test]
+async fn a_local_tokenizer_answers_completions_without_a_call() {
+    let local = sim_tokenizer();
+    let want = local
+        .encode_prompt("Licensed under the Apache License")
+        .expect("encodes");
+    assert!(want.len() > 3, "{want:?}");
+    let t = tokenizer(10).with_local("m", local);
+    let got = t
+        .tokens(&completion("Licensed under the Apache License"), &[])
+        .await
+        .expect("no replica needed");
+    assert_eq!(&got[..], &want[..]);
+    // Other models still need a replica.
+    let body = json!({"model": "other", "prompt": "x"}).to_string();
+    let other = parse_request(EndpointKind::Completions, body.as_bytes()).expect("parses");
+    assert_eq!(
+        t.tokens(&other, &[]).await.unwrap_err(),
+        TokenizeError::NoReplica
+    );
+}
+
+#[test]
+fn a_missing_tokenizer_file_is_a_clear_error() {
+    let err =
+        LocalTokenizer::from_file(std::path::Path::new("/nonexistent/tokenizer.json")).unwrap_err();
+    assert!(
+        err.to_string().contains("/nonexistent/tokenizer.json"),
+        "{err}"
+    );
+}
