@@ -4,4 +4,9 @@
 //! ([`wire`]), and mirrors the engine's cached blocks.
 
 pub mod capture;
+pub mod engine;
+pub mod hashcheck;
+pub mod metrics;
+pub mod mirror;
 pub mod wire;
+pub mod zmq;

@@ -1,0 +1,314 @@
+//! One vLLM engine inside the agent: its mirror, hash-check state, and the task that applies
+//! decoded batches and flushes coalesced deltas.
+//!
+//! # Concurrency model
+//! The intake task (`zmq`) decodes and orders batches and sends them as [`Input`]s over an
+//! `mpsc` channel to the engine's [`MirrorTask`], the only writer of the engine's state. The
+//! state sits behind a `parking_lot::Mutex` in [`Engine`], held only for one batch, one flush or
+//! one snapshot (never across an `.await`), so uplinks can take a snapshot at any moment.
+//! Deltas leave through a `tokio::sync::broadcast` channel shared by all engines of the agent;
+//! each uplink subscribes *before* taking snapshots, so no delta falls between the two.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
+use tokio::sync::{broadcast, mpsc};
+use tokio::time::Instant;
+
+use crate::hashcheck::{HashCheck, Verdict};
+use crate::metrics::{EventLabel, Metrics};
+use crate::mirror::{BlockKey, Delta, Mirror, Snapshot};
+use crate::wire::{EventBatch, KvEvent};
+
+/// An engine's name inside the agent: its replica, plus `#dpN` for data-parallel rank N > 0.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EngineId(pub Arc<str>);
+
+/// The `host:port` the routers know a replica by.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ReplicaId(pub Arc<str>);
+
+impl fmt::Display for EngineId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Display for ReplicaId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Why an engine's mirror was emptied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResetReason {
+    /// The sequence number went backwards: the engine restarted.
+    Restart,
+    /// `AllBlocksCleared`.
+    Cleared,
+    /// Batches were lost and replay could not fill the gap.
+    Gap,
+    /// A payload could not be decoded, so its changes are unknown.
+    Decode,
+    /// The supervisor restarted the engine.
+    Supervisor,
+}
+
+impl ResetReason {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ResetReason::Restart => "restart",
+            ResetReason::Cleared => "cleared",
+            ResetReason::Gap => "gap",
+            ResetReason::Decode => "decode_error",
+            ResetReason::Supervisor => "supervisor",
+        }
+    }
+
+    /// Whether the engine may now run with other settings (so a hash mismatch is re-judged).
+    const fn new_process(self) -> bool {
+        matches!(self, ResetReason::Restart | ResetReason::Supervisor)
+    }
+}
+
+/// What the intake hands the mirror task.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Input {
+    Batch { seq: u64, batch: EventBatch },
+    Reset(ResetReason),
+}
+
+/// Where the engine's hashes stand against the configured settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HashStatus {
+    /// No checkable block 0 seen yet (or no settings configured).
+    #[default]
+    Unchecked,
+    Verified,
+    /// Blocks withheld from the precise index until the engine restarts.
+    Mismatch,
+}
+
+/// A delta of one engine, as broadcast to uplinks.
+#[derive(Debug, Clone)]
+pub struct Update {
+    pub engine: EngineId,
+    pub replica: ReplicaId,
+    pub delta: Arc<Delta>,
+}
+
+/// One engine's snapshot, as an uplink sends it.
+#[derive(Debug, Clone)]
+pub struct EngineSnapshot {
+    pub engine: EngineId,
+    pub replica: ReplicaId,
+    pub hash: HashStatus,
+    /// Empty while the engine's blocks are withheld.
+    pub snapshot: Snapshot,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    mirror: Mirror,
+    hash: HashStatus,
+    /// Engine publish time (Unix seconds) of the oldest batch in the pending window.
+    oldest_pending_ts: Option<f64>,
+}
+
+/// An engine's shared state; see the module docs.
+#[derive(Debug)]
+pub struct Engine {
+    pub id: EngineId,
+    pub replica: ReplicaId,
+    state: Mutex<State>,
+}
+
+impl Engine {
+    pub fn new(id: EngineId, replica: ReplicaId) -> Arc<Self> {
+        Arc::new(Engine {
+            id,
+            replica,
+            state: Mutex::new(State::default()),
+        })
+    }
+
+    pub fn snapshot(&self) -> EngineSnapshot {
+        let st = self.state.lock();
+        EngineSnapshot {
+            engine: self.id.clone(),
+            replica: self.replica.clone(),
+            hash: st.hash,
+            snapshot: st.mirror.snapshot(),
+        }
+    }
+
+    /// The keys mirrored now (pending changes included).
+    pub fn block_set(&self) -> HashSet<BlockKey> {
+        self.state.lock().mirror.keys().copied().collect()
+    }
+
+    pub fn hash_status(&self) -> HashStatus {
+        self.state.lock().hash
+    }
+}
+
+/// The sending half of the agent-wide delta channel.
+pub type Updates = broadcast::Sender<Update>;
+
+/// Applies an engine's inputs and flushes deltas after the coalescing window.
+pub struct MirrorTask {
+    pub engine: Arc<Engine>,
+    pub check: Option<HashCheck>,
+    pub window: Duration,
+    pub metrics: Arc<Metrics>,
+    pub updates: Updates,
+}
+
+impl MirrorTask {
+    /// Runs until the input channel closes, then flushes what is pending.
+    pub async fn run(self, mut inputs: mpsc::Receiver<Input>) {
+        let mut deadline: Option<Instant> = None;
+        loop {
+            tokio::select! {
+                input = inputs.recv() => {
+                    let Some(input) = input else { break };
+                    if self.handle(input) && deadline.is_none() {
+                        deadline = Some(Instant::now() + self.window);
+                    }
+                }
+                () = sleep_until(deadline), if deadline.is_some() => {
+                    deadline = None;
+                    self.flush();
+                }
+            }
+        }
+        self.flush();
+    }
+
+    /// Applies one input; says whether a delta is now pending.
+    pub fn handle(&self, input: Input) -> bool {
+        let engine = &*self.engine.id.0;
+        let mut st = self.engine.state.lock();
+        match input {
+            Input::Reset(reason) => {
+                self.metrics
+                    .resets
+                    .get_or_create(&Metrics::reason(engine, reason.as_str()))
+                    .inc();
+                tracing::info!(engine, reason = reason.as_str(), "engine reset");
+                st.mirror.reset();
+                if reason.new_process() {
+                    st.hash = HashStatus::Unchecked;
+                }
+            }
+            Input::Batch { seq, batch } => {
+                self.metrics
+                    .batches
+                    .get_or_create(&Metrics::engine(engine))
+                    .inc();
+                for ev in &batch.events {
+                    self.apply(&mut st, engine, seq, ev);
+                }
+                if st.mirror.has_pending() && st.oldest_pending_ts.is_none() {
+                    st.oldest_pending_ts = Some(batch.ts);
+                }
+            }
+        }
+        self.metrics
+            .mirror_blocks
+            .get_or_create(&Metrics::engine(engine))
+            .set(i64::try_from(st.mirror.len()).unwrap_or(i64::MAX));
+        st.mirror.has_pending()
+    }
+
+    fn apply(&self, st: &mut State, engine: &str, seq: u64, ev: &KvEvent) {
+        self.metrics
+            .events
+            .get_or_create(&EventLabel {
+                engine: engine.to_owned(),
+                r#type: ev.kind().to_owned(),
+            })
+            .inc();
+        if let (KvEvent::BlockStored(s), Some(check)) = (ev, &self.check) {
+            let verdict = check.check(s);
+            match verdict {
+                Verdict::Match if st.hash == HashStatus::Unchecked => {
+                    tracing::info!(engine, seq, "block hashes verified against the settings");
+                    st.hash = HashStatus::Verified;
+                }
+                Verdict::Mismatch { .. } | Verdict::BlockSizeMismatch { .. } => {
+                    self.metrics
+                        .hash_mismatches
+                        .get_or_create(&Metrics::engine(engine))
+                        .inc();
+                    if st.hash != HashStatus::Mismatch {
+                        if let Some(line) = check.explain(engine, &verdict) {
+                            tracing::error!(engine, seq, "{line}");
+                        }
+                        st.hash = HashStatus::Mismatch;
+                        // Routers drop what they had; nothing more is sent until a restart.
+                        st.mirror.reset();
+                    }
+                }
+                Verdict::Match | Verdict::Skipped => {}
+            }
+        }
+        if st.hash == HashStatus::Mismatch {
+            return;
+        }
+        let applied = st.mirror.apply(ev);
+        if applied.unknown_removed > 0 {
+            self.metrics
+                .unknown_removals
+                .get_or_create(&Metrics::engine(engine))
+                .inc_by(applied.unknown_removed as u64);
+        }
+        if applied.cleared {
+            self.metrics
+                .resets
+                .get_or_create(&Metrics::reason(engine, ResetReason::Cleared.as_str()))
+                .inc();
+            tracing::info!(engine, seq, "AllBlocksCleared: engine reset");
+        }
+    }
+
+    /// Sends the pending delta, if any.
+    pub fn flush(&self) {
+        let (delta, oldest) = {
+            let mut st = self.engine.state.lock();
+            (st.mirror.take_delta(), st.oldest_pending_ts.take())
+        };
+        let Some(delta) = delta else { return };
+        if let Some(ts) = oldest {
+            let now = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            if now >= ts {
+                self.metrics
+                    .event_to_flush
+                    .get_or_create(&Metrics::engine(&self.engine.id.0))
+                    .observe(now - ts);
+            }
+        }
+        // No subscriber (no router connected yet) is fine: each uplink starts from a snapshot.
+        let _ = self.updates.send(Update {
+            engine: self.engine.id.clone(),
+            replica: self.engine.replica.clone(),
+            delta: Arc::new(delta),
+        });
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,195 @@
+use std::collections::HashMap;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::wire::{AllBlocksCleared, BlockRemoved, BlockStored};
+
+fn key(h: u64) -> BlockKey {
+    BlockKey {
+        hash: ExternalHash(h),
+        group: GroupIdx(0),
+        tier: Tier::Gpu,
+    }
+}
+
+/// What a router holds after applying a snapshot and then deltas (the consumer's side).
+#[derive(Default, Debug)]
+struct Consumer {
+    epoch: u64,
+    seq: u64,
+    blocks: HashMap<BlockKey, u32>,
+}
+
+impl Consumer {
+    fn load(&mut self, s: &Snapshot) {
+        self.epoch = s.epoch;
+        self.seq = s.seq;
+        self.blocks = s.blocks.iter().copied().collect();
+    }
+
+    fn apply(&mut self, d: &Delta) {
+        if d.epoch < self.epoch || (d.epoch == self.epoch && d.seq <= self.seq) {
+            return; // already in the snapshot
+        }
+        assert!(
+            d.epoch > self.epoch || d.seq == self.seq + 1,
+            "no delta skipped: had {}.{}, got {}.{}",
+            self.epoch,
+            self.seq,
+            d.epoch,
+            d.seq
+        );
+        if d.epoch > self.epoch {
+            assert!(d.reset && d.seq == 1, "a new epoch starts with a reset");
+        }
+        if d.reset {
+            self.blocks.clear();
+        }
+        for k in &d.stored {
+            *self.blocks.entry(*k).or_insert(0) += 1;
+        }
+        for k in &d.removed {
+            let n = self
+                .blocks
+                .get_mut(k)
+                .expect("removed only what was stored");
+            *n -= 1;
+            if *n == 0 {
+                self.blocks.remove(k);
+            }
+        }
+        self.epoch = d.epoch;
+        self.seq = d.seq;
+    }
+}
+
+fn held(m: &Mirror) -> HashMap<BlockKey, u32> {
+    m.keys().map(|k| (*k, m.count(k))).collect()
+}
+
+#[test]
+fn copies_are_counted_and_unknown_removals_ignored() {
+    let mut m = Mirror::new();
+    m.store(key(1));
+    m.store(key(1));
+    assert_eq!(m.count(&key(1)), 2);
+    assert!(m.remove(key(1)));
+    assert_eq!(m.count(&key(1)), 1);
+    assert!(m.remove(key(1)));
+    assert!(m.is_empty());
+    assert!(!m.remove(key(1)), "nothing left to remove");
+    assert!(!m.remove(key(2)));
+}
+
+#[test]
+fn a_store_undone_within_the_window_sends_nothing() {
+    let mut m = Mirror::new();
+    m.store(key(1));
+    m.store(key(2));
+    assert!(m.remove(key(1)));
+    let d = m.take_delta().expect("key 2 is new");
+    assert_eq!(
+        (d.stored.as_slice(), d.removed.len()),
+        ([key(2)].as_slice(), 0)
+    );
+    m.store(key(3));
+    assert!(m.remove(key(3)));
+    assert!(!m.has_pending());
+    assert_eq!(m.take_delta(), None);
+}
+
+#[test]
+fn events_map_to_keys_by_group_and_tier() {
+    let mut m = Mirror::new();
+    let stored = KvEvent::BlockStored(BlockStored {
+        block_hashes: vec![ExternalHash(5), ExternalHash(6)],
+        medium: Some(Medium::Cpu),
+        group_idx: Some(1),
+        ..BlockStored::default()
+    });
+    let a = m.apply(&stored);
+    assert_eq!(a.stored, 2);
+    let cpu5 = BlockKey {
+        hash: ExternalHash(5),
+        group: GroupIdx(1),
+        tier: Tier::from_vllm(Some("CPU")),
+    };
+    assert_eq!(m.count(&cpu5), 1);
+    assert_eq!(m.count(&key(5)), 0, "GPU group 0 is another key");
+    let removed = KvEvent::BlockRemoved(BlockRemoved {
+        block_hashes: vec![ExternalHash(5), ExternalHash(7)],
+        medium: Some(Medium::Other("cpu".into())),
+        group_idx: Some(1),
+        ..BlockRemoved::default()
+    });
+    let a = m.apply(&removed);
+    assert_eq!((a.removed, a.unknown_removed), (1, 1));
+    let a = m.apply(&KvEvent::AllBlocksCleared(AllBlocksCleared));
+    assert!(a.cleared && m.is_empty());
+    let d = m.take_delta().expect("reset pending");
+    assert!(d.reset && d.stored.is_empty() && d.removed.is_empty());
+    assert_eq!((d.epoch, d.seq), (1, 1));
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Store(u64),
+    Remove(u64),
+    Reset,
+    Flush,
+    Snapshot,
+}
+
+fn arb_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0u64..12).prop_map(Op::Store),
+        5 => (0u64..12).prop_map(Op::Remove),
+        1 => Just(Op::Reset),
+        3 => Just(Op::Flush),
+        1 => Just(Op::Snapshot),
+    ]
+}
+
+proptest! {
+    /// A consumer that loads a snapshot taken at any moment and then applies every later delta
+    /// ends up holding exactly what the mirror holds.
+    #[test]
+    fn snapshot_plus_later_deltas_equals_the_mirror(ops in proptest::collection::vec(arb_op(), 0..120)) {
+        let mut m = Mirror::new();
+        let mut deltas: Vec<Delta> = Vec::new();
+        let mut snapshots: Vec<(Snapshot, usize)> = vec![(m.snapshot(), 0)];
+        let mut model: HashMap<u64, u32> = HashMap::new();
+        for op in ops {
+            match op {
+                Op::Store(h) => {
+                    m.store(key(h));
+                    *model.entry(h).or_insert(0) += 1;
+                }
+                Op::Remove(h) => {
+                    let had = model.get(&h).copied().unwrap_or(0);
+                    prop_assert_eq!(m.remove(key(h)), had > 0);
+                    if had > 1 { model.insert(h, had - 1); } else { model.remove(&h); }
+                }
+                Op::Reset => {
+                    m.reset();
+                    model.clear();
+                }
+                Op::Flush => deltas.extend(m.take_delta()),
+                Op::Snapshot => snapshots.push((m.snapshot(), deltas.len())),
+            }
+            let expect: HashMap<BlockKey, u32> = model.iter().map(|(h, n)| (key(*h), *n)).collect();
+            prop_assert_eq!(held(&m), expect);
+        }
+        deltas.extend(m.take_delta());
+        for (snap, taken_before) in snapshots {
+            let mut c = Consumer::default();
+            c.load(&snap);
+            // The consumer may also see deltas from before its snapshot; it must skip them.
+            for d in &deltas[taken_before.saturating_sub(1)..] {
+                c.apply(d);
+            }
+            prop_assert_eq!(&c.blocks, &held(&m));
+        }
+    }
+}

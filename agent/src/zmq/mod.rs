@@ -1,0 +1,360 @@
+//! Event intake: one ZMQ SUB socket per engine, sequence tracking, and replay over DEALER.
+//!
+//! The wire contract is vLLM's (../shared/reference/vllm.md §1): each message is `[topic,
+//! seq (8 bytes big-endian), payload]`; `seq` counts batches from 0 for the life of the
+//! publisher. A jump is a gap: the missing batches are asked of the engine's replay ROUTER
+//! (`[b"", start_seq]` from a DEALER; replies `[b"", seq, payload]` before vLLM 0.26 and
+//! `[b"", topic, seq, payload]` from 0.26, then an end marker whose seq is all ones). A first
+//! replayed seq above the one asked, a replay that fails or times out, or no replay endpoint at
+//! all resets the engine. A seq going backwards means the engine restarted: reset. Messages
+//! that are not 3 frames are counted and dropped.
+//!
+//! # Concurrency model
+//! [`Intake::run`] is one task per engine owning its SUB socket (and, during a replay, a
+//! short-lived DEALER); it never touches shared state, only sends ordered [`Input`]s to the
+//! engine's mirror task over a bounded `mpsc` (back-pressure reaches the socket, whose
+//! high-water mark then drops, which shows up as a gap).
+
+mod publisher;
+mod seq;
+
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+pub use publisher::{Publisher, ReplyShape};
+pub use seq::{SeqTracker, SeqVerdict};
+
+use crate::engine::{Input, ResetReason};
+use crate::metrics::Metrics;
+use crate::wire::decode_batch;
+
+/// The replay end marker's seq frame: `(-1).to_bytes(8, "big", signed=True)`.
+pub const END_SEQ: [u8; 8] = [0xff; 8];
+
+/// How long a whole replay may take before the engine is reset instead.
+pub const DEFAULT_REPLAY_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Errors of the intake.
+#[derive(Debug, thiserror::Error)]
+pub enum ZmqError {
+    #[error("cannot {action} {endpoint}: {source}")]
+    Socket {
+        action: &'static str,
+        endpoint: String,
+        #[source]
+        source: zeromq::ZmqError,
+    },
+    #[error("replay from {endpoint} timed out after {0:?}", timeout)]
+    ReplayTimeout { endpoint: String, timeout: Duration },
+    #[error("replay from {endpoint}: {what}")]
+    ReplayReply { endpoint: String, what: String },
+    #[error("the engine's mirror task has stopped")]
+    MirrorGone,
+}
+
+/// Where and how to receive one engine's events.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineEndpoint {
+    /// `tcp://HOST:PORT`.
+    pub endpoint: String,
+    /// Bind the SUB (vLLM connects) rather than connect to vLLM's bound PUB.
+    pub bind: bool,
+    /// vLLM's replay ROUTER, if it has one.
+    pub replay: Option<String>,
+    /// Topic prefix filter ("" for all).
+    pub topic: String,
+}
+
+/// Opens the SUB socket; returns it with the endpoint actually bound (port 0 resolved) when
+/// binding.
+pub async fn open(ep: &EngineEndpoint) -> Result<(SubSocket, Option<String>), ZmqError> {
+    let mut sock = SubSocket::new();
+    let bound = if ep.bind {
+        let at = sock
+            .bind(&ep.endpoint)
+            .await
+            .map_err(|source| ZmqError::Socket {
+                action: "bind",
+                endpoint: ep.endpoint.clone(),
+                source,
+            })?;
+        Some(at.to_string())
+    } else {
+        sock.connect(&ep.endpoint)
+            .await
+            .map_err(|source| ZmqError::Socket {
+                action: "connect to",
+                endpoint: ep.endpoint.clone(),
+                source,
+            })?;
+        None
+    };
+    sock.subscribe(&ep.topic)
+        .await
+        .map_err(|source| ZmqError::Socket {
+            action: "subscribe on",
+            endpoint: ep.endpoint.clone(),
+            source,
+        })?;
+    Ok((sock, bound))
+}
+
+/// One engine's intake task.
+pub struct Intake {
+    pub engine: Arc<str>,
+    pub endpoint: EngineEndpoint,
+    pub inputs: mpsc::Sender<Input>,
+    pub metrics: Arc<Metrics>,
+    pub replay_timeout: Duration,
+}
+
+/// One message split into its seq and payload.
+struct Message {
+    seq: u64,
+    payload: Bytes,
+}
+
+impl Intake {
+    /// Receives until the socket fails or the mirror task stops.
+    pub async fn run(self, mut sock: SubSocket) -> Result<(), ZmqError> {
+        let mut tracker = SeqTracker::default();
+        loop {
+            let msg = match sock.recv().await {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::warn!(engine = &*self.engine, error = %e, "SUB receive failed");
+                    continue;
+                }
+            };
+            let Some(msg) = self.split(msg) else { continue };
+            match tracker.observe(msg.seq) {
+                SeqVerdict::InOrder => {
+                    self.deliver(msg.seq, &msg.payload).await?;
+                    tracker.applied(msg.seq);
+                }
+                SeqVerdict::Duplicate => {}
+                SeqVerdict::Restart { expected } => {
+                    tracing::warn!(
+                        engine = &*self.engine,
+                        seq = msg.seq,
+                        expected,
+                        "sequence went backwards: engine restarted"
+                    );
+                    self.reset(ResetReason::Restart).await?;
+                    tracker = SeqTracker::default();
+                    self.deliver(msg.seq, &msg.payload).await?;
+                    tracker.applied(msg.seq);
+                }
+                SeqVerdict::Gap { from } => {
+                    self.metrics
+                        .gaps
+                        .get_or_create(&Metrics::engine(&self.engine))
+                        .inc();
+                    tracing::warn!(engine = &*self.engine, from, to = msg.seq, "sequence gap");
+                    self.fill_gap(&mut tracker, from, msg).await?;
+                }
+            }
+        }
+    }
+
+    /// Validates the frames; counts and drops anything that is not a vLLM message.
+    fn split(&self, msg: ZmqMessage) -> Option<Message> {
+        let frames = msg.into_vec();
+        let parsed = match frames.as_slice() {
+            [_topic, seq, payload] => seq_of(seq).map(|seq| Message {
+                seq,
+                payload: payload.clone(),
+            }),
+            _ => None,
+        };
+        if parsed.is_none() {
+            self.metrics
+                .bad_messages
+                .get_or_create(&Metrics::engine(&self.engine))
+                .inc();
+            tracing::warn!(
+                engine = &*self.engine,
+                frames = frames.len(),
+                "dropping a message that is not [topic, 8-byte seq, payload]"
+            );
+        }
+        parsed
+    }
+
+    async fn send(&self, input: Input) -> Result<(), ZmqError> {
+        self.inputs
+            .send(input)
+            .await
+            .map_err(|_| ZmqError::MirrorGone)
+    }
+
+    async fn reset(&self, reason: ResetReason) -> Result<(), ZmqError> {
+        self.send(Input::Reset(reason)).await
+    }
+
+    /// Decodes and forwards one batch; an undecodable one resets the engine.
+    async fn deliver(&self, seq: u64, payload: &[u8]) -> Result<(), ZmqError> {
+        match decode_batch(payload) {
+            Ok(batch) => self.send(Input::Batch { seq, batch }).await,
+            Err(e) => {
+                self.metrics
+                    .decode_errors
+                    .get_or_create(&Metrics::engine(&self.engine))
+                    .inc();
+                tracing::error!(
+                    engine = &*self.engine,
+                    seq,
+                    error = %e,
+                    payload_len = payload.len(),
+                    "undecodable KV-event batch: its changes are lost, resetting the engine"
+                );
+                self.reset(ResetReason::Decode).await
+            }
+        }
+    }
+
+    async fn fill_gap(
+        &self,
+        tracker: &mut SeqTracker,
+        from: u64,
+        live: Message,
+    ) -> Result<(), ZmqError> {
+        let replayed = match &self.endpoint.replay {
+            None => None,
+            Some(ep) => match replay(ep, from, self.replay_timeout).await {
+                Ok(items) => Some(items),
+                Err(e) => {
+                    tracing::warn!(engine = &*self.engine, error = %e, "replay failed");
+                    self.count_replay("failed");
+                    None
+                }
+            },
+        };
+        let Some(items) = replayed else {
+            self.reset(ResetReason::Gap).await?;
+            self.deliver(live.seq, &live.payload).await?;
+            tracker.restart_at(live.seq);
+            return Ok(());
+        };
+        let mut lost = false;
+        for (seq, payload) in items {
+            match tracker.observe(seq) {
+                SeqVerdict::InOrder => {
+                    self.deliver(seq, &payload).await?;
+                    tracker.applied(seq);
+                }
+                SeqVerdict::Duplicate | SeqVerdict::Restart { .. } => {}
+                SeqVerdict::Gap { .. } => {
+                    // vLLM no longer buffers what was asked for: the loss is permanent.
+                    lost = true;
+                    self.reset(ResetReason::Gap).await?;
+                    self.deliver(seq, &payload).await?;
+                    tracker.restart_at(seq);
+                }
+            }
+        }
+        self.count_replay(if lost { "loss" } else { "filled" });
+        // The live message that revealed the gap, unless the replay already carried it.
+        match tracker.observe(live.seq) {
+            SeqVerdict::InOrder => {
+                self.deliver(live.seq, &live.payload).await?;
+                tracker.applied(live.seq);
+            }
+            SeqVerdict::Gap { .. } => {
+                self.reset(ResetReason::Gap).await?;
+                self.deliver(live.seq, &live.payload).await?;
+                tracker.restart_at(live.seq);
+            }
+            SeqVerdict::Duplicate | SeqVerdict::Restart { .. } => {}
+        }
+        // Live messages queued during the replay down to this one are duplicates now.
+        tracker.allow_duplicates_from(live.seq);
+        Ok(())
+    }
+
+    fn count_replay(&self, outcome: &str) {
+        self.metrics
+            .replays
+            .get_or_create(&Metrics::reason(&self.engine, outcome))
+            .inc();
+    }
+}
+
+/// A message of `first` and then `rest` (infallible, unlike `ZmqMessage::try_from(Vec)`).
+pub(crate) fn multipart(first: Bytes, rest: impl IntoIterator<Item = Bytes>) -> ZmqMessage {
+    let mut msg = ZmqMessage::from(first);
+    for frame in rest {
+        msg.push_back(frame);
+    }
+    msg
+}
+
+fn seq_of(frame: &[u8]) -> Option<u64> {
+    <[u8; 8]>::try_from(frame).ok().map(u64::from_be_bytes)
+}
+
+/// Asks a vLLM replay ROUTER for every buffered batch from `from` on; returns them in order.
+pub async fn replay(
+    endpoint: &str,
+    from: u64,
+    timeout: Duration,
+) -> Result<Vec<(u64, Bytes)>, ZmqError> {
+    tokio::time::timeout(timeout, replay_inner(endpoint, from))
+        .await
+        .map_err(|_| ZmqError::ReplayTimeout {
+            endpoint: endpoint.to_owned(),
+            timeout,
+        })?
+}
+
+async fn replay_inner(endpoint: &str, from: u64) -> Result<Vec<(u64, Bytes)>, ZmqError> {
+    let sock_err = |action: &'static str| {
+        move |source| ZmqError::Socket {
+            action,
+            endpoint: endpoint.to_owned(),
+            source,
+        }
+    };
+    let mut dealer = DealerSocket::new();
+    dealer
+        .connect(endpoint)
+        .await
+        .map_err(sock_err("connect to"))?;
+    let request = multipart(Bytes::new(), [Bytes::copy_from_slice(&from.to_be_bytes())]);
+    dealer.send(request).await.map_err(sock_err("send to"))?;
+    let mut out = Vec::new();
+    loop {
+        let reply = dealer.recv().await.map_err(sock_err("receive from"))?;
+        let mut frames = reply.into_vec();
+        if frames.first().is_some_and(|f| f.is_empty()) {
+            frames.remove(0);
+        }
+        // ≤ 0.25: [seq, payload]; ≥ 0.26: [topic, seq, payload].
+        let (seq, payload) = match frames.as_slice() {
+            [seq, payload] | [_, seq, payload] => (seq, payload),
+            _ => {
+                return Err(ZmqError::ReplayReply {
+                    endpoint: endpoint.to_owned(),
+                    what: format!("a reply of {} frames", frames.len()),
+                });
+            }
+        };
+        if seq.as_ref() == END_SEQ {
+            return Ok(out);
+        }
+        let Some(seq) = seq_of(seq) else {
+            return Err(ZmqError::ReplayReply {
+                endpoint: endpoint.to_owned(),
+                what: format!("a seq frame of {} bytes", seq.len()),
+            });
+        };
+        out.push((seq, payload.clone()));
+    }
+}
