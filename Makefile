@@ -10,7 +10,7 @@ PYTHON := $(VENV)/bin/python
 
 export ENVOY_BIN := $(ENVOY)
 
-.PHONY: build test lint fmt bench bench-hash envoy clean
+.PHONY: build test lint fmt bench bench-hash bench-sim envoy clean
 
 build:
 	$(CARGO) build --workspace --release
@@ -43,6 +43,11 @@ bench-hash: $(ENVOY)
 	$(CARGO) bench -p llmgw --bench blockhash -- --noplot
 	$(PYTHON) bench/python_blockhash.py --json target/python_blockhash.json
 	$(PYTHON) bench/compare_blockhash.py target/criterion target/python_blockhash.json
+
+# llmgw-sim capacity: ≥ 2,000 short requests/s on one core (latency model off); 64 sims, each
+# under 50 MB. The load generator runs on core 1, the sim on core 0.
+bench-sim:
+	taskset -c 1 $(CARGO) bench -p llmgw-integration --bench sim
 
 clean:
 	$(CARGO) clean
