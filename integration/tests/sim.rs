@@ -341,6 +341,38 @@ async fn an_index_fed_by_events_converges_to_debug_blocks() {
     assert!(!truth.is_empty());
 }
 
+/// An endpoint without `*` makes the simulator connect, as vLLM does (llm-d's centralized
+/// mode, where the indexer binds the SUB socket).
+#[tokio::test]
+async fn a_plain_endpoint_connects_to_a_bound_subscriber() {
+    let mut sub = zeromq::SubSocket::new();
+    let bound = sub.bind("tcp://127.0.0.1:0").await.unwrap();
+    sub.subscribe("").await.unwrap();
+    let cfg =
+        format!(r#"{{"enable_kv_cache_events":true,"endpoint":"{bound}","topic":"kv@pod@tiny"}}"#);
+    let sim = sim(&["--block-size", "16", "--kv-events-config", &cfg]);
+    assert_eq!(sim.events, None, "a connecting publisher binds nothing");
+    let http = Http::new(&sim);
+    // Let the connection and the subscription settle.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    http.post(
+        "/v1/completions",
+        json!({"prompt": PROMPT, "max_tokens": 1}),
+    )
+    .await;
+    let msg = tokio::time::timeout(Duration::from_secs(10), sub.recv())
+        .await
+        .expect("a batch within 10 s")
+        .unwrap()
+        .into_vec();
+    assert_eq!(&msg[0][..], b"kv@pod@tiny");
+    assert_eq!(msg[1][..], 0u64.to_be_bytes());
+    assert!(matches!(
+        wire::decode_batch(&msg[2]).unwrap().events[0],
+        KvEvent::BlockStored(_)
+    ));
+}
+
 #[tokio::test]
 async fn replay_returns_the_buffer_then_the_end_marker() {
     let cfg = events_config(r#","replay_endpoint":"tcp://127.0.0.1:*","buffer_steps":3"#);
