@@ -1,0 +1,527 @@
+//! The agent's settings: flags, `LLMGW_AGENT_…` environment variables, or a YAML file, in that
+//! order of precedence (a flag beats the environment, both beat the file).
+//!
+//! An engine is written `REPLICA=ENDPOINT[,replay=ENDPOINT][,bind][,topic=T][,dp=N]` on the
+//! command line, or as a map with the same names in YAML. `REPLICA` is the `host:port` the
+//! routers know the replica by; `bind` makes the agent bind the SUB (vLLM then connects to
+//! it); `dp=N` expands into N engines, rank r on the endpoint's (and replay's) port + r, as
+//! vLLM offsets them. Plain data, validated once at start-up.
+
+use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use llmgw::blockhash::{HashAlgo, HashSettings, SaltEncoding};
+use serde::Deserialize;
+
+/// Configuration errors, each naming the offending value.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("engine {spec:?}: {why}")]
+    Engine { spec: String, why: String },
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    Yaml {
+        path: PathBuf,
+        #[source]
+        source: serde_yaml::Error,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T, E = ConfigError> = std::result::Result<T, E>;
+
+/// One `--engine` (before data-parallel expansion).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineSpec {
+    pub replica: String,
+    pub endpoint: String,
+    #[serde(default)]
+    pub replay: Option<String>,
+    #[serde(default)]
+    pub bind: bool,
+    /// Overrides the agent-wide topic.
+    #[serde(default)]
+    pub topic: Option<String>,
+    /// Data-parallel size: ranks 0..dp on consecutive ports.
+    #[serde(default = "one")]
+    pub dp: u16,
+}
+
+fn one() -> u16 {
+    1
+}
+
+impl FromStr for EngineSpec {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let err = |why: &str| ConfigError::Engine {
+            spec: s.to_owned(),
+            why: why.to_owned(),
+        };
+        let mut parts = s.split(',');
+        let head = parts.next().unwrap_or_default();
+        let Some((replica, endpoint)) = head.split_once('=') else {
+            return Err(err("expected REPLICA=ENDPOINT first"));
+        };
+        let mut spec = EngineSpec {
+            replica: replica.trim().to_owned(),
+            endpoint: endpoint.trim().to_owned(),
+            replay: None,
+            bind: false,
+            topic: None,
+            dp: 1,
+        };
+        for opt in parts {
+            match opt.trim().split_once('=') {
+                None if opt.trim() == "bind" => spec.bind = true,
+                Some(("replay", v)) => spec.replay = Some(v.trim().to_owned()),
+                Some(("topic", v)) => spec.topic = Some(v.to_owned()),
+                Some(("dp", v)) => {
+                    spec.dp = v
+                        .trim()
+                        .parse()
+                        .map_err(|_| err("dp must be a small positive integer"))?;
+                }
+                _ => return Err(err(&format!("unknown option {opt:?}"))),
+            }
+        }
+        spec.validate().map_err(|why| err(&why))?;
+        Ok(spec)
+    }
+}
+
+/// Splits `tcp://HOST:PORT` into its host part and port.
+fn tcp_parts(endpoint: &str) -> Option<(&str, u16)> {
+    let rest = endpoint.strip_prefix("tcp://")?;
+    let (host, port) = rest.rsplit_once(':')?;
+    Some((host, port.parse().ok()?))
+}
+
+impl EngineSpec {
+    fn validate(&self) -> std::result::Result<(), String> {
+        if self.replica.is_empty() || !self.replica.contains(':') {
+            return Err(format!("replica {:?} is not host:port", self.replica));
+        }
+        for ep in std::iter::once(&self.endpoint).chain(self.replay.iter()) {
+            if tcp_parts(ep).is_none() {
+                return Err(format!("endpoint {ep:?} is not tcp://HOST:PORT"));
+            }
+        }
+        if self.dp == 0 {
+            return Err("dp must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// One engine per data-parallel rank.
+    pub fn expand(&self, default_topic: &str) -> Result<Vec<EngineConfig>> {
+        self.validate().map_err(|why| ConfigError::Engine {
+            spec: self.replica.clone(),
+            why,
+        })?;
+        let offset = |ep: &str, rank: u16| -> Result<String> {
+            let (host, port) = tcp_parts(ep).ok_or_else(|| ConfigError::Engine {
+                spec: self.replica.clone(),
+                why: format!("endpoint {ep:?} is not tcp://HOST:PORT"),
+            })?;
+            // vLLM leaves port 0 alone (an OS-chosen port per rank).
+            let port = if port == 0 {
+                0
+            } else {
+                port.checked_add(rank).ok_or_else(|| ConfigError::Engine {
+                    spec: self.replica.clone(),
+                    why: format!("port {port} + rank {rank} overflows"),
+                })?
+            };
+            Ok(format!("tcp://{host}:{port}"))
+        };
+        (0..self.dp)
+            .map(|rank| {
+                Ok(EngineConfig {
+                    name: if rank == 0 {
+                        self.replica.clone()
+                    } else {
+                        format!("{}#dp{rank}", self.replica)
+                    },
+                    replica: self.replica.clone(),
+                    endpoint: offset(&self.endpoint, rank)?,
+                    replay: self
+                        .replay
+                        .as_deref()
+                        .map(|r| offset(r, rank))
+                        .transpose()?,
+                    bind: self.bind,
+                    topic: self
+                        .topic
+                        .clone()
+                        .unwrap_or_else(|| default_topic.to_owned()),
+                })
+            })
+            .collect()
+    }
+}
+
+/// One engine, after expansion.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// The engine's name in logs and metrics.
+    pub name: String,
+    pub replica: String,
+    pub endpoint: String,
+    pub replay: Option<String>,
+    pub bind: bool,
+    pub topic: String,
+}
+
+/// The YAML file: the same settings as the flags, all optional.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub node: Option<String>,
+    #[serde(default)]
+    pub engines: Vec<EngineSpec>,
+    #[serde(default)]
+    pub routers: Vec<String>,
+    pub topic: Option<String>,
+    pub model: Option<String>,
+    pub hash_algo: Option<String>,
+    pub hash_seed: Option<String>,
+    pub block_size: Option<NonZeroUsize>,
+    pub window_ms: Option<u64>,
+    pub admin_addr: Option<SocketAddr>,
+    pub replay_timeout_ms: Option<u64>,
+}
+
+impl FileConfig {
+    pub fn load(path: &Path) -> Result<FileConfig> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        serde_yaml::from_str(&text).map_err(|source| ConfigError::Yaml {
+            path: path.to_owned(),
+            source,
+        })
+    }
+}
+
+/// Settings shared by `serve`, `run` and `vllm-args` (flags and environment).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct AgentArgs {
+    /// YAML file with any of these settings (flags and environment win).
+    #[arg(long, env = "LLMGW_AGENT_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// This node's name, as the routers know it.
+    #[arg(long, env = "LLMGW_AGENT_NODE")]
+    pub node: Option<String>,
+    /// REPLICA=ENDPOINT[,replay=ENDPOINT][,bind][,topic=T][,dp=N]; repeatable (or `;`-separated
+    /// in the environment).
+    #[arg(long = "engine", env = "LLMGW_AGENT_ENGINE", value_delimiter = ';')]
+    pub engines: Vec<EngineSpec>,
+    /// A router's feed address HOST:PORT; repeatable.
+    #[arg(long = "router", env = "LLMGW_AGENT_ROUTER", value_delimiter = ',')]
+    pub routers: Vec<String>,
+    /// ZMQ topic prefix of the engines' events (default: all).
+    #[arg(long, env = "LLMGW_AGENT_TOPIC")]
+    pub topic: Option<String>,
+    /// The served model name, reported to the routers.
+    #[arg(long, env = "LLMGW_AGENT_MODEL")]
+    pub model: Option<String>,
+    /// vLLM's --prefix-caching-hash-algo: sha256_cbor or xxhash_cbor.
+    #[arg(long, env = "LLMGW_AGENT_HASH_ALGO")]
+    pub hash_algo: Option<String>,
+    /// The engines' PYTHONHASHSEED.
+    #[arg(long, env = "LLMGW_AGENT_HASH_SEED")]
+    pub hash_seed: Option<String>,
+    /// The engines' block size; enables the block-0 hash check.
+    #[arg(long, env = "LLMGW_AGENT_BLOCK_SIZE")]
+    pub block_size: Option<NonZeroUsize>,
+    /// Coalescing window in milliseconds (default 20).
+    #[arg(long, env = "LLMGW_AGENT_WINDOW_MS")]
+    pub window_ms: Option<u64>,
+    /// Admin HTTP address for /metrics and /debug (default 127.0.0.1:9101).
+    #[arg(long, env = "LLMGW_AGENT_ADMIN_ADDR")]
+    pub admin_addr: Option<SocketAddr>,
+    /// How long a replay may take before the engine is reset instead (default 3000).
+    #[arg(long, env = "LLMGW_AGENT_REPLAY_TIMEOUT_MS")]
+    pub replay_timeout_ms: Option<u64>,
+}
+
+/// Everything resolved and validated.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    pub node: String,
+    pub engines: Vec<EngineConfig>,
+    pub routers: Vec<String>,
+    pub model: Option<String>,
+    pub algo: HashAlgo,
+    pub seed: Option<String>,
+    pub block_size: Option<NonZeroUsize>,
+    pub window: Duration,
+    pub admin_addr: SocketAddr,
+    pub replay_timeout: Duration,
+}
+
+pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9101";
+
+impl AgentArgs {
+    /// Merges flags/environment over the YAML file (if any) and validates.
+    pub fn resolve(&self) -> Result<AgentConfig> {
+        let file = match &self.config {
+            Some(path) => FileConfig::load(path)?,
+            None => FileConfig::default(),
+        };
+        let topic = self.topic.clone().or(file.topic).unwrap_or_default();
+        let specs = if self.engines.is_empty() {
+            file.engines
+        } else {
+            self.engines.clone()
+        };
+        let mut engines = Vec::new();
+        for spec in &specs {
+            engines.extend(spec.expand(&topic)?);
+        }
+        let mut names = std::collections::HashSet::new();
+        for e in &engines {
+            if !names.insert(e.name.as_str()) {
+                return Err(ConfigError::Invalid(format!(
+                    "engine {} is configured twice",
+                    e.name
+                )));
+            }
+        }
+        let algo_text = self
+            .hash_algo
+            .clone()
+            .or(file.hash_algo)
+            .unwrap_or_else(|| HashAlgo::Sha256Cbor.as_str().to_owned());
+        let algo = algo_text
+            .parse::<HashAlgo>()
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        let node = self
+            .node
+            .clone()
+            .or(file.node)
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .unwrap_or_else(|| "node".to_owned());
+        let admin_addr = match self.admin_addr.or(file.admin_addr) {
+            Some(a) => a,
+            None => DEFAULT_ADMIN_ADDR
+                .parse()
+                .map_err(|_| ConfigError::Invalid("bad default admin address".into()))?,
+        };
+        Ok(AgentConfig {
+            node,
+            engines,
+            routers: if self.routers.is_empty() {
+                file.routers
+            } else {
+                self.routers.clone()
+            },
+            model: self.model.clone().or(file.model),
+            algo,
+            seed: self.hash_seed.clone().or(file.hash_seed),
+            block_size: self.block_size.or(file.block_size),
+            window: Duration::from_millis(self.window_ms.or(file.window_ms).unwrap_or(20)),
+            admin_addr,
+            replay_timeout: Duration::from_millis(
+                self.replay_timeout_ms
+                    .or(file.replay_timeout_ms)
+                    .unwrap_or(3000),
+            ),
+        })
+    }
+}
+
+impl AgentConfig {
+    /// The hash settings the engines must run with, when the block size is known.
+    pub fn hash_settings(&self) -> Option<HashSettings> {
+        self.block_size.map(|block_size| HashSettings {
+            algo: self.algo,
+            seed: self.seed.clone(),
+            block_size,
+            salt_encoding: SaltEncoding::Tagged,
+        })
+    }
+}
+
+/// How vLLM must be started to publish to this agent: environment and arguments.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct VllmArgs {
+    pub env: Vec<(String, String)>,
+    pub args: Vec<String>,
+}
+
+/// vLLM's flags for one engine (rank 0 of a spec: vLLM offsets the other ranks itself).
+pub fn vllm_args(config: &AgentConfig, engine: &EngineConfig) -> VllmArgs {
+    // The agent binds → vLLM connects to that address; the agent connects → vLLM binds `*`.
+    let endpoint = if engine.bind {
+        engine.endpoint.clone()
+    } else {
+        star(&engine.endpoint)
+    };
+    let mut events = serde_json::json!({
+        "enable_kv_cache_events": true,
+        "publisher": "zmq",
+        "endpoint": endpoint,
+        "topic": engine.topic,
+    });
+    if let Some(replay) = &engine.replay {
+        events["replay_endpoint"] = serde_json::Value::String(star(replay));
+    }
+    let mut env = Vec::new();
+    if let Some(seed) = &config.seed {
+        env.push(("PYTHONHASHSEED".to_owned(), seed.clone()));
+    }
+    let mut args = vec![
+        "--enable-prefix-caching".to_owned(),
+        "--prefix-caching-hash-algo".to_owned(),
+        config.algo.as_str().to_owned(),
+        "--kv-events-config".to_owned(),
+        events.to_string(),
+    ];
+    if let Some(bs) = config.block_size {
+        args.extend(["--block-size".to_owned(), bs.to_string()]);
+    }
+    VllmArgs { env, args }
+}
+
+/// `tcp://HOST:PORT` → `tcp://*:PORT` (what a binding vLLM socket needs).
+fn star(endpoint: &str) -> String {
+    match tcp_parts(endpoint) {
+        Some((_, port)) => format!("tcp://*:{port}"),
+        None => endpoint.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_specs_parse_and_reject_with_the_reason() {
+        let e: EngineSpec = "10.0.0.5:8000=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5600,bind"
+            .parse()
+            .expect("parses");
+        assert_eq!(e.replica, "10.0.0.5:8000");
+        assert_eq!(e.replay.as_deref(), Some("tcp://127.0.0.1:5600"));
+        assert!(e.bind && e.dp == 1);
+        for (bad, why) in [
+            ("tcp://x:1", "REPLICA=ENDPOINT"),
+            ("r:1=ipc:///tmp/x", "not tcp://"),
+            ("r:1=tcp://h:1,colour=red", "unknown option"),
+            ("r:1=tcp://h:1,dp=0", "at least 1"),
+            ("noport=tcp://h:1", "host:port"),
+        ] {
+            let err = bad.parse::<EngineSpec>().expect_err(bad).to_string();
+            assert!(err.contains(why), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn data_parallel_ranks_are_separate_engines_on_offset_ports() {
+        let e: EngineSpec = "h:8000=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5600,dp=3,topic=t"
+            .parse()
+            .expect("parses");
+        let engines = e.expand("default").expect("expands");
+        let eps: Vec<(&str, &str, Option<&str>)> = engines
+            .iter()
+            .map(|e| (e.name.as_str(), e.endpoint.as_str(), e.replay.as_deref()))
+            .collect();
+        assert_eq!(
+            eps,
+            [
+                ("h:8000", "tcp://10.0.0.5:5557", Some("tcp://10.0.0.5:5600")),
+                (
+                    "h:8000#dp1",
+                    "tcp://10.0.0.5:5558",
+                    Some("tcp://10.0.0.5:5601")
+                ),
+                (
+                    "h:8000#dp2",
+                    "tcp://10.0.0.5:5559",
+                    Some("tcp://10.0.0.5:5602")
+                ),
+            ]
+        );
+        assert!(
+            engines
+                .iter()
+                .all(|e| e.topic == "t" && e.replica == "h:8000")
+        );
+    }
+
+    #[test]
+    fn flags_win_over_the_yaml_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("agent.yaml");
+        std::fs::write(
+            &path,
+            "node: from-file\nhash_seed: '7'\nblock_size: 16\nwindow_ms: 50\n\
+             engines:\n  - {replica: 'a:1', endpoint: 'tcp://127.0.0.1:5557', bind: true}\n",
+        )
+        .expect("write");
+        let args = AgentArgs {
+            config: Some(path.clone()),
+            node: Some("from-flag".into()),
+            ..AgentArgs::default()
+        };
+        let c = args.resolve().expect("resolves");
+        assert_eq!(c.node, "from-flag");
+        assert_eq!(c.seed.as_deref(), Some("7"));
+        assert_eq!(c.window, Duration::from_millis(50));
+        assert_eq!(c.engines.len(), 1);
+        assert!(c.engines[0].bind);
+        let settings = c.hash_settings().expect("block size known");
+        assert_eq!(settings.block_size.get(), 16);
+
+        std::fs::write(&path, "nodes: typo\n").expect("write");
+        let err = args.resolve().expect_err("unknown key").to_string();
+        assert!(err.contains("nodes"), "{err}");
+    }
+
+    #[test]
+    fn vllm_args_point_the_engine_at_the_agent() {
+        let spec: EngineSpec = "h:8000=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5600,bind"
+            .parse()
+            .expect("parses");
+        let args = AgentArgs {
+            engines: vec![spec],
+            hash_seed: Some("1729".into()),
+            block_size: NonZeroUsize::new(32),
+            topic: Some("kv".into()),
+            ..AgentArgs::default()
+        };
+        let c = args.resolve().expect("resolves");
+        let v = vllm_args(&c, &c.engines[0]);
+        assert_eq!(v.env, [("PYTHONHASHSEED".to_owned(), "1729".to_owned())]);
+        let i = v
+            .args
+            .iter()
+            .position(|a| a == "--kv-events-config")
+            .expect("flag");
+        let cfg: serde_json::Value = serde_json::from_str(&v.args[i + 1]).expect("json");
+        assert_eq!(cfg["endpoint"], "tcp://127.0.0.1:5557", "vLLM connects");
+        assert_eq!(
+            cfg["replay_endpoint"], "tcp://*:5600",
+            "replay always binds"
+        );
+        assert_eq!(cfg["topic"], "kv");
+        assert!(
+            v.args
+                .windows(2)
+                .any(|w| w == ["--prefix-caching-hash-algo", "sha256_cbor"])
+        );
+    }
+}

@@ -1,0 +1,211 @@
+//! The running agent: one intake and one mirror task per engine, plus the admin HTTP server
+//! (`/metrics`, `/healthz`, `/debug/engines`, `/debug/engines/{name}/blocks`).
+//!
+//! # Concurrency model
+//! Tasks are spawned on the ambient tokio runtime and owned by [`Agent`] (aborted on drop).
+//! The admin server reads engine state through each [`Engine`]'s short-held lock and the
+//! metrics registry; it never blocks the intake.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{Path, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use tokio::sync::{broadcast, mpsc};
+use tokio::task::JoinHandle;
+
+use crate::config::AgentConfig;
+use crate::engine::{Engine, EngineId, HashStatus, Input, MirrorTask, ReplicaId, Updates};
+use crate::hashcheck::HashCheck;
+use crate::metrics::Metrics;
+use crate::zmq::{EngineEndpoint, Intake, ZmqError};
+
+/// Errors starting the agent.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("hash settings: {0}")]
+    Hash(#[from] llmgw::blockhash::BlockHashError),
+    #[error("engine {engine}: {source}")]
+    Zmq {
+        engine: String,
+        #[source]
+        source: ZmqError,
+    },
+    #[error("admin server on {addr}: {source}")]
+    Admin {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Capacity of the agent-wide delta channel (deltas, not events: one per engine per window).
+const UPDATE_CAPACITY: usize = 4096;
+
+/// A started agent.
+pub struct Agent {
+    pub config: AgentConfig,
+    pub engines: Vec<Arc<Engine>>,
+    pub metrics: Arc<Metrics>,
+    pub updates: Updates,
+    inputs: BTreeMap<String, mpsc::Sender<Input>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Agent {
+    /// Opens every engine's socket and starts its tasks.
+    pub async fn start(config: AgentConfig) -> Result<Agent, DaemonError> {
+        let metrics = Arc::new(Metrics::new());
+        let (updates, _) = broadcast::channel(UPDATE_CAPACITY);
+        let check = config.hash_settings().map(HashCheck::new).transpose()?;
+        let mut agent = Agent {
+            engines: Vec::new(),
+            metrics,
+            updates,
+            inputs: BTreeMap::new(),
+            tasks: Vec::new(),
+            config,
+        };
+        for ec in agent.config.engines.clone() {
+            let engine = Engine::new(
+                EngineId(Arc::from(ec.name.as_str())),
+                ReplicaId(Arc::from(ec.replica.as_str())),
+            );
+            let endpoint = EngineEndpoint {
+                endpoint: ec.endpoint.clone(),
+                bind: ec.bind,
+                replay: ec.replay.clone(),
+                topic: ec.topic.clone(),
+            };
+            let (sock, bound) =
+                crate::zmq::open(&endpoint)
+                    .await
+                    .map_err(|source| DaemonError::Zmq {
+                        engine: ec.name.clone(),
+                        source,
+                    })?;
+            tracing::info!(
+                engine = ec.name,
+                replica = ec.replica,
+                endpoint = bound.as_deref().unwrap_or(&ec.endpoint),
+                bind = ec.bind,
+                replay = ec.replay.as_deref().unwrap_or("none"),
+                "engine intake started"
+            );
+            let (tx, rx) = mpsc::channel(1024);
+            let mirror = MirrorTask {
+                engine: Arc::clone(&engine),
+                check: check.clone(),
+                window: agent.config.window,
+                metrics: Arc::clone(&agent.metrics),
+                updates: agent.updates.clone(),
+            };
+            let intake = Intake {
+                engine: Arc::from(ec.name.as_str()),
+                endpoint,
+                inputs: tx.clone(),
+                metrics: Arc::clone(&agent.metrics),
+                replay_timeout: agent.config.replay_timeout,
+            };
+            agent.tasks.push(tokio::spawn(mirror.run(rx)));
+            let name = ec.name.clone();
+            agent.tasks.push(tokio::spawn(async move {
+                if let Err(e) = intake.run(sock).await {
+                    tracing::error!(engine = name, error = %e, "intake stopped");
+                }
+            }));
+            agent.inputs.insert(ec.name.clone(), tx);
+            agent.engines.push(engine);
+        }
+        Ok(agent)
+    }
+
+    /// Resets an engine (the supervisor calls this when it restarts vLLM).
+    pub async fn reset(&self, engine: &str, reason: crate::engine::ResetReason) -> bool {
+        match self.inputs.get(engine) {
+            Some(tx) => tx.send(Input::Reset(reason)).await.is_ok(),
+            None => false,
+        }
+    }
+
+    /// Serves the admin endpoints until the listener fails.
+    pub async fn serve_admin(self: Arc<Self>, addr: SocketAddr) -> Result<(), DaemonError> {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| DaemonError::Admin { addr, source })?;
+        tracing::info!(%addr, "admin server listening");
+        axum::serve(listener, admin_router(self))
+            .await
+            .map_err(|source| DaemonError::Admin { addr, source })
+    }
+}
+
+/// The admin routes (exposed for tests).
+pub fn admin_router(agent: Arc<Agent>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/debug/engines", get(engines))
+        .route("/debug/engines/{name}/blocks", get(blocks))
+        .with_state(agent)
+}
+
+async fn metrics(State(agent): State<Arc<Agent>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        agent.metrics.encode(),
+    )
+        .into_response()
+}
+
+fn hash_status(h: HashStatus) -> &'static str {
+    match h {
+        HashStatus::Unchecked => "unchecked",
+        HashStatus::Verified => "verified",
+        HashStatus::Mismatch => "hash mismatch",
+    }
+}
+
+async fn engines(State(agent): State<Arc<Agent>>) -> Response {
+    let list: Vec<serde_json::Value> = agent
+        .engines
+        .iter()
+        .map(|e| {
+            let snap = e.snapshot();
+            serde_json::json!({
+                "engine": &*e.id.0,
+                "replica": &*e.replica.0,
+                "hash": hash_status(snap.hash),
+                "epoch": snap.snapshot.epoch,
+                "delta_seq": snap.snapshot.seq,
+                "blocks": e.block_set().len(),
+            })
+        })
+        .collect();
+    axum::Json(serde_json::json!({ "node": agent.config.node, "engines": list })).into_response()
+}
+
+async fn blocks(State(agent): State<Arc<Agent>>, Path(name): Path<String>) -> Response {
+    let Some(engine) = agent.engines.iter().find(|e| *e.id.0 == *name) else {
+        return (StatusCode::NOT_FOUND, format!("no engine {name:?}\n")).into_response();
+    };
+    let mut hashes: Vec<u64> = engine.block_set().into_iter().map(|k| k.hash.0).collect();
+    hashes.sort_unstable();
+    hashes.dedup();
+    axum::Json(hashes).into_response()
+}
