@@ -136,6 +136,9 @@ pub struct Cli {
     #[arg(long, value_parser = parse_seq_range)]
     pub sim_drop_seqs: Vec<RangeInclusive<u64>>,
 
+    /// Delay before every `/tokenize` answer, in milliseconds.
+    #[arg(long, default_value_t = 0)]
+    pub sim_tokenize_delay_ms: u64,
     /// Value of the `x-llmgw-sim-replica` response header (default: the bound address).
     #[arg(long)]
     pub sim_replica: Option<String>,

@@ -42,6 +42,9 @@ pub struct AppState {
     pub replica: HeaderValue,
     pub created: u64,
     pub next_id: AtomicU64,
+    /// Added before every `/tokenize` answer (`--sim-tokenize-delay-ms`), to test routers'
+    /// tokenization deadlines.
+    pub tokenize_delay: Duration,
 }
 
 impl AppState {
@@ -604,6 +607,9 @@ struct TokenizeChat {
 }
 
 async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    if !state.tokenize_delay.is_zero() {
+        tokio::time::sleep(state.tokenize_delay).await;
+    }
     let result = (|| {
         let probe: Value = parse(&body)?;
         let (tokens, strs) = if probe.get("messages").is_some() {

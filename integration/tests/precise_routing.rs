@@ -1,0 +1,434 @@
+//! Precise prefix routing end to end: real `llmgw-sim` replicas publish KV events over ZMQ, a
+//! harness decodes them (the agent's `wire` module) into the router's `KvIndex`, and the router's
+//! scheduler with the prefix slot (`affinity`) decides in process; requests are then sent to the
+//! replica it picked, so the sims' caches and the index evolve as in production.
+
+use std::collections::BTreeSet;
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use llmgw::affinity::{AffinityConfig, HashersByModel, PrefixAffinity};
+use llmgw::blockhash::{BlockHasher, HashSettings};
+use llmgw::kvindex::{IndexConfig, KvEventSink, KvIndex};
+use llmgw::openai::{EndpointKind, ParsedRequest, parse_request};
+use llmgw::pool::{Health, InFlightGuard, Pool, ReplicaSpec};
+use llmgw::prefix::{PrefixTree, PrefixTreeConfig};
+use llmgw::scheduler::{Decision, Scheduler, SchedulerSettings, Scope};
+use llmgw::tokenize::{Tokenizer, TokenizerConfig};
+use llmgw_agent::wire::{self, KvEvent};
+use llmgw_integration::{SimHandle, spawn_sim_with_env};
+use serde_json::{Value, json};
+use zeromq::{Socket, SocketRecv};
+
+const SEED: &str = "4242";
+const MODEL: &str = "tiny";
+const BLOCK: usize = 16;
+
+fn spawn(blocks: usize, max_model_len: usize, extra: &[&str]) -> SimHandle {
+    let events = r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:*","topic":"kv"}"#;
+    let blocks = blocks.to_string();
+    let max_model_len = max_model_len.to_string();
+    let mut args = vec![
+        "--served-model-name",
+        MODEL,
+        "--block-size",
+        "16",
+        "--num-gpu-blocks-override",
+        &blocks,
+        "--max-model-len",
+        &max_model_len,
+        "--sim-no-latency",
+        "--kv-events-config",
+        events,
+    ];
+    args.extend_from_slice(extra);
+    spawn_sim_with_env(args, [("PYTHONHASHSEED", SEED)])
+}
+
+/// Feeds one sim's KV events into the index until the test ends.
+async fn feed_index(sim: &SimHandle, index: Arc<KvIndex>, removed: Arc<AtomicUsize>) {
+    let endpoint = sim.events.clone().expect("sim publishes events");
+    let replica = sim.addr.to_string();
+    let mut sub = zeromq::SubSocket::new();
+    sub.connect(&endpoint).await.expect("connect SUB");
+    sub.subscribe("kv").await.expect("subscribe");
+    tokio::spawn(async move {
+        while let Ok(msg) = sub.recv().await {
+            let frames = msg.into_vec();
+            let Some(payload) = frames.get(2) else {
+                continue;
+            };
+            let batch = wire::decode_batch(payload).expect("sim payloads decode");
+            for event in batch.events {
+                match event {
+                    KvEvent::BlockStored(s) => index.stored(
+                        &replica,
+                        &s.block_hashes,
+                        wire::Medium::tier(s.medium.as_ref()),
+                    ),
+                    KvEvent::BlockRemoved(r) => {
+                        removed.fetch_add(r.block_hashes.len(), Ordering::Relaxed);
+                        index.removed(
+                            &replica,
+                            &r.block_hashes,
+                            wire::Medium::tier(r.medium.as_ref()),
+                        );
+                    }
+                    KvEvent::AllBlocksCleared(_) => index.cleared(&replica),
+                    KvEvent::Unknown { .. } => {}
+                }
+            }
+        }
+    });
+}
+
+struct Fleet {
+    sims: Vec<SimHandle>,
+    index: Arc<KvIndex>,
+    scheduler: Scheduler,
+    affinity: Arc<PrefixAffinity>,
+    pool: Arc<Pool>,
+    http: reqwest::Client,
+    /// Blocks the sims reported evicted.
+    removed: Arc<AtomicUsize>,
+}
+
+/// Lets the scheduler own the scorer while the test keeps a handle for its metrics.
+struct Shared(Arc<PrefixAffinity>);
+
+impl llmgw::scheduler::PrefixScorer for Shared {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn score<'a>(
+        &'a self,
+        request: &'a ParsedRequest,
+        candidates: &'a [llmgw::scheduler::Candidate],
+    ) -> futures::future::BoxFuture<
+        'a,
+        Result<llmgw::scheduler::PrefixScores, llmgw::scheduler::PrefixUnavailable>,
+    > {
+        self.0.score(request, candidates)
+    }
+    fn after_pick(
+        &self,
+        request: &ParsedRequest,
+        chosen: &llmgw::scheduler::Candidate,
+        scores: &llmgw::scheduler::PrefixScores,
+    ) {
+        self.0.after_pick(request, chosen, scores)
+    }
+}
+
+async fn fleet(n: usize, blocks: usize, tokenize_deadline: Duration) -> Fleet {
+    fleet_with(n, blocks, tokenize_deadline, &[]).await
+}
+
+async fn fleet_with(n: usize, blocks: usize, tokenize_deadline: Duration, extra: &[&str]) -> Fleet {
+    // The engine must fit one max-length sequence in its cache, as vLLM requires.
+    let max_model_len = (blocks - 1) * BLOCK;
+    let sims: Vec<SimHandle> = (0..n)
+        .map(|_| spawn(blocks, max_model_len, extra))
+        .collect();
+    let index = Arc::new(KvIndex::new(IndexConfig::default()));
+    let removed = Arc::new(AtomicUsize::new(0));
+    for sim in &sims {
+        feed_index(sim, Arc::clone(&index), Arc::clone(&removed)).await;
+    }
+    // ZMQ's slow joiner: let the subscriptions reach the publishers.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let specs = sims
+        .iter()
+        .map(|s| ReplicaSpec {
+            address: s.addr,
+            models: vec![MODEL.to_owned()],
+            node: None,
+        })
+        .collect();
+    let pool = Arc::new(Pool::new(specs, Duration::from_secs(5)));
+    for replica in pool.snapshot().replicas() {
+        replica.set_health(Health::Healthy);
+    }
+    let hasher = BlockHasher::new(&HashSettings::sha256_cbor(
+        NonZeroUsize::new(BLOCK).expect("nonzero"),
+        Some(SEED),
+    ))
+    .expect("hasher");
+    let affinity = Arc::new(PrefixAffinity::new(
+        AffinityConfig::default(),
+        HashersByModel::from([(MODEL.to_owned(), Arc::new(hasher))]),
+        Arc::clone(&index),
+        Arc::new(PrefixTree::new(PrefixTreeConfig::default())),
+        Tokenizer::new(TokenizerConfig {
+            deadline: tokenize_deadline,
+            ..TokenizerConfig::default()
+        }),
+    ));
+    let scheduler = Scheduler::new(Arc::clone(&pool), SchedulerSettings::default())
+        .with_prefix_scorer(Box::new(Shared(Arc::clone(&affinity))));
+    Fleet {
+        sims,
+        index,
+        scheduler,
+        affinity,
+        pool,
+        http: reqwest::Client::new(),
+        removed,
+    }
+}
+
+fn completion(prompt: &str, salt: Option<&str>) -> Value {
+    let mut body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 4});
+    if let Some(salt) = salt {
+        body["cache_salt"] = json!(salt);
+    }
+    body
+}
+
+/// A prompt of several blocks, distinct per `i`.
+fn long_prompt(i: usize) -> String {
+    let words: Vec<String> = (0..24).map(|w| format!("topic{i} clause{w}")).collect();
+    format!("Document {i}: {}", words.join(", "))
+}
+
+impl Fleet {
+    fn sim_index(&self, addr: &str) -> usize {
+        self.sims
+            .iter()
+            .position(|s| s.addr.to_string() == addr)
+            .expect("a sim")
+    }
+
+    async fn send_to(&self, sim: usize, endpoint: &str, body: &Value) -> Value {
+        let res = self
+            .http
+            .post(format!("{}{endpoint}", self.sims[sim].url()))
+            .json(body)
+            .send()
+            .await
+            .expect("sim answers");
+        assert_eq!(res.status().as_u16(), 200);
+        res.json().await.expect("json")
+    }
+
+    /// Decides where `body` goes; the decision holds the in-flight count until dropped.
+    async fn decide(&self, endpoint: &str, body: &Value) -> (usize, Decision) {
+        let kind = EndpointKind::from_path(endpoint).expect("completion endpoint");
+        let request = parse_request(kind, body.to_string().as_bytes()).expect("parses");
+        let decision = self
+            .scheduler
+            .decide(&request, Scope::default())
+            .await
+            .expect("a decision");
+        (self.sim_index(decision.primary().endpoint()), decision)
+    }
+
+    async fn route(&self, endpoint: &str, body: &Value) -> (usize, Value) {
+        let (sim, decision) = self.decide(endpoint, body).await;
+        let answer = self.send_to(sim, endpoint, body).await;
+        drop(decision);
+        (sim, answer)
+    }
+
+    async fn sim_blocks(&self, sim: usize) -> BTreeSet<u64> {
+        let v: Value = self
+            .http
+            .get(format!("{}/debug/blocks", self.sims[sim].url()))
+            .send()
+            .await
+            .expect("debug/blocks")
+            .json()
+            .await
+            .expect("json");
+        serde_json::from_value(v["block_hashes"].clone()).expect("u64 list")
+    }
+
+    fn index_blocks(&self, sim: usize) -> BTreeSet<u64> {
+        self.index
+            .replica_blocks(&self.sims[sim].addr.to_string())
+            .into_iter()
+            .map(|h| h.0)
+            .collect()
+    }
+
+    /// Waits (bounded) until the index agrees with every sim's own block list.
+    async fn converge(&self) {
+        for _ in 0..200 {
+            let mut equal = true;
+            for sim in 0..self.sims.len() {
+                equal &= self.index_blocks(sim) == self.sim_blocks(sim).await;
+            }
+            if equal {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        for sim in 0..self.sims.len() {
+            assert_eq!(
+                self.index_blocks(sim),
+                self.sim_blocks(sim).await,
+                "sim {sim}"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_warmed_on_a_replica_goes_to_it() {
+    let f = fleet(3, 2000, Duration::from_secs(2)).await;
+    let body = completion(&long_prompt(0), None);
+    f.send_to(1, "/v1/completions", &body).await;
+    f.converge().await;
+    let (chosen, _) = f.decide("/v1/completions", &body).await;
+    assert_eq!(chosen, 1);
+    assert_eq!(f.affinity.metrics().kv_count("hit"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_warmed_prompts_each_go_to_their_owner() {
+    let f = fleet(3, 2000, Duration::from_secs(2)).await;
+    for i in 0..10 {
+        f.send_to(i % 3, "/v1/completions", &completion(&long_prompt(i), None))
+            .await;
+    }
+    f.converge().await;
+    for i in 0..10 {
+        let (chosen, _) = f
+            .decide("/v1/completions", &completion(&long_prompt(i), None))
+            .await;
+        assert_eq!(chosen, i % 3, "prompt {i}");
+    }
+    assert_eq!(f.affinity.metrics().kv_count("hit"), 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_turn_chat_follows_its_replica() {
+    let f = fleet(3, 2000, Duration::from_secs(2)).await;
+    let mut messages = vec![
+        json!({"role": "system", "content": long_prompt(7)}),
+        json!({"role": "user", "content": "First question about the document?"}),
+    ];
+    let mut owner = None;
+    for turn in 0..4 {
+        let body = json!({"model": MODEL, "messages": messages, "max_tokens": 8});
+        let (chosen, answer) = f.route("/v1/chat/completions", &body).await;
+        if let Some(owner) = owner {
+            assert_eq!(chosen, owner, "turn {turn}");
+        }
+        owner = Some(chosen);
+        // Let the engine's own events land, so later turns are routed by real cache state.
+        f.converge().await;
+        let reply = answer["choices"][0]["message"]["content"]
+            .as_str()
+            .expect("assistant text")
+            .to_owned();
+        messages.push(json!({"role": "assistant", "content": reply}));
+        messages.push(json!({"role": "user", "content": format!("Follow-up {turn}?")}));
+    }
+    assert!(f.affinity.metrics().kv_count("hit") >= 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_salted_request_does_not_match_unsalted_blocks() {
+    let f = fleet(2, 2000, Duration::from_secs(2)).await;
+    let prompt = long_prompt(3);
+    f.send_to(1, "/v1/completions", &completion(&prompt, None))
+        .await;
+    f.converge().await;
+    let salted = completion(&prompt, Some("tenant-a"));
+    let (chosen, _) = f.route("/v1/completions", &salted).await;
+    assert_eq!(f.affinity.metrics().kv_count("miss"), 1);
+    assert_eq!(f.affinity.metrics().kv_count("hit"), 0);
+    // The same salt again matches where the salted request went.
+    f.converge().await;
+    let (again, _) = f.decide("/v1/completions", &salted).await;
+    assert_eq!(again, chosen);
+    assert_eq!(f.affinity.metrics().kv_count("hit"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_imbalance_overrides_affinity() {
+    let f = fleet(2, 2000, Duration::from_secs(2)).await;
+    let body = completion(&long_prompt(5), None);
+    f.send_to(0, "/v1/completions", &body).await;
+    f.converge().await;
+    let (chosen, _) = f.decide("/v1/completions", &body).await;
+    assert_eq!(chosen, 0, "affinity while load is even");
+    // Replica 0 gets far more requests in flight than the imbalance threshold.
+    let busy = f
+        .pool
+        .snapshot()
+        .find(&f.sims[0].addr.to_string())
+        .cloned()
+        .expect("replica");
+    let threshold = SchedulerSettings::default().imbalance_threshold as usize;
+    let _held: Vec<InFlightGuard> = (0..threshold * 2).map(|_| busy.start_request()).collect();
+    let (chosen, decision) = f.decide("/v1/completions", &body).await;
+    assert_eq!(chosen, 1);
+    assert!(decision.imbalance_guard_fired);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tokenize_timeout_falls_back_to_the_tree() {
+    // Every /tokenize answer takes 300 ms, past the 50 ms deadline: a request seen for the first
+    // time takes the fallback.
+    let f = fleet_with(
+        3,
+        2000,
+        Duration::from_millis(50),
+        &["--sim-tokenize-delay-ms", "300"],
+    )
+    .await;
+    let warm = completion(&long_prompt(9), None);
+    f.send_to(0, "/v1/completions", &warm).await;
+    f.converge().await;
+    let first = completion(&format!("{} First question?", long_prompt(8)), None);
+    let (first_sim, _) = f.route("/v1/completions", &first).await;
+    assert_eq!(f.affinity.metrics().kv_count("tokenize_timeout"), 1);
+    // Another question on the same document, also never tokenized: the tree sends it after the
+    // first.
+    let second = completion(&format!("{} Second question?", long_prompt(8)), None);
+    let (second_sim, _) = f.route("/v1/completions", &second).await;
+    assert_eq!(f.affinity.metrics().kv_count("tokenize_timeout"), 2);
+    assert_eq!(second_sim, first_sim);
+    assert_eq!(f.affinity.metrics().tree_count("hit"), 1);
+    // The late /tokenize answers still filled the cache: a repeat is decided precisely.
+    for _ in 0..200 {
+        if f.affinity.tokenizer().cache_bytes() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    f.converge().await;
+    let (repeat, _) = f.decide("/v1/completions", &first).await;
+    assert_eq!(f.affinity.metrics().kv_count("hit"), 1);
+    assert_eq!(repeat, first_sim);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_workload_with_evictions_the_index_equals_each_sim() {
+    // 48 blocks per sim; each prompt is about 25 blocks, so caches evict.
+    let f = fleet(2, 48, Duration::from_secs(2)).await;
+    for round in 0..3 {
+        for i in 0..6 {
+            f.route(
+                "/v1/completions",
+                &completion(&long_prompt(i * 10 + round), None),
+            )
+            .await;
+        }
+    }
+    f.converge().await;
+    assert!(
+        f.removed.load(Ordering::Relaxed) > 0,
+        "the workload evicted blocks"
+    );
+    let held: usize = (0..2).map(|s| f.index_blocks(s).len()).sum();
+    assert!(held > 0, "the index holds the sims' blocks");
+    for sim in 0..2 {
+        assert!(f.index_blocks(sim).len() <= 48, "sim {sim} evicted");
+    }
+}
