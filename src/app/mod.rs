@@ -165,7 +165,9 @@ fn local_addr(listener: &TcpListener, addr: SocketAddr) -> Result<SocketAddr, Se
 /// least one replica is healthy.
 async fn report_readiness(pool: Arc<Pool>, reporter: tonic_health::server::HealthReporter) {
     let mut ready = None;
-    let mut ticker = tokio::time::interval(Duration::from_millis(100));
+    // Polling a handful of atomics is cheap; 25 ms keeps Envoy's health checks of llmgw from
+    // seeing a stale answer for long.
+    let mut ticker = tokio::time::interval(Duration::from_millis(25));
     loop {
         ticker.tick().await;
         let now_ready = pool.snapshot().any_healthy();

@@ -1,0 +1,452 @@
+//! The router behind a real Envoy, with real `llmgw-sim` replicas, all on loopback: picks are
+//! obeyed, streams work and are counted to their last byte, bad inputs get their statuses,
+//! traffic survives llmgw going down, replicas leave and return, FULL_DUPLEX_STREAMED returns
+//! the body byte for byte, and a client's destination header steers nothing in either Envoy
+//! configuration.
+
+mod router_support;
+
+use std::collections::HashSet;
+use std::process::Command;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use futures::StreamExt;
+use llmgw_integration::{envoy_bin, free_port, repo_root};
+use router_support::*;
+
+#[test]
+fn every_envoy_config_in_the_repo_validates() {
+    let mut checked = 0;
+    for entry in std::fs::read_dir(repo_root().join("envoy")).expect("envoy/") {
+        let path = entry.expect("dir entry").path();
+        if path.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+            let output = Command::new(envoy_bin())
+                .args(["--mode", "validate", "-c"])
+                .arg(&path)
+                .output()
+                .expect("run envoy --mode validate");
+            assert!(
+                output.status.success(),
+                "{} does not validate:\n{}",
+                path.display(),
+                String::from_utf8_lossy(&output.stderr)
+            );
+            checked += 1;
+        }
+    }
+    assert!(
+        checked >= 2,
+        "expected envoy.yaml and envoy-original-dst.yaml"
+    );
+}
+
+/// Replica `a` serves `tiny`; replica `b` serves `tiny` and `other`, but the router is told
+/// only `other=b`. So with llmgw up, `tiny` must always land on `a` and `other` on `b` (Envoy's
+/// own balancing would spread them); with llmgw down, anything lands anywhere and succeeds.
+async fn picks_spoofing_and_failover(
+    config: &str,
+    router_flags: &[&str],
+    envoy_checks_llmgw: bool,
+) {
+    let a = sim("a", &["tiny"], 0, &[]);
+    let b = sim("b", &["tiny", "other"], 0, &[]);
+    let evil = echo_server("evil").await;
+    let grpc = free_port();
+    let router = start_router(
+        grpc,
+        &[format!("tiny={}", a.addr), format!("other={}", b.addr)],
+        router_flags,
+    );
+    router.wait_healthy(&[a.addr, b.addr]).await;
+    let envoy = start_envoy(config, grpc, [a.addr, b.addr]).await;
+    if envoy_checks_llmgw {
+        envoy.wait_llmgw_marked_up().await;
+    }
+
+    // llmgw's picks are obeyed.
+    for _ in 0..6 {
+        let (status, replica, body) =
+            post(&envoy, "/v1/completions", completion("tiny", "hello"), &[]).await;
+        assert_eq!((status, replica.as_deref()), (200, Some("a")), "{body}");
+        let (status, replica, body) =
+            post(&envoy, "/v1/completions", completion("other", "hello"), &[]).await;
+        assert_eq!((status, replica.as_deref()), (200, Some("b")), "{body}");
+    }
+    let chat = serde_json::json!({
+        "model": "other",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+    })
+    .to_string();
+    let (status, replica, body) = post(&envoy, "/v1/chat/completions", chat, &[]).await;
+    assert_eq!((status, replica.as_deref()), (200, Some("b")), "{body}");
+    assert!(router.decisions("routed").await >= 13);
+
+    // Requests that are not completions go to any ready replica.
+    let response = client()
+        .get(envoy.url("/v1/models"))
+        .send()
+        .await
+        .expect("GET /v1/models");
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(router.decisions("routed_any").await, 1);
+
+    // A client's destination header steers nothing while llmgw is up.
+    let spoof_b = b.addr.to_string();
+    let spoof_evil = evil.addr.to_string();
+    for spoof in [&spoof_b, &spoof_evil] {
+        let (status, replica, body) = post(
+            &envoy,
+            "/v1/completions",
+            completion("tiny", "steer me"),
+            &[(DESTINATION_HEADER, spoof)],
+        )
+        .await;
+        assert_eq!(
+            (status, replica.as_deref()),
+            (200, Some("a")),
+            "spoof {spoof}: {body}"
+        );
+    }
+
+    // llmgw down: Envoy still serves through its fallback, and still ignores the header.
+    drop(router);
+    if envoy_checks_llmgw {
+        envoy.wait_llmgw_marked_down().await;
+    }
+    for _ in 0..6 {
+        let (status, replica, body) = post(
+            &envoy,
+            "/v1/completions",
+            completion("tiny", "fallback"),
+            &[],
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert!(matches!(replica.as_deref(), Some("a" | "b")), "{replica:?}");
+        let (status, replica, body) = post(
+            &envoy,
+            "/v1/completions",
+            completion("tiny", "steer me"),
+            &[(DESTINATION_HEADER, &spoof_evil)],
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert!(matches!(replica.as_deref(), Some("a" | "b")), "{replica:?}");
+    }
+    assert_eq!(
+        evil.hits.load(Ordering::SeqCst),
+        0,
+        "a spoofed header reached a foreign host"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_config_obeys_picks_ignores_spoofing_and_fails_open() {
+    picks_spoofing_and_failover("envoy.yaml", &[], false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn original_dst_config_obeys_picks_ignores_spoofing_and_fails_open() {
+    // Full duplex fails open only while Envoy knows llmgw is down (see the configuration).
+    picks_spoofing_and_failover("envoy-original-dst.yaml", &["--fallbacks", "0"], true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_response_is_counted_in_flight_until_its_last_byte() {
+    let slow = ["--sim-decode-us-per-token", "60000"];
+    let a = sim("a", &["tiny"], 0, &slow);
+    let b = sim("b", &["tiny"], 0, &slow);
+    let grpc = free_port();
+    let router = start_router(
+        grpc,
+        &[format!("tiny={}", a.addr), format!("tiny={}", b.addr)],
+        &[],
+    );
+    router.wait_healthy(&[a.addr, b.addr]).await;
+    let envoy = start_envoy("envoy.yaml", grpc, [a.addr, b.addr]).await;
+
+    let body = serde_json::json!({"model": "tiny", "prompt": "count slowly", "max_tokens": 12, "stream": true});
+    let response = client()
+        .post(envoy.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("streamed request");
+    assert_eq!(response.status().as_u16(), 200);
+    let served = match response
+        .headers()
+        .get(REPLICA_HEADER)
+        .and_then(|v| v.to_str().ok())
+    {
+        Some("a") => a.addr,
+        Some("b") => b.addr,
+        other => panic!("served by {other:?}"),
+    };
+    let mut stream = response.bytes_stream();
+    let mut text = String::new();
+    let mut chunks = 0;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.expect("stream chunk");
+        text.push_str(&String::from_utf8_lossy(&chunk));
+        if text.contains("[DONE]") {
+            break;
+        }
+        chunks += 1;
+        assert_eq!(
+            router.in_flight(served).await,
+            1,
+            "in flight while streaming, after {chunks} chunks"
+        );
+    }
+    assert!(
+        chunks >= 3,
+        "expected several SSE chunks, got {chunks}: {text}"
+    );
+    assert!(text.contains("data: "));
+    drop(stream);
+    let mut in_flight = u64::MAX;
+    for _ in 0..100 {
+        in_flight = router.in_flight(served).await;
+        if in_flight == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        in_flight, 0,
+        "the request still counts after its stream ended"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_inputs_get_their_status_and_a_json_error() {
+    let slow = ["--sim-decode-us-per-token", "100000"];
+    let a = sim("a", &["tiny"], 0, &slow);
+    let b = sim("b", &["tiny"], 0, &slow);
+    let ghost = format!("ghost=127.0.0.1:{}", free_port());
+    let grpc = free_port();
+    let router = start_router(
+        grpc,
+        &[
+            format!("tiny={}", a.addr),
+            format!("tiny={}", b.addr),
+            ghost,
+        ],
+        &["--max-body-bytes", "100000", "--max-in-flight", "1"],
+    );
+    router.wait_healthy(&[a.addr, b.addr]).await;
+    let envoy = start_envoy("envoy.yaml", grpc, [a.addr, b.addr]).await;
+
+    let big_prompt = "x".repeat(150_000);
+    let cases: Vec<(&str, String, u16, &str)> = vec![
+        (
+            "/v1/completions",
+            "{not json".to_string(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"x"}"#.to_string(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"tiny"}"#.to_string(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"model":"tiny"}"#.to_string(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/completions",
+            completion("nope", "x"),
+            404,
+            "not_found_error",
+        ),
+        (
+            "/v1/completions",
+            completion("tiny", &big_prompt),
+            413,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/completions",
+            completion("ghost", "x"),
+            503,
+            "service_unavailable_error",
+        ),
+    ];
+    for (path, body, status, error_type) in cases {
+        let response = client()
+            .post(envoy.url(path))
+            .header("content-type", "application/json")
+            .body(body.clone())
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(
+            response.status().as_u16(),
+            status,
+            "{path} {}",
+            &body[..body.len().min(60)]
+        );
+        assert_eq!(
+            response
+                .headers()
+                .get("content-type")
+                .and_then(|v| v.to_str().ok()),
+            Some("application/json")
+        );
+        let error: serde_json::Value = response.json().await.expect("JSON error body");
+        assert_eq!(error["error"]["code"], status);
+        assert_eq!(error["error"]["type"], error_type);
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty())
+        );
+    }
+
+    // 429: both replicas hold one slow request each (--max-in-flight 1).
+    let slow_body =
+        serde_json::json!({"model": "tiny", "prompt": "busy", "max_tokens": 20, "stream": true});
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let response = client()
+            .post(envoy.url("/v1/completions"))
+            .json(&slow_body)
+            .send()
+            .await
+            .expect("slow request");
+        assert_eq!(response.status().as_u16(), 200);
+        held.push(response);
+    }
+    let (status, _, body) = post(
+        &envoy,
+        "/v1/completions",
+        completion("tiny", "one more"),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 429, "{body}");
+    let error: serde_json::Value = serde_json::from_str(&body).expect("JSON error body");
+    assert_eq!(error["error"]["type"], "rate_limit_error");
+    drop(held);
+
+    assert_eq!(router.decisions("bad_request").await, 4);
+    assert_eq!(router.decisions("unknown_model").await, 1);
+    assert_eq!(router.decisions("body_too_large").await, 1);
+    assert_eq!(router.decisions("no_ready_replica").await, 1);
+    assert_eq!(router.decisions("saturated").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_replica_leaves_the_candidates_and_comes_back() {
+    let a = sim("a", &["tiny"], 0, &[]);
+    let b = sim("b", &["tiny"], 0, &[]);
+    let b_addr = b.addr;
+    let grpc = free_port();
+    let router = start_router(
+        grpc,
+        &[format!("tiny={}", a.addr), format!("tiny={b_addr}")],
+        &[],
+    );
+    router.wait_healthy(&[a.addr, b_addr]).await;
+    let envoy = start_envoy("envoy.yaml", grpc, [a.addr, b_addr]).await;
+
+    drop(b);
+    router.wait_healthy(&[a.addr]).await;
+    for _ in 0..8 {
+        let (status, replica, body) = post(
+            &envoy,
+            "/v1/completions",
+            completion("tiny", "still here"),
+            &[],
+        )
+        .await;
+        assert_eq!((status, replica.as_deref()), (200, Some("a")), "{body}");
+    }
+
+    let _b = sim("b", &["tiny"], b_addr.port(), &[]);
+    router.wait_healthy(&[a.addr, b_addr]).await;
+    let mut seen = HashSet::new();
+    for _ in 0..40 {
+        let (status, replica, body) = post(
+            &envoy,
+            "/v1/completions",
+            completion("tiny", "welcome back"),
+            &[],
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        seen.extend(replica);
+        if seen.contains("b") {
+            break;
+        }
+    }
+    assert!(seen.contains("b"), "b never served again: {seen:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_duplex_streamed_returns_the_body_byte_for_byte() {
+    let a = sim("a", &["tiny"], 0, &[]);
+    let echo = echo_server("echo").await;
+    let grpc = free_port();
+    let router = start_router(
+        grpc,
+        &[format!("tiny={}", a.addr), format!("echo={}", echo.addr)],
+        &["--fallbacks", "0"],
+    );
+    router.wait_healthy(&[a.addr, echo.addr]).await;
+    // The echo replica is reached through ORIGINAL_DST; the plain cluster lists `a` twice.
+    let envoy = start_envoy("envoy-original-dst.yaml", grpc, [a.addr, a.addr]).await;
+
+    // ~300 KB: several 64 KiB chunks each way, with multi-byte characters across chunk edges.
+    let prompt: String = (0..100_000)
+        .map(|i| ["ab", "é", "漢", "\\n", "🙂"][i % 5])
+        .collect();
+    let body = serde_json::json!({"model": "echo", "prompt": prompt, "max_tokens": 1}).to_string();
+    assert!(body.len() > 200_000);
+    let response = client()
+        .post(envoy.url("/v1/completions"))
+        .header("content-type", "application/json")
+        .body(body.clone())
+        .send()
+        .await
+        .expect("full duplex request");
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(
+        response
+            .headers()
+            .get(REPLICA_HEADER)
+            .and_then(|v| v.to_str().ok()),
+        Some("echo")
+    );
+    let echoed = response.bytes().await.expect("echoed body");
+    assert_eq!(echoed.len(), body.len());
+    assert!(
+        echoed == body.as_bytes(),
+        "the body changed on its way through ext_proc"
+    );
+
+    // And a normal streamed completion through full duplex in both directions.
+    let streamed =
+        serde_json::json!({"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": true});
+    let response = client()
+        .post(envoy.url("/v1/completions"))
+        .json(&streamed)
+        .send()
+        .await
+        .expect("streamed request");
+    assert_eq!(response.status().as_u16(), 200);
+    let text = response.text().await.expect("SSE body");
+    assert!(text.contains("[DONE]"), "{text}");
+}
