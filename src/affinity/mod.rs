@@ -13,8 +13,11 @@
 //! tree and tokenizer, each with its own short-held locks. The hash settings table is an
 //! immutable snapshot swapped atomically on reload.
 
+mod settings;
 #[cfg(test)]
 mod tests;
+
+pub use settings::{FileModel, ModelSettings, ModelSettingsError, hashers, with_local_tokenizers};
 
 use std::collections::HashMap;
 use std::sync::Arc;
