@@ -25,9 +25,11 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use futures::future::BoxFuture;
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::time::Instant;
 
@@ -165,6 +167,17 @@ impl PrefixAffinity {
         &self.metrics
     }
 
+    /// Registers the decision counters and the gauges read at scrape time: index size, prefix
+    /// tree size, speculative entries and the tokenizer cache.
+    pub fn register_metrics(self: &Arc<Self>, registry: &mut Registry) {
+        self.metrics.register(registry);
+        registry.register_collector(Box::new(StateCollector(Arc::clone(self))));
+    }
+
+    pub fn index(&self) -> &Arc<KvIndex> {
+        &self.index
+    }
+
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }
@@ -267,6 +280,95 @@ impl PrefixAffinity {
                 matched,
             },
         )
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReplicaLabels {
+    replica: String,
+}
+
+/// Gauges computed from the tiers' own state when `/metrics` is read.
+struct StateCollector(Arc<PrefixAffinity>);
+
+impl std::fmt::Debug for StateCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StateCollector")
+    }
+}
+
+impl Collector for StateCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let affinity = &self.0;
+        let per_replica = Family::<ReplicaLabels, Gauge>::default();
+        for (replica, blocks) in affinity.index.replica_block_counts() {
+            per_replica
+                .get_or_create(&ReplicaLabels { replica })
+                .set(i64::try_from(blocks).unwrap_or(i64::MAX));
+        }
+        per_replica.encode(encoder.encode_descriptor(
+            "llmgw_kv_index_replica_blocks",
+            "Blocks the KV index believes each replica holds",
+            None,
+            per_replica.metric_type(),
+        )?)?;
+        let stats = affinity.tokenizer.stats();
+        let gauges: [(&str, &str, u64); 3] = [
+            (
+                "llmgw_kv_index_blocks",
+                "Distinct block hashes in the KV index",
+                affinity.index.distinct_blocks() as u64,
+            ),
+            (
+                "llmgw_prefix_tree_nodes",
+                "Nodes in the approximate prefix tree",
+                affinity.tree.len() as u64,
+            ),
+            (
+                "llmgw_tokenize_cache_bytes",
+                "Bytes held by the tokenization cache",
+                affinity.tokenizer.cache_bytes() as u64,
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let gauge = Gauge::<i64>::default();
+            gauge.set(i64::try_from(value).unwrap_or(i64::MAX));
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        let counters: [(&str, &str, &std::sync::atomic::AtomicU64); 5] = [
+            (
+                "llmgw_tokenize_cache_hits",
+                "Tokenizations answered from the cache",
+                &stats.cache_hits,
+            ),
+            (
+                "llmgw_tokenize_cache_misses",
+                "Tokenizations not in the cache",
+                &stats.cache_misses,
+            ),
+            ("llmgw_tokenize_calls", "/tokenize calls made", &stats.calls),
+            (
+                "llmgw_tokenize_call_errors",
+                "/tokenize calls that failed",
+                &stats.call_errors,
+            ),
+            (
+                "llmgw_tokenize_timeouts",
+                "Tokenizations that missed their deadline",
+                &stats.timeouts,
+            ),
+        ];
+        for (name, help, value) in counters {
+            let counter = Counter::<u64>::default();
+            counter.inc_by(value.load(std::sync::atomic::Ordering::Relaxed));
+            counter.encode(encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                counter.metric_type(),
+            )?)?;
+        }
+        Ok(())
     }
 }
 

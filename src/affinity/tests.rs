@@ -216,3 +216,37 @@ async fn a_tokenize_timeout_falls_back_within_the_deadline() {
     f.affinity.after_pick(&request, &f.candidates[1], &scores);
     assert_eq!(f.affinity.metrics().kv_count("tokenize_timeout"), 1);
 }
+
+#[tokio::test]
+async fn metrics_expose_decisions_and_tier_sizes() {
+    let f = fixture(2000).await;
+    let affinity = Arc::new(f.affinity);
+    let mut registry = prometheus_client::registry::Registry::default();
+    affinity.register_metrics(&mut registry);
+    let prompt = "abcdefghijklmnop";
+    f.index.stored(
+        f.candidates[2].replica.endpoint(),
+        &hashes_of(prompt, None),
+        Medium::Gpu,
+    );
+    let request = completion("m", prompt, None);
+    let scores = affinity
+        .score(&request, &f.candidates)
+        .await
+        .expect("scores");
+    affinity.after_pick(&request, &f.candidates[2], &scores);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).expect("encodes");
+    for line in [
+        "llmgw_kv_decisions_total{decision=\"hit\"} 1",
+        "llmgw_kv_index_blocks 4",
+        "llmgw_tokenize_cache_misses_total 1",
+        "llmgw_prefix_tree_nodes 4",
+    ] {
+        assert!(text.contains(line), "{line} missing from:\n{text}");
+    }
+    assert!(text.contains(&format!(
+        "llmgw_kv_index_replica_blocks{{replica=\"{}\"}} 4",
+        f.candidates[2].replica.endpoint()
+    )));
+}
