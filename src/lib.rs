@@ -10,6 +10,7 @@ pub mod app;
 pub mod blockhash;
 pub mod config;
 pub mod extproc;
+pub mod feed;
 pub mod kvindex;
 pub mod metrics;
 pub mod prefix;

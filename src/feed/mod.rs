@@ -1,0 +1,481 @@
+//! The router's end of the agent feed (`llmgw.feed.v1.Feed/Stream`, see
+//! `proto/llmgw/feed/v1/feed.proto`): applies each node agent's snapshots and deltas to the KV
+//! index through [`KvEventSink`].
+//!
+//! Rules enforced here:
+//! * the agent presents the shared token (`authorization: Bearer …`) when one is configured;
+//! * a node may only report replicas configured on it ([`FeedConfig::nodes`]); others are
+//!   refused (a `Refused` message, a metric and a log line) and their changes ignored;
+//! * a snapshot replaces what the feed held for that engine; a delta applies only if it is the
+//!   next of its engine's epoch (a new epoch must start with a reset); a delta out of order ends
+//!   the stream with `DATA_LOSS`, so the agent reconnects and resends snapshots;
+//! * only KV-cache group 0 (the full-attention group) reaches the index;
+//! * a node whose streams have all been gone longer than [`FeedConfig::grace`] is dropped:
+//!   its replicas are cleared from the index.
+//!
+//! # Concurrency model
+//! One tonic task per stream. All feed state (per node, per engine: epoch, seq and the blocks
+//! held, so a replica shared by several data-parallel engines can be rebuilt after one of them
+//! resets) sits behind one `parking_lot::Mutex`, held while one message is applied, never across
+//! an `.await`. The index is written through the sink while that lock is held, so two streams
+//! never interleave one replica's changes. A reaper task drops expired nodes.
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::Stream;
+use llmgw_feed_proto::v1 as pb;
+use parking_lot::Mutex;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_stream::StreamExt as _;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::blockhash::ExternalHash;
+use crate::kvindex::{KvEventSink, Medium};
+
+pub use pb::feed_server::FeedServer;
+
+/// The default address of the feed service.
+pub const DEFAULT_FEED_ADDR: &str = "127.0.0.1:9003";
+
+/// Who may report what.
+#[derive(Debug, Clone)]
+pub struct FeedConfig {
+    /// The shared token agents must present; `None` accepts any agent (tests, loopback).
+    pub token: Option<String>,
+    /// Node name → the replicas (`host:port`) configured on that node.
+    pub nodes: HashMap<String, HashSet<String>>,
+    /// How long a node's state survives after its last stream ended.
+    pub grace: Duration,
+}
+
+/// Counters of the feed (register them with [`FeedMetrics::register`]).
+#[derive(Debug, Clone, Default)]
+pub struct FeedMetrics {
+    pub streams: Gauge,
+    pub snapshots: Counter,
+    pub deltas: Counter,
+    pub refused: Counter,
+    pub out_of_order: Counter,
+    pub nodes_expired: Counter,
+}
+
+impl FeedMetrics {
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("feed");
+        r.register("streams", "Agent streams connected", self.streams.clone());
+        r.register(
+            "snapshots",
+            "Engine snapshots applied",
+            self.snapshots.clone(),
+        );
+        r.register("deltas", "Engine deltas applied", self.deltas.clone());
+        r.register(
+            "refused",
+            "Engines refused: replica not configured on the agent's node",
+            self.refused.clone(),
+        );
+        r.register(
+            "out_of_order",
+            "Deltas out of sequence (stream reset)",
+            self.out_of_order.clone(),
+        );
+        r.register(
+            "nodes_expired",
+            "Nodes dropped after their grace period",
+            self.nodes_expired.clone(),
+        );
+    }
+}
+
+/// One engine's blocks as the feed applied them (group 0 only).
+#[derive(Debug, Default)]
+struct EngineView {
+    replica: String,
+    epoch: u64,
+    seq: u64,
+    blocks: HashMap<(ExternalHash, Medium), u32>,
+}
+
+#[derive(Debug, Default)]
+struct NodeState {
+    streams: usize,
+    gone_since: Option<Instant>,
+    engines: HashMap<String, EngineView>,
+    refused: HashSet<String>,
+}
+
+#[derive(Default)]
+struct State {
+    nodes: HashMap<String, NodeState>,
+}
+
+/// The feed service; clone-cheap (shares its state).
+#[derive(Clone)]
+pub struct FeedService {
+    sink: Arc<dyn KvEventSink>,
+    config: Arc<FeedConfig>,
+    state: Arc<Mutex<State>>,
+    pub metrics: FeedMetrics,
+}
+
+fn medium_of(m: i32) -> Medium {
+    if m == pb::Medium::Gpu as i32 {
+        Medium::Gpu
+    } else {
+        Medium::from_vllm(Some("offloaded"))
+    }
+}
+
+/// A delta out of sequence: the stream must restart from snapshots.
+struct OutOfOrder(String);
+
+impl FeedService {
+    pub fn new(sink: Arc<dyn KvEventSink>, config: FeedConfig) -> Self {
+        FeedService {
+            sink,
+            config: Arc::new(config),
+            state: Arc::default(),
+            metrics: FeedMetrics::default(),
+        }
+    }
+
+    /// Serves the feed on `addr` until the server fails; also runs the reaper.
+    pub async fn serve(self, addr: SocketAddr) -> Result<(), tonic::transport::Error> {
+        let reaper = tokio::spawn(self.clone().reap_forever());
+        let result = tonic::transport::Server::builder()
+            .add_service(FeedServer::new(self))
+            .serve(addr)
+            .await;
+        reaper.abort();
+        result
+    }
+
+    /// Serves on an already-bound listener (tests bind 127.0.0.1:0).
+    pub async fn serve_with_listener(
+        self,
+        listener: tokio::net::TcpListener,
+    ) -> Result<(), tonic::transport::Error> {
+        let reaper = tokio::spawn(self.clone().reap_forever());
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let result = tonic::transport::Server::builder()
+            .add_service(FeedServer::new(self))
+            .serve_with_incoming(incoming)
+            .await;
+        reaper.abort();
+        result
+    }
+
+    async fn reap_forever(self) {
+        let period = (self.config.grace / 4).max(Duration::from_millis(10));
+        loop {
+            tokio::time::sleep(period).await;
+            self.reap(Instant::now());
+        }
+    }
+
+    /// Drops nodes gone longer than the grace period; returns how many.
+    pub fn reap(&self, now: Instant) -> usize {
+        let mut st = self.state.lock();
+        let expired: Vec<String> = st
+            .nodes
+            .iter()
+            .filter(|(_, n)| {
+                n.streams == 0
+                    && n.gone_since
+                        .is_some_and(|t| now.duration_since(t) >= self.config.grace)
+            })
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in &expired {
+            if let Some(node) = st.nodes.remove(name) {
+                let replicas: HashSet<&String> =
+                    node.engines.values().map(|e| &e.replica).collect();
+                for r in replicas {
+                    self.sink.cleared(r);
+                }
+                tracing::warn!(
+                    node = name,
+                    "agent gone past the grace period: node dropped"
+                );
+                self.metrics.nodes_expired.inc();
+            }
+        }
+        expired.len()
+    }
+
+    /// Block hashes the feed holds per replica (for `/debug` and tests).
+    pub fn replica_blocks(&self) -> HashMap<String, HashSet<ExternalHash>> {
+        let st = self.state.lock();
+        let mut out: HashMap<String, HashSet<ExternalHash>> = HashMap::new();
+        for node in st.nodes.values() {
+            for e in node.engines.values() {
+                out.entry(e.replica.clone())
+                    .or_default()
+                    .extend(e.blocks.keys().map(|(h, _)| *h));
+            }
+        }
+        out
+    }
+
+    fn allowed(&self, node: &str, replica: &str) -> bool {
+        self.config
+            .nodes
+            .get(node)
+            .is_some_and(|rs| rs.contains(replica))
+    }
+
+    /// Applies one agent message; returns what to send back.
+    fn apply(
+        &self,
+        node: &mut Option<String>,
+        msg: pb::AgentMessage,
+    ) -> Result<Vec<pb::RouterMessage>, OutOfOrder> {
+        let mut replies = Vec::new();
+        let Some(body) = msg.body else {
+            return Ok(replies);
+        };
+        let mut st = self.state.lock();
+        match body {
+            pb::agent_message::Body::Hello(hello) => {
+                if node.as_deref() != Some(hello.node.as_str()) {
+                    if let Some(old) = node.take() {
+                        Self::stream_ended(&mut st, &old);
+                    }
+                    let n = st.nodes.entry(hello.node.clone()).or_default();
+                    n.streams += 1;
+                    n.gone_since = None;
+                    *node = Some(hello.node.clone());
+                }
+                let n = st.nodes.entry(hello.node.clone()).or_default();
+                for e in hello.engines {
+                    if !self.allowed(&hello.node, &e.replica) {
+                        tracing::warn!(
+                            node = hello.node,
+                            engine = e.engine,
+                            replica = e.replica,
+                            "refusing an engine whose replica is not configured on this node"
+                        );
+                        self.metrics.refused.inc();
+                        n.refused.insert(e.engine.clone());
+                        replies.push(pb::RouterMessage {
+                            body: Some(pb::router_message::Body::Refused(pb::Refused {
+                                engine: e.engine,
+                                replica: e.replica,
+                                reason: format!("replica not configured on node {:?}", hello.node),
+                            })),
+                        });
+                    } else {
+                        n.refused.remove(&e.engine);
+                        n.engines.entry(e.engine).or_default().replica = e.replica;
+                    }
+                }
+            }
+            pb::agent_message::Body::Snapshot(s) => {
+                if let Some(n) = node.as_ref().and_then(|n| st.nodes.get_mut(n)) {
+                    self.apply_snapshot(n, s);
+                }
+            }
+            pb::agent_message::Body::Delta(d) => {
+                if let Some(n) = node.as_ref().and_then(|n| st.nodes.get_mut(n)) {
+                    self.apply_delta(n, d)?;
+                }
+            }
+            pb::agent_message::Body::Heartbeat(_) => {}
+        }
+        replies.push(pb::RouterMessage {
+            body: Some(pb::router_message::Body::Ack(pb::Ack { id: msg.id })),
+        });
+        Ok(replies)
+    }
+
+    fn stream_ended(st: &mut State, node: &str) {
+        if let Some(n) = st.nodes.get_mut(node) {
+            n.streams = n.streams.saturating_sub(1);
+            if n.streams == 0 {
+                n.gone_since = Some(Instant::now());
+            }
+        }
+    }
+
+    /// Clears `replica` in the index and re-stores what its other engines hold.
+    fn rebuild_replica(&self, node: &NodeState, replica: &str) {
+        self.sink.cleared(replica);
+        for e in node.engines.values().filter(|e| e.replica == replica) {
+            self.store_all(replica, &e.blocks);
+        }
+    }
+
+    fn store_all(&self, replica: &str, blocks: &HashMap<(ExternalHash, Medium), u32>) {
+        let mut by_medium: HashMap<Medium, Vec<ExternalHash>> = HashMap::new();
+        for ((h, m), &n) in blocks {
+            let list = by_medium.entry(*m).or_default();
+            list.extend(std::iter::repeat_n(*h, n as usize));
+        }
+        for (m, hashes) in by_medium {
+            self.sink.stored(replica, &hashes, m);
+        }
+    }
+
+    fn apply_snapshot(&self, node: &mut NodeState, s: pb::Snapshot) {
+        if node.refused.contains(&s.engine) {
+            return;
+        }
+        let Some(view) = node.engines.get_mut(&s.engine) else {
+            return;
+        };
+        view.epoch = s.epoch;
+        view.seq = s.seq;
+        view.blocks.clear();
+        for b in s.blocks.iter().filter(|b| b.group == 0 && b.count > 0) {
+            *view
+                .blocks
+                .entry((ExternalHash(b.hash), medium_of(b.medium)))
+                .or_insert(0) += b.count;
+        }
+        let replica = view.replica.clone();
+        self.rebuild_replica(node, &replica);
+        self.metrics.snapshots.inc();
+    }
+
+    fn apply_delta(&self, node: &mut NodeState, d: pb::Delta) -> Result<(), OutOfOrder> {
+        if node.refused.contains(&d.engine) {
+            return Ok(());
+        }
+        let Some(view) = node.engines.get_mut(&d.engine) else {
+            return Ok(());
+        };
+        let next_in_epoch = d.epoch == view.epoch && d.seq == view.seq + 1;
+        let new_epoch = d.epoch > view.epoch && d.reset && d.seq == 1;
+        if d.epoch < view.epoch || (d.epoch == view.epoch && d.seq <= view.seq) {
+            return Ok(()); // already covered by a snapshot
+        }
+        if !next_in_epoch && !new_epoch {
+            self.metrics.out_of_order.inc();
+            return Err(OutOfOrder(format!(
+                "engine {}: delta {}.{} after {}.{}",
+                d.engine, d.epoch, d.seq, view.epoch, view.seq
+            )));
+        }
+        view.epoch = d.epoch;
+        view.seq = d.seq;
+        let replica = view.replica.clone();
+        if d.reset {
+            view.blocks.clear();
+            self.rebuild_replica(node, &replica);
+        }
+        let Some(view) = node.engines.get_mut(&d.engine) else {
+            return Ok(());
+        };
+        let mut stored: HashMap<Medium, Vec<ExternalHash>> = HashMap::new();
+        for b in d.stored.iter().filter(|b| b.group == 0) {
+            let key = (ExternalHash(b.hash), medium_of(b.medium));
+            *view.blocks.entry(key).or_insert(0) += b.count;
+            stored
+                .entry(key.1)
+                .or_default()
+                .extend(std::iter::repeat_n(key.0, b.count as usize));
+        }
+        let mut removed: HashMap<Medium, Vec<ExternalHash>> = HashMap::new();
+        for b in d.removed.iter().filter(|b| b.group == 0) {
+            let key = (ExternalHash(b.hash), medium_of(b.medium));
+            let Some(held) = view.blocks.get_mut(&key) else {
+                continue;
+            };
+            let n = b.count.min(*held);
+            *held -= n;
+            if *held == 0 {
+                view.blocks.remove(&key);
+            }
+            removed
+                .entry(key.1)
+                .or_default()
+                .extend(std::iter::repeat_n(key.0, n as usize));
+        }
+        for (m, hashes) in &stored {
+            self.sink.stored(&replica, hashes, *m);
+        }
+        for (m, hashes) in &removed {
+            self.sink.removed(&replica, hashes, *m);
+        }
+        self.metrics.deltas.inc();
+        Ok(())
+    }
+
+    fn check_token<T>(&self, req: &Request<T>) -> Result<(), Status> {
+        let Some(token) = &self.config.token else {
+            return Ok(());
+        };
+        let presented = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if presented == Some(token.as_str()) {
+            Ok(())
+        } else {
+            tracing::warn!("feed stream refused: missing or wrong token");
+            Err(Status::unauthenticated("missing or wrong feed token"))
+        }
+    }
+}
+
+type RouterStream = Pin<Box<dyn Stream<Item = Result<pb::RouterMessage, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::feed_server::Feed for FeedService {
+    type StreamStream = RouterStream;
+
+    async fn stream(
+        &self,
+        request: Request<Streaming<pb::AgentMessage>>,
+    ) -> Result<Response<Self::StreamStream>, Status> {
+        self.check_token(&request)?;
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel::<Result<pb::RouterMessage, Status>>(256);
+        let svc = self.clone();
+        tokio::spawn(async move {
+            svc.metrics.streams.inc();
+            let mut node: Option<String> = None;
+            while let Some(msg) = inbound.next().await {
+                let msg = match msg {
+                    Ok(m) => m,
+                    Err(status) => {
+                        tracing::info!(node = node.as_deref(), %status, "feed stream ended");
+                        break;
+                    }
+                };
+                match svc.apply(&mut node, msg) {
+                    Ok(replies) => {
+                        for r in replies {
+                            if tx.send(Ok(r)).await.is_err() {
+                                break;
+                            }
+                        }
+                    }
+                    Err(OutOfOrder(what)) => {
+                        tracing::warn!(node = node.as_deref(), "{what}: asking for snapshots");
+                        let _ = tx.send(Err(Status::data_loss(what))).await;
+                        break;
+                    }
+                }
+            }
+            if let Some(n) = &node {
+                Self::stream_ended(&mut svc.state.lock(), n);
+            }
+            svc.metrics.streams.dec();
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
