@@ -91,13 +91,39 @@ fn bench_lookup(c: &mut Criterion) {
         })
     });
     group.finish();
+
+    // The target is a tail latency: time single lookups (`cargo bench` passes --bench; under
+    // `cargo test` a short run only checks that it works).
+    let runs = if std::env::args().any(|a| a == "--bench") {
+        100_000
+    } else {
+        100
+    };
+    let mut samples: Vec<std::time::Duration> = (0..runs)
+        .map(|_| {
+            let start = std::time::Instant::now();
+            full.match_prefix(black_box(&prompt), &candidates, &mut out);
+            black_box(out[63].blocks);
+            start.elapsed()
+        })
+        .collect();
+    samples.sort_unstable();
+    println!(
+        "kvindex/lookup 512 blocks × 64 replicas (all hold all): p50 {:?}, p99 {:?} over {runs} lookups",
+        samples[samples.len() / 2],
+        samples[samples.len() * 99 / 100]
+    );
 }
 
 fn report_memory(_: &mut Criterion) {
     for (label, replicas_per_block) in [("1 replica per block", 1), ("4 replicas per block", 4)] {
         let before = ALLOCATED.load(Ordering::Relaxed);
         let index = KvIndex::new(IndexConfig::default());
-        let blocks = 1_000_000;
+        let blocks = if std::env::args().any(|a| a == "--bench") {
+            1_000_000
+        } else {
+            10_000
+        };
         let all = hashes(3, blocks);
         for r in 0..replicas_per_block {
             index.stored(&replica(r), &all, Medium::Gpu);

@@ -126,36 +126,92 @@ impl Holder {
     }
 }
 
-/// The replicas holding one block; one inline, more boxed.
+/// Bit of a slot in the 64-bit holder masks; slots from 64 on have none (lookups over them
+/// take the general path).
+fn slot_bit(slot: ReplicaSlot) -> u64 {
+    if slot.0 < 64 { 1 << slot.0 } else { 0 }
+}
+
+/// Two or more holders of one block, with masks of the first 64 slots so that a lookup over up to
+/// 64 replicas intersects candidate sets in one instruction per block.
+#[derive(Debug, Clone)]
+struct ManyHolders {
+    /// Slots holding the block on any tier.
+    any: u64,
+    /// Slots holding it in GPU memory.
+    gpu: u64,
+    list: Box<[Holder]>,
+}
+
+impl ManyHolders {
+    fn new(list: Box<[Holder]>) -> Box<Self> {
+        let mut many = Box::new(ManyHolders {
+            any: 0,
+            gpu: 0,
+            list,
+        });
+        many.refresh();
+        many
+    }
+
+    fn refresh(&mut self) {
+        self.any = self
+            .list
+            .iter()
+            .map(|h| slot_bit(h.slot))
+            .fold(0, |a, b| a | b);
+        self.gpu = self
+            .list
+            .iter()
+            .filter(|h| h.gpu_refs > 0)
+            .map(|h| slot_bit(h.slot))
+            .fold(0, |a, b| a | b);
+    }
+}
+
+/// The replicas holding one block; one inline (the common case), more boxed.
 #[derive(Debug, Clone)]
 enum Holders {
     One(Holder),
-    /// Boxed slice rather than `Vec`: 16 bytes inline instead of 24, and pushes are rare.
-    Many(Box<[Holder]>),
+    Many(Box<ManyHolders>),
 }
 
 impl Holders {
     fn as_slice(&self) -> &[Holder] {
         match self {
             Holders::One(h) => std::slice::from_ref(h),
-            Holders::Many(v) => v,
+            Holders::Many(m) => &m.list,
         }
     }
 
+    /// (slots holding on any tier, slots holding in GPU memory), over the first 64 slots.
+    fn masks(&self) -> (u64, u64) {
+        match self {
+            Holders::One(h) => {
+                let bit = slot_bit(h.slot);
+                (bit, if h.gpu_refs > 0 { bit } else { 0 })
+            }
+            Holders::Many(m) => (m.any, m.gpu),
+        }
+    }
+
+    /// A holder to change in place; call [`Holders::refresh`] afterwards.
     fn find_mut(&mut self, slot: ReplicaSlot) -> Option<&mut Holder> {
         match self {
             Holders::One(h) => (h.slot == slot).then_some(h),
-            Holders::Many(v) => v.iter_mut().find(|h| h.slot == slot),
+            Holders::Many(m) => m.list.iter_mut().find(|h| h.slot == slot),
+        }
+    }
+
+    fn refresh(&mut self) {
+        if let Holders::Many(m) = self {
+            m.refresh();
         }
     }
 
     fn push(&mut self, holder: Holder) {
-        match self {
-            Holders::One(first) => *self = Holders::Many(Box::new([*first, holder])),
-            Holders::Many(v) => {
-                *self = Holders::Many(v.iter().copied().chain([holder]).collect());
-            }
-        }
+        let list: Box<[Holder]> = self.as_slice().iter().copied().chain([holder]).collect();
+        *self = Holders::Many(ManyHolders::new(list));
     }
 
     /// Drops the holders `keep` rejects; returns how many were dropped and whether none is left.
@@ -168,14 +224,14 @@ impl Holders {
                     (1, true)
                 }
             }
-            Holders::Many(v) => {
-                let kept: Vec<Holder> = v.iter().copied().filter(|h| keep(h)).collect();
-                let dropped = v.len() - kept.len();
+            Holders::Many(m) => {
+                let kept: Vec<Holder> = m.list.iter().copied().filter(|h| keep(h)).collect();
+                let dropped = m.list.len() - kept.len();
                 let now_empty = kept.is_empty();
                 if dropped > 0 {
                     *self = match kept.as_slice() {
                         [only] => Holders::One(*only),
-                        _ => Holders::Many(kept.into_boxed_slice()),
+                        _ => Holders::Many(ManyHolders::new(kept.into_boxed_slice())),
                     };
                 }
                 (dropped, now_empty)
@@ -327,6 +383,7 @@ impl KvIndex {
                         let refs = holder.refs_mut(medium);
                         *refs = refs.saturating_add(1);
                         holder.stamp = stamp;
+                        holders.refresh();
                     }
                     None => {
                         holders.push(fresh);
@@ -366,7 +423,9 @@ impl KvIndex {
             };
             let refs = holder.refs_mut(medium);
             *refs = refs.saturating_sub(1);
-            if holder.is_empty() {
+            let now_unheld = holder.is_empty();
+            holders.refresh();
+            if now_unheld {
                 let (_, now_empty) = holders.retain(|h| h.slot != slot);
                 if now_empty {
                     shard.remove(&hash);
@@ -407,6 +466,72 @@ impl KvIndex {
     ) {
         out.clear();
         out.resize(candidates.len(), PrefixMatch::default());
+        if candidates.iter().flatten().all(|slot| slot.0 < 64) {
+            self.match_prefix_masked(prompt, candidates, out);
+        } else {
+            self.match_prefix_general(prompt, candidates, out);
+        }
+    }
+
+    /// Every candidate among the first 64 slots: candidate sets are 64-bit masks, and a block
+    /// costs one map lookup and a few mask operations, however many replicas hold it.
+    fn match_prefix_masked(
+        &self,
+        prompt: &[ExternalHash],
+        candidates: &[Option<ReplicaSlot>],
+        out: &mut [PrefixMatch],
+    ) {
+        let mut guards: [Option<RwLockReadGuard<'_, Shard>>; SHARDS] = Default::default();
+        let mut alive = candidates
+            .iter()
+            .flatten()
+            .map(|s| slot_bit(*s))
+            .fold(0, |a, b| a | b);
+        // Per slot: leading blocks held, and how many of them only offloaded.
+        let mut held = [0u32; 64];
+        let mut offloaded = [0u32; 64];
+        let mut walked = 0u32;
+        for hash in prompt {
+            if alive == 0 {
+                break;
+            }
+            let shard_index = Self::shard_of(*hash);
+            let shard = guards[shard_index].get_or_insert_with(|| self.shards[shard_index].read());
+            let (any, gpu) = shard.get(hash).map_or((0, 0), Holders::masks);
+            let mut dropped = alive & !any;
+            while dropped != 0 {
+                held[dropped.trailing_zeros() as usize] = walked;
+                dropped &= dropped - 1;
+            }
+            alive &= any;
+            let mut off = alive & !gpu;
+            while off != 0 {
+                offloaded[off.trailing_zeros() as usize] += 1;
+                off &= off - 1;
+            }
+            walked += 1;
+        }
+        while alive != 0 {
+            held[alive.trailing_zeros() as usize] = walked;
+            alive &= alive - 1;
+        }
+        for (m, slot) in out.iter_mut().zip(candidates) {
+            if let Some(slot) = slot {
+                let i = slot.index();
+                m.blocks = held[i];
+                m.weighted = (held[i] - offloaded[i]) as f32
+                    + offloaded[i] as f32 * self.config.offloaded_weight;
+            }
+        }
+    }
+
+    /// Any number of replicas: candidates are walked one by one per block.
+    fn match_prefix_general(
+        &self,
+        prompt: &[ExternalHash],
+        candidates: &[Option<ReplicaSlot>],
+        out: &mut [PrefixMatch],
+    ) {
         let mut guards: [Option<RwLockReadGuard<'_, Shard>>; SHARDS] = Default::default();
         let mut alive: smallbitset::Bits = smallbitset::Bits::new(candidates.len());
         for (i, slot) in candidates.iter().enumerate() {

@@ -213,7 +213,22 @@ proptest! {
                     let want: Vec<u32> = (0..5u8)
                         .map(|r| prompt.iter().take_while(|&&b| model.holds(r, b)).count() as u32)
                         .collect();
-                    prop_assert_eq!(got, want);
+                    prop_assert_eq!(got, want.clone());
+                    // Tier weights, and the general path agrees with the masked one.
+                    let candidates: Vec<_> = refs.iter().map(|r| index.slot(r)).collect();
+                    let mut masked = Vec::new();
+                    index.match_prefix(&hashes(&hs), &candidates, &mut masked);
+                    let mut general = vec![PrefixMatch::default(); candidates.len()];
+                    index.match_prefix_general(&hashes(&hs), &candidates, &mut general);
+                    prop_assert_eq!(&masked, &general);
+                    for (r, m) in (0..5u8).zip(&masked) {
+                        let weight: f32 = prompt
+                            .iter()
+                            .take(want[usize::from(r)] as usize)
+                            .map(|&b| if model.refs.get(&(r, b, true)).copied().unwrap_or(0) > 0 { 1.0 } else { 0.5 })
+                            .sum();
+                        prop_assert!((m.weighted - weight).abs() < 1e-4, "{} vs {}", m.weighted, weight);
+                    }
                 }
             }
             // Invariants after every step: the per-replica view and counts agree with the model.
