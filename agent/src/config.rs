@@ -201,6 +201,7 @@ pub struct FileConfig {
     pub window_ms: Option<u64>,
     pub admin_addr: Option<SocketAddr>,
     pub replay_timeout_ms: Option<u64>,
+    pub token_file: Option<PathBuf>,
 }
 
 impl FileConfig {
@@ -256,6 +257,12 @@ pub struct AgentArgs {
     /// How long a replay may take before the engine is reset instead (default 3000).
     #[arg(long, env = "LLMGW_AGENT_REPLAY_TIMEOUT_MS")]
     pub replay_timeout_ms: Option<u64>,
+    /// File holding the shared token the routers check.
+    #[arg(long, env = "LLMGW_AGENT_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// The shared token itself (prefer --token-file).
+    #[arg(long, env = "LLMGW_AGENT_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
 }
 
 /// Everything resolved and validated.
@@ -271,6 +278,8 @@ pub struct AgentConfig {
     pub window: Duration,
     pub admin_addr: SocketAddr,
     pub replay_timeout: Duration,
+    /// The shared token presented to routers.
+    pub token: Option<String>,
 }
 
 pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9101";
@@ -321,7 +330,18 @@ impl AgentArgs {
                 .parse()
                 .map_err(|_| ConfigError::Invalid("bad default admin address".into()))?,
         };
+        let token = match (&self.token, self.token_file.clone().or(file.token_file)) {
+            (Some(t), _) => Some(t.clone()),
+            (None, Some(path)) => Some(
+                std::fs::read_to_string(&path)
+                    .map_err(|source| ConfigError::Read { path, source })?
+                    .trim()
+                    .to_owned(),
+            ),
+            (None, None) => None,
+        };
         Ok(AgentConfig {
+            token,
             node,
             engines,
             routers: if self.routers.is_empty() {

@@ -132,6 +132,18 @@ impl Agent {
         Ok(agent)
     }
 
+    /// Starts one uplink per configured router.
+    pub fn start_uplinks(self: &Arc<Self>) -> Vec<JoinHandle<()>> {
+        self.config
+            .routers
+            .iter()
+            .map(|r| {
+                let cfg = crate::uplink::UplinkConfig::new(r.clone(), self.config.token.clone());
+                tokio::spawn(crate::uplink::run(Arc::clone(self), cfg))
+            })
+            .collect()
+    }
+
     /// Resets an engine (the supervisor calls this when it restarts vLLM).
     pub async fn reset(&self, engine: &str, reason: crate::engine::ResetReason) -> bool {
         match self.inputs.get(engine) {

@@ -3,7 +3,7 @@
 //! Per vLLM engine on the node: [`zmq`] receives the engine's KV-event stream (SUB, sequence
 //! tracking, replay over DEALER), [`wire`] decodes each batch, [`engine`] applies it to the
 //! engine's [`mirror`] (checking block-0 hashes with [`hashcheck`]) and flushes coalesced
-//! deltas to the uplinks. [`daemon`] wires these together with the admin server ([`metrics`],
+//! deltas to the [`uplink`]s, one gRPC stream per router. [`daemon`] wires these together with the admin server ([`metrics`],
 //! `/debug`); [`supervisor`] runs vLLM itself; [`tail`] prints a stream; [`config`] reads
 //! flags, `LLMGW_AGENT_…` environment variables and YAML; [`capture`] reads recorded streams.
 
@@ -16,5 +16,6 @@ pub mod metrics;
 pub mod mirror;
 pub mod supervisor;
 pub mod tail;
+pub mod uplink;
 pub mod wire;
 pub mod zmq;

@@ -111,6 +111,7 @@ async fn main() -> anyhow::Result<()> {
             anyhow::ensure!(!config.engines.is_empty(), "no --engine configured");
             let admin = config.admin_addr;
             let agent = Arc::new(Agent::start(config).await?);
+            let _uplinks = agent.start_uplinks();
             tokio::select! {
                 r = Arc::clone(&agent).serve_admin(admin) => r?,
                 r = tokio::signal::ctrl_c() => r.context("waiting for Ctrl-C")?,
@@ -127,6 +128,7 @@ async fn main() -> anyhow::Result<()> {
             let flags = vllm_args(&config, &first);
             let admin = config.admin_addr;
             let agent = Arc::new(Agent::start(config).await?);
+            let _uplinks = agent.start_uplinks();
             tokio::select! {
                 r = Arc::clone(&agent).serve_admin(admin) => r?,
                 r = supervise(&agent, &first.name, &vllm, &flags, Backoff::default(), None) => r?,

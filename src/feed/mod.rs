@@ -127,6 +127,8 @@ pub struct FeedService {
     sink: Arc<dyn KvEventSink>,
     config: Arc<FeedConfig>,
     state: Arc<Mutex<State>>,
+    /// Flipped by [`FeedService::shutdown`]: every open stream then ends with `UNAVAILABLE`.
+    stop: Arc<tokio::sync::watch::Sender<bool>>,
     pub metrics: FeedMetrics,
 }
 
@@ -147,8 +149,15 @@ impl FeedService {
             sink,
             config: Arc::new(config),
             state: Arc::default(),
+            stop: Arc::new(tokio::sync::watch::channel(false).0),
             metrics: FeedMetrics::default(),
         }
+    }
+
+    /// Ends every open stream (the router is going away); agents reconnect elsewhere or later
+    /// and start again from snapshots.
+    pub fn shutdown(&self) {
+        self.stop.send_replace(true);
     }
 
     /// Serves the feed on `addr` until the server fails; also runs the reaper.
@@ -431,6 +440,20 @@ impl FeedService {
     }
 }
 
+/// Resolves once the service is shut down.
+async fn stopped(mut rx: tokio::sync::watch::Receiver<bool>) {
+    loop {
+        let is_stopped = *rx.borrow_and_update();
+        if is_stopped {
+            return;
+        }
+        if rx.changed().await.is_err() {
+            // The service is gone without a shutdown: nothing will ever stop this stream.
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
 type RouterStream = Pin<Box<dyn Stream<Item = Result<pb::RouterMessage, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -445,10 +468,20 @@ impl pb::feed_server::Feed for FeedService {
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel::<Result<pb::RouterMessage, Status>>(256);
         let svc = self.clone();
+        let stopped = stopped(self.stop.subscribe());
         tokio::spawn(async move {
+            tokio::pin!(stopped);
             svc.metrics.streams.inc();
             let mut node: Option<String> = None;
-            while let Some(msg) = inbound.next().await {
+            loop {
+                let next = tokio::select! {
+                    next = inbound.next() => next,
+                    () = &mut stopped => {
+                        let _ = tx.send(Err(Status::unavailable("router shutting down"))).await;
+                        break;
+                    }
+                };
+                let Some(msg) = next else { break };
                 let msg = match msg {
                     Ok(m) => m,
                     Err(status) => {

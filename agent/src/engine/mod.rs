@@ -99,6 +99,8 @@ pub struct Update {
     pub engine: EngineId,
     pub replica: ReplicaId,
     pub delta: Arc<Delta>,
+    /// Engine publish time (Unix seconds) of the oldest batch in the delta.
+    pub oldest_event_ts: Option<f64>,
 }
 
 /// One engine's snapshot, as an uplink sends it.
@@ -299,6 +301,7 @@ impl MirrorTask {
             engine: self.engine.id.clone(),
             replica: self.engine.replica.clone(),
             delta: Arc::new(delta),
+            oldest_event_ts: oldest,
         });
     }
 }

@@ -1,0 +1,110 @@
+//! Decode + mirror throughput, counted in block events (one per hash in a BlockStored or
+//! BlockRemoved). `cargo bench -p llmgw-agent --bench decode_mirror`.
+//!
+//! * `capture`: the recorded vLLM 0.32.0 stream (26 batches, map-form events, 32-token blocks).
+//! * `steady/{map,array}`: a synthetic steady state of one-block stores and removes (the shape
+//!   decode steps produce), 64 events per batch, in both event encodings.
+
+use std::hint::black_box;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use llmgw_agent::capture::Capture;
+use llmgw_agent::mirror::Mirror;
+use llmgw_agent::wire::{
+    BlockRemoved, BlockStored, EventBatch, EventForm, ExternalHash, KvEvent, Medium, Value,
+    decode_batch, encode_batch,
+};
+
+fn block_events(batch: &EventBatch) -> u64 {
+    batch
+        .events
+        .iter()
+        .map(|e| match e {
+            KvEvent::BlockStored(s) => s.block_hashes.len() as u64,
+            KvEvent::BlockRemoved(r) => r.block_hashes.len() as u64,
+            _ => 0,
+        })
+        .sum()
+}
+
+/// 64-event batches: each stores one new block (parent = previous) and removes an old one.
+fn steady(form: EventForm, batches: usize) -> Vec<Vec<u8>> {
+    let mut out = Vec::with_capacity(batches);
+    let mut next = 1u64;
+    for b in 0..batches {
+        let mut events = Vec::with_capacity(64);
+        for _ in 0..32 {
+            let h = next.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            events.push(KvEvent::BlockStored(BlockStored {
+                block_hashes: vec![ExternalHash(h)],
+                parent_block_hash: Some(ExternalHash(h ^ 1)),
+                token_ids: (0..32).map(|t| (t * 97 + next as u32) % 50_000).collect(),
+                block_size: 32,
+                medium: Some(Medium::Gpu),
+                extra_keys: Some(vec![Value::Nil]),
+                group_idx: Some(0),
+                kv_cache_spec_kind: Some("full_attention".into()),
+                ..BlockStored::default()
+            }));
+            if next > 64 {
+                let old = (next - 64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                events.push(KvEvent::BlockRemoved(BlockRemoved {
+                    block_hashes: vec![ExternalHash(old)],
+                    medium: Some(Medium::Gpu),
+                    group_idx: Some(0),
+                    ..BlockRemoved::default()
+                }));
+            }
+            next += 1;
+        }
+        let batch = EventBatch {
+            ts: 1.7e9 + b as f64,
+            events,
+            dp_rank: Some(0),
+        };
+        out.push(encode_batch(&batch, form));
+    }
+    out
+}
+
+fn run(c: &mut Criterion, name: &str, payloads: &[Vec<u8>]) {
+    let events: u64 = payloads
+        .iter()
+        .map(|p| block_events(&decode_batch(p).expect("bench payload decodes")))
+        .sum();
+    let mut g = c.benchmark_group(name);
+    g.throughput(Throughput::Elements(events));
+    g.bench_function("decode", |b| {
+        b.iter(|| {
+            for p in payloads {
+                black_box(decode_batch(black_box(p)).ok());
+            }
+        })
+    });
+    g.bench_function("decode+mirror", |b| {
+        let mut mirror = Mirror::new();
+        b.iter(|| {
+            for p in payloads {
+                if let Ok(batch) = decode_batch(black_box(p)) {
+                    for e in &batch.events {
+                        mirror.apply(e);
+                    }
+                }
+            }
+            black_box(mirror.take_delta());
+        })
+    });
+    g.finish();
+}
+
+fn benches(c: &mut Criterion) {
+    let capture = Capture::parse(&llmgw::fixtures::read("vllm-0.32.0-capture.jsonl"))
+        .expect("capture parses");
+    let frames: Vec<Vec<u8>> = capture.frames.into_iter().map(|f| f.payload).collect();
+    run(c, "capture", &frames);
+    run(c, "steady/map", &steady(EventForm::TaggedMap, 32));
+    run(c, "steady/array", &steady(EventForm::TaggedArray, 32));
+}
+
+criterion_group!(group, benches);
+criterion_main!(group);

@@ -1,0 +1,312 @@
+//! The agent's end of the feed: one bidirectional gRPC stream to each router
+//! (`llmgw.feed.v1.Feed/Stream`, see `proto/llmgw/feed/v1/feed.proto`).
+//!
+//! Per session: subscribe to the agent's delta channel *first*, then send Hello and one
+//! snapshot per engine, then forward every delta newer than that engine's snapshot, plus a
+//! heartbeat every few seconds. The router acknowledges message ids; the time from the oldest
+//! event in a delta to its acknowledgement is the `event_to_router_seconds` metric. When the
+//! stream fails (router restarted, network), reconnect with doubling backoff and start again
+//! with snapshots. If the delta channel overflows (a very slow router), snapshots are resent
+//! on the same stream.
+//!
+//! # Concurrency model
+//! One task per router. It reads engine state only through [`Engine::snapshot`] (a short lock)
+//! and the broadcast receiver; nothing is shared between uplinks.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use llmgw::kvindex::Medium as Tier;
+use llmgw_feed_proto::v1 as pb;
+use tokio::sync::{broadcast, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::daemon::Agent;
+use crate::engine::{EngineSnapshot, HashStatus, Update};
+use crate::metrics::RouterLabel;
+use crate::mirror::{BlockKey, Delta};
+
+/// Errors of one uplink session (each ends it; the uplink reconnects).
+#[derive(Debug, thiserror::Error)]
+pub enum UplinkError {
+    #[error("router address {0:?}: {1}")]
+    Address(String, String),
+    #[error("connecting to {router}: {source}")]
+    Connect {
+        router: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("stream to {router}: {status}")]
+    Stream {
+        router: String,
+        status: Box<tonic::Status>,
+    },
+    #[error("stream to {0} closed by the router")]
+    Closed(String),
+    #[error("the agent's delta channel closed")]
+    AgentGone,
+}
+
+/// How one uplink behaves.
+#[derive(Debug, Clone)]
+pub struct UplinkConfig {
+    /// `HOST:PORT` of the router's feed service.
+    pub router: String,
+    pub token: Option<String>,
+    pub heartbeat: Duration,
+    pub backoff_initial: Duration,
+    pub backoff_max: Duration,
+}
+
+impl UplinkConfig {
+    pub fn new(router: impl Into<String>, token: Option<String>) -> Self {
+        UplinkConfig {
+            router: router.into(),
+            token,
+            heartbeat: Duration::from_secs(5),
+            backoff_initial: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(10),
+        }
+    }
+}
+
+fn medium(tier: Tier) -> i32 {
+    if tier == Tier::Gpu {
+        pb::Medium::Gpu as i32
+    } else {
+        pb::Medium::Offloaded as i32
+    }
+}
+
+/// Keys with their copy counts, as protocol blocks.
+fn blocks(keys: impl IntoIterator<Item = (BlockKey, u32)>) -> Vec<pb::Block> {
+    let mut counted: HashMap<BlockKey, u32> = HashMap::new();
+    for (k, n) in keys {
+        *counted.entry(k).or_insert(0) += n;
+    }
+    counted
+        .into_iter()
+        .map(|(k, count)| pb::Block {
+            hash: k.hash.0,
+            group: k.group.0,
+            medium: medium(k.tier),
+            count,
+        })
+        .collect()
+}
+
+fn snapshot_message(s: &EngineSnapshot) -> pb::agent_message::Body {
+    pb::agent_message::Body::Snapshot(pb::Snapshot {
+        engine: s.engine.0.to_string(),
+        epoch: s.snapshot.epoch,
+        seq: s.snapshot.seq,
+        blocks: blocks(s.snapshot.blocks.iter().copied()),
+        hash_status: match s.hash {
+            HashStatus::Unchecked => pb::HashStatus::Unchecked as i32,
+            HashStatus::Verified => pb::HashStatus::Verified as i32,
+            HashStatus::Mismatch => pb::HashStatus::Mismatch as i32,
+        },
+    })
+}
+
+fn delta_message(engine: &str, d: &Delta, oldest_ts: f64) -> pb::agent_message::Body {
+    pb::agent_message::Body::Delta(pb::Delta {
+        engine: engine.to_owned(),
+        epoch: d.epoch,
+        seq: d.seq,
+        reset: d.reset,
+        stored: blocks(d.stored.iter().map(|k| (*k, 1))),
+        removed: blocks(d.removed.iter().map(|k| (*k, 1))),
+        oldest_event_ts: oldest_ts,
+    })
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Runs one router's uplink forever.
+pub async fn run(agent: Arc<Agent>, config: UplinkConfig) {
+    let label = RouterLabel {
+        router: config.router.clone(),
+    };
+    let mut delay = config.backoff_initial;
+    loop {
+        let result = session(&agent, &config, &mut delay).await;
+        agent.metrics.uplink_connected.get_or_create(&label).set(0);
+        match result {
+            Err(UplinkError::AgentGone) => return,
+            Err(e) => tracing::warn!(router = config.router, error = %e, ?delay, "uplink down"),
+            Ok(()) => {}
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(config.backoff_max);
+    }
+}
+
+/// Sends to the outbound stream, numbering messages.
+struct Outbound {
+    tx: mpsc::Sender<pb::AgentMessage>,
+    next_id: u64,
+}
+
+impl Outbound {
+    async fn send(&mut self, body: pb::agent_message::Body) -> Option<u64> {
+        self.next_id += 1;
+        let id = self.next_id;
+        self.tx
+            .send(pb::AgentMessage {
+                id,
+                body: Some(body),
+            })
+            .await
+            .ok()
+            .map(|()| id)
+    }
+}
+
+async fn session(
+    agent: &Agent,
+    config: &UplinkConfig,
+    delay: &mut Duration,
+) -> Result<(), UplinkError> {
+    let router = config.router.clone();
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{router}"))
+        .map_err(|e| UplinkError::Address(router.clone(), e.to_string()))?
+        .connect_timeout(Duration::from_secs(3))
+        .tcp_nodelay(true);
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|source| UplinkError::Connect {
+            router: router.clone(),
+            source,
+        })?;
+    let mut client = pb::feed_client::FeedClient::new(channel);
+
+    // Subscribe before snapshotting, so every delta after a snapshot is seen.
+    let mut updates = agent.updates.subscribe();
+    let (tx, rx) = mpsc::channel(1024 + agent.engines.len());
+    let mut out = Outbound { tx, next_id: 0 };
+    let hello = pb::Hello {
+        node: agent.config.node.clone(),
+        agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+        engines: agent
+            .engines
+            .iter()
+            .map(|e| pb::EngineInfo {
+                engine: e.id.0.to_string(),
+                replica: e.replica.0.to_string(),
+                model: agent.config.model.clone().unwrap_or_default(),
+                block_size: agent
+                    .config
+                    .block_size
+                    .map_or(0, |b| u32::try_from(b.get()).unwrap_or(u32::MAX)),
+                hash_algo: agent.config.algo.as_str().to_owned(),
+                hash_seed_set: agent.config.seed.is_some(),
+            })
+            .collect(),
+    };
+    out.send(pb::agent_message::Body::Hello(hello)).await;
+    let mut sent_upto: HashMap<Arc<str>, (u64, u64)> = HashMap::new();
+    for e in &agent.engines {
+        let s = e.snapshot();
+        sent_upto.insert(Arc::clone(&e.id.0), (s.snapshot.epoch, s.snapshot.seq));
+        out.send(snapshot_message(&s)).await;
+    }
+
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    if let Some(token) = &config.token {
+        let value = format!("Bearer {token}")
+            .parse()
+            .map_err(|_| UplinkError::Address(router.clone(), "token is not ASCII".into()))?;
+        request.metadata_mut().insert("authorization", value);
+    }
+    let mut inbound = client
+        .stream(request)
+        .await
+        .map_err(|status| UplinkError::Stream {
+            router: router.clone(),
+            status: Box::new(status),
+        })?
+        .into_inner();
+    let label = RouterLabel {
+        router: router.clone(),
+    };
+    agent.metrics.uplink_connected.get_or_create(&label).set(1);
+    tracing::info!(router, engines = agent.engines.len(), "uplink connected");
+
+    // Delta ids awaiting acknowledgement, with their oldest event time.
+    let mut in_flight: VecDeque<(u64, f64)> = VecDeque::new();
+    let mut heartbeat = tokio::time::interval(config.heartbeat);
+    heartbeat.tick().await;
+    loop {
+        tokio::select! {
+            update = updates.recv() => match update {
+                Ok(Update { engine, delta, oldest_event_ts, .. }) => {
+                    let (epoch, seq) = sent_upto.get(&engine.0).copied().unwrap_or((0, 0));
+                    if delta.epoch < epoch || (delta.epoch == epoch && delta.seq <= seq) {
+                        continue;
+                    }
+                    sent_upto.insert(Arc::clone(&engine.0), (delta.epoch, delta.seq));
+                    let ts = oldest_event_ts.unwrap_or_else(unix_now);
+                    if let Some(id) = out.send(delta_message(&engine.0, &delta, ts)).await {
+                        in_flight.push_back((id, ts));
+                    }
+                }
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    tracing::warn!(router, missed = n, "uplink fell behind: resending snapshots");
+                    for e in &agent.engines {
+                        let s = e.snapshot();
+                        sent_upto.insert(Arc::clone(&e.id.0), (s.snapshot.epoch, s.snapshot.seq));
+                        out.send(snapshot_message(&s)).await;
+                    }
+                }
+                Err(broadcast::error::RecvError::Closed) => return Err(UplinkError::AgentGone),
+            },
+            msg = inbound.message() => match msg {
+                Ok(Some(pb::RouterMessage { body: Some(pb::router_message::Body::Ack(ack)) })) => {
+                    // A working session: the next outage starts from the short backoff.
+                    *delay = config.backoff_initial;
+                    let now = unix_now();
+                    while in_flight.front().is_some_and(|(id, _)| *id <= ack.id) {
+                        if let Some((_, ts)) = in_flight.pop_front() {
+                            agent
+                                .metrics
+                                .event_to_router
+                                .get_or_create(&label)
+                                .observe((now - ts).max(0.0));
+                        }
+                    }
+                }
+                Ok(Some(pb::RouterMessage { body: Some(pb::router_message::Body::Refused(r)) })) => {
+                    tracing::error!(
+                        router,
+                        engine = r.engine,
+                        replica = r.replica,
+                        reason = r.reason,
+                        "router refused an engine: is the replica configured on this node?"
+                    );
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => return Err(UplinkError::Closed(router)),
+                Err(status) => {
+                    return Err(UplinkError::Stream { router, status: Box::new(status) });
+                }
+            },
+            _ = heartbeat.tick() => {
+                let unix_ms = u64::try_from(
+                    SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis()),
+                )
+                .unwrap_or(u64::MAX);
+                out.send(pb::agent_message::Body::Heartbeat(pb::Heartbeat { unix_ms })).await;
+            }
+        }
+    }
+}

@@ -1,0 +1,322 @@
+//! End to end inside one process: the recorded vLLM stream on a PUB socket → the agent (intake,
+//! mirror, uplink) → the router's feed service (`llmgw::feed`) → an index stand-in.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use llmgw::blockhash::ExternalHash;
+use llmgw::feed::{FeedConfig, FeedService};
+use llmgw::kvindex::{KvEventSink, Medium};
+use llmgw_agent::capture::{Capture, Frame};
+use llmgw_agent::config::{AgentArgs, EngineSpec};
+use llmgw_agent::daemon::Agent;
+use llmgw_agent::engine::HashStatus;
+use llmgw_agent::uplink::{self, UplinkConfig};
+use llmgw_agent::wire::{KvEvent, decode_batch};
+use llmgw_agent::zmq::{Publisher, ReplyShape};
+use parking_lot::Mutex;
+use tokio::task::JoinHandle;
+
+const REPLICA: &str = "10.0.0.5:8000";
+
+type Copies = HashMap<(ExternalHash, Medium), u32>;
+
+/// The index stand-in: copies per replica, exactly as the sink contract counts them.
+#[derive(Default)]
+struct Index {
+    held: Mutex<HashMap<String, Copies>>,
+}
+
+impl KvEventSink for Index {
+    fn stored(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
+        let mut h = self.held.lock();
+        let r = h.entry(replica.to_owned()).or_default();
+        for x in hashes {
+            *r.entry((*x, medium)).or_insert(0) += 1;
+        }
+    }
+    fn removed(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
+        let mut h = self.held.lock();
+        let r = h.entry(replica.to_owned()).or_default();
+        for x in hashes {
+            match r.get_mut(&(*x, medium)) {
+                Some(n) if *n > 1 => *n -= 1,
+                Some(_) => {
+                    r.remove(&(*x, medium));
+                }
+                None => panic!("router removed {x} from {replica} without holding it"),
+            }
+        }
+    }
+    fn cleared(&self, replica: &str) {
+        self.held.lock().remove(replica);
+    }
+}
+
+impl Index {
+    fn hashes(&self, replica: &str) -> HashSet<u64> {
+        self.held
+            .lock()
+            .get(replica)
+            .map(|r| r.keys().map(|(h, _)| h.0).collect())
+            .unwrap_or_default()
+    }
+}
+
+struct Router {
+    index: Arc<Index>,
+    feed: FeedService,
+    addr: String,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        self.feed.shutdown();
+        self.task.abort();
+    }
+}
+
+/// A router feed on `addr` (a free port when `None`) that knows `REPLICA` on node "n1".
+async fn router(addr: Option<&str>, token: Option<&str>) -> Router {
+    let index = Arc::new(Index::default());
+    let nodes = [(
+        "n1".to_owned(),
+        [REPLICA.to_owned()].into_iter().collect::<HashSet<_>>(),
+    )]
+    .into_iter()
+    .collect();
+    let feed = FeedService::new(
+        index.clone(),
+        FeedConfig {
+            token: token.map(str::to_owned),
+            nodes,
+            grace: Duration::from_secs(60),
+        },
+    );
+    let listener = tokio::net::TcpListener::bind(addr.unwrap_or("127.0.0.1:0"))
+        .await
+        .expect("router binds");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let svc = feed.clone();
+    let task = tokio::spawn(async move {
+        let _ = svc.serve_with_listener(listener).await;
+    });
+    Router {
+        index,
+        feed,
+        addr,
+        task,
+    }
+}
+
+fn frames() -> Vec<Frame> {
+    Capture::parse(&llmgw::fixtures::read("vllm-0.32.0-capture.jsonl"))
+        .expect("capture")
+        .frames
+}
+
+fn final_set(frames: &[Frame]) -> HashSet<u64> {
+    let mut held: HashMap<u64, u32> = HashMap::new();
+    for f in frames {
+        for e in decode_batch(&f.payload).expect("decodes").events {
+            match e {
+                KvEvent::BlockStored(s) => {
+                    for h in s.block_hashes {
+                        *held.entry(h.0).or_default() += 1;
+                    }
+                }
+                KvEvent::BlockRemoved(r) => {
+                    for h in r.block_hashes {
+                        if let Some(n) = held.get_mut(&h.0) {
+                            *n -= 1;
+                            if *n == 0 {
+                                held.remove(&h.0);
+                            }
+                        }
+                    }
+                }
+                KvEvent::AllBlocksCleared(_) => held.clear(),
+                KvEvent::Unknown { .. } => {}
+            }
+        }
+    }
+    held.into_keys().collect()
+}
+
+struct Node {
+    agent: Arc<Agent>,
+    publisher: Publisher,
+    uplinks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        for u in &self.uplinks {
+            u.abort();
+        }
+    }
+}
+
+/// An engine publisher and an agent on node "n1" mirroring it as `replica`, uplinked to
+/// `routers`.
+async fn node(replica: &str, seed: &str, routers: &[&Router], token: Option<&str>) -> Node {
+    let publisher = Publisher::start(
+        "tcp://127.0.0.1:0",
+        false,
+        Some("tcp://127.0.0.1:0"),
+        "kv",
+        ReplyShape::WithTopic,
+        1000,
+    )
+    .await
+    .expect("publisher");
+    let spec: EngineSpec = format!(
+        "{replica}={},replay={}",
+        publisher.endpoint,
+        publisher.replay_endpoint.clone().expect("replay")
+    )
+    .parse()
+    .expect("spec");
+    let config = AgentArgs {
+        node: Some("n1".into()),
+        engines: vec![spec],
+        topic: Some("kv".into()),
+        hash_seed: Some(seed.into()),
+        block_size: std::num::NonZeroUsize::new(32),
+        ..AgentArgs::default()
+    }
+    .resolve()
+    .expect("config");
+    let agent = Arc::new(Agent::start(config).await.expect("agent"));
+    let uplinks = routers
+        .iter()
+        .map(|r| {
+            let mut cfg = UplinkConfig::new(r.addr.clone(), token.map(str::to_owned));
+            cfg.backoff_initial = Duration::from_millis(20);
+            cfg.backoff_max = Duration::from_millis(200);
+            tokio::spawn(uplink::run(Arc::clone(&agent), cfg))
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    Node {
+        agent,
+        publisher,
+        uplinks,
+    }
+}
+
+async fn publish(node: &mut Node, frames: &[Frame]) {
+    for f in frames {
+        node.publisher
+            .publish(f.seq, &f.payload)
+            .await
+            .expect("publish");
+    }
+}
+
+async fn eventually(what: &str, cond: impl Fn() -> bool) {
+    for _ in 0..300 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+#[tokio::test]
+async fn two_routers_receive_the_recorded_streams_final_block_set() {
+    let frames = frames();
+    let want = final_set(&frames);
+    let (a, b) = (router(None, None).await, router(None, None).await);
+    let mut n = node(REPLICA, "1729", &[&a, &b], None).await;
+    publish(&mut n, &frames).await;
+    eventually("router a", || a.index.hashes(REPLICA) == want).await;
+    eventually("router b", || b.index.hashes(REPLICA) == want).await;
+    let fed = a.feed.replica_blocks();
+    let fed: HashSet<u64> = fed[REPLICA].iter().map(|h| h.0).collect();
+    assert_eq!(fed, want, "the feed's own view agrees with the index");
+    let m = n.agent.metrics.encode();
+    assert!(
+        m.contains("llmgw_agent_event_to_router_seconds_count"),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn a_restarted_router_gets_a_snapshot_and_converges_again() {
+    let frames = frames();
+    let first = router(None, None).await;
+    let addr = first.addr.clone();
+    let mut n = node(REPLICA, "1729", &[&first], None).await;
+    publish(&mut n, &frames[..12]).await;
+    let want_12 = final_set(&frames[..12]);
+    eventually("first life", || first.index.hashes(REPLICA) == want_12).await;
+    drop(first);
+    // While the router is down the engine moves on.
+    publish(&mut n, &frames[12..20]).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = router(Some(&addr), None).await;
+    let want_20 = final_set(&frames[..20]);
+    eventually("snapshot after restart", || {
+        second.index.hashes(REPLICA) == want_20
+    })
+    .await;
+    publish(&mut n, &frames[20..]).await;
+    let want = final_set(&frames);
+    eventually("deltas after the snapshot", || {
+        second.index.hashes(REPLICA) == want
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn an_agent_claiming_another_nodes_replica_is_refused() {
+    let frames = frames();
+    let r = router(None, None).await;
+    let mut n = node("10.9.9.9:8000", "1729", &[&r], None).await;
+    publish(&mut n, &frames).await;
+    eventually("the refusal", || r.feed.metrics.refused.get() >= 1).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(r.index.hashes("10.9.9.9:8000").is_empty());
+    assert!(r.index.held.lock().is_empty());
+}
+
+#[tokio::test]
+async fn the_shared_token_is_checked() {
+    let frames = frames();
+    let r = router(None, Some("s3cret")).await;
+    let mut wrong = node(REPLICA, "1729", &[&r], Some("guess")).await;
+    publish(&mut wrong, &frames).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        r.index.hashes(REPLICA).is_empty(),
+        "a wrong token sends nothing"
+    );
+    drop(wrong);
+    let mut right = node(REPLICA, "1729", &[&r], Some("s3cret")).await;
+    publish(&mut right, &frames).await;
+    let want = final_set(&frames);
+    eventually("the right token", || r.index.hashes(REPLICA) == want).await;
+}
+
+#[tokio::test]
+async fn a_wrong_seed_is_a_hash_mismatch_and_the_router_gets_nothing() {
+    let frames = frames();
+    let r = router(None, None).await;
+    let mut n = node(REPLICA, "31337", &[&r], None).await;
+    publish(&mut n, &frames).await;
+    eventually("the mismatch", || {
+        n.agent.engines[0].hash_status() == HashStatus::Mismatch
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(r.index.hashes(REPLICA).is_empty());
+    let m = n.agent.metrics.encode();
+    assert!(
+        m.contains(r#"llmgw_agent_hash_mismatches_total{engine="10.0.0.5:8000"}"#),
+        "{m}"
+    );
+}
