@@ -1,5 +1,6 @@
 //! The admin HTTP server (axum): `/metrics` (Prometheus text), `/healthz` (200 once a replica is
-//! healthy, else 503) and `/debug` (the pool's state as JSON).
+//! healthy, else 503), `/debug` (the pool's state as JSON) and
+//! `/debug/replicas/{replica}/blocks` (the block hashes the KV index believes a replica holds).
 //!
 //! # Concurrency model
 //! Handlers only read: the metrics registry (atomics) and lock-free pool snapshots.
@@ -7,13 +8,14 @@
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde::Serialize;
 use tokio::time::Instant;
 
+use crate::kvindex::KvIndex;
 use crate::metrics::Metrics;
 use crate::pool::{Pool, ReplicaView};
 use crate::scheduler::SchedulerSettings;
@@ -24,6 +26,7 @@ pub struct AdminState {
     pub pool: Arc<Pool>,
     pub metrics: Arc<Metrics>,
     pub scheduler: SchedulerSettings,
+    pub index: Arc<KvIndex>,
 }
 
 /// The admin routes.
@@ -32,6 +35,7 @@ pub fn routes(state: Arc<AdminState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/debug", get(debug))
+        .route("/debug/replicas/{replica}/blocks", get(replica_blocks))
         .with_state(state)
 }
 
@@ -72,4 +76,91 @@ async fn debug(State(state): State<Arc<AdminState>>) -> Response {
         scheduler: state.scheduler,
     };
     axum::Json(view).into_response()
+}
+
+#[derive(Serialize)]
+struct ReplicaBlocks {
+    replica: String,
+    /// Sorted external block hashes (what engines publish as u64).
+    block_hashes: Vec<u64>,
+}
+
+async fn replica_blocks(
+    State(state): State<Arc<AdminState>>,
+    Path(replica): Path<String>,
+) -> Response {
+    if state.pool.snapshot().find(&replica).is_none() {
+        let body = serde_json::json!({"error": {
+            "message": format!("no replica {replica} in the pool"),
+            "type": "NotFoundError",
+            "code": 404,
+        }});
+        return (StatusCode::NOT_FOUND, axum::Json(body)).into_response();
+    }
+    let block_hashes = state
+        .index
+        .replica_blocks(&replica)
+        .into_iter()
+        .map(|h| h.0)
+        .collect();
+    axum::Json(ReplicaBlocks {
+        replica,
+        block_hashes,
+    })
+    .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::blockhash::ExternalHash;
+    use crate::kvindex::{IndexConfig, KvEventSink, Medium};
+    use crate::pool::ReplicaSpec;
+
+    #[tokio::test]
+    async fn replica_blocks_lists_what_the_index_believes() {
+        let pool = Arc::new(Pool::new(
+            vec![ReplicaSpec {
+                address: "127.0.0.1:8001".parse().expect("addr"),
+                models: vec!["m".to_owned()],
+                node: None,
+            }],
+            Duration::from_secs(2),
+        ));
+        let index = Arc::new(KvIndex::new(IndexConfig::default()));
+        index.stored(
+            "127.0.0.1:8001",
+            &[ExternalHash(9), ExternalHash(3)],
+            Medium::Gpu,
+        );
+        let state = Arc::new(AdminState {
+            metrics: Arc::new(Metrics::new(Arc::clone(&pool))),
+            pool,
+            scheduler: SchedulerSettings::default(),
+            index,
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move { axum::serve(listener, routes(state)).await });
+
+        let url = format!("http://{addr}/debug/replicas/127.0.0.1:8001/blocks");
+        let body: serde_json::Value = reqwest::get(url)
+            .await
+            .expect("get")
+            .json()
+            .await
+            .expect("json");
+        assert_eq!(
+            body,
+            serde_json::json!({"replica": "127.0.0.1:8001", "block_hashes": [3, 9]})
+        );
+        let missing = reqwest::get(format!("http://{addr}/debug/replicas/10.9.9.9:1/blocks"))
+            .await
+            .expect("get");
+        assert_eq!(missing.status(), 404);
+    }
 }

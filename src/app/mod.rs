@@ -17,13 +17,17 @@ use tokio::task::JoinSet;
 use tonic_health::ServingStatus;
 
 use crate::admin::{self, AdminState};
+use crate::affinity::{self, ModelSettingsError, PrefixAffinity};
 use crate::config::{self, Settings};
 use crate::extproc::{ExtProcService, ExtProcSettings};
+use crate::kvindex::KvIndex;
 use crate::metrics::Metrics;
 use crate::pool::Pool;
 use crate::pool::monitor::{self, HttpProber, ProbeError, ProbeSettings};
+use crate::prefix::{PrefixTree, PrefixTreeConfig};
 use crate::router::Router;
 use crate::scheduler::Scheduler;
+use crate::tokenize::Tokenizer;
 
 /// The gRPC health service name for the ext_proc service (same as readiness).
 pub const EXT_PROC_HEALTH_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
@@ -42,6 +46,8 @@ pub enum ServeError {
     Grpc(#[from] tonic::transport::Error),
     #[error("admin server failed: {0}")]
     Admin(#[source] std::io::Error),
+    #[error(transparent)]
+    Models(#[from] ModelSettingsError),
 }
 
 /// The addresses actually bound (useful with port 0).
@@ -84,8 +90,23 @@ pub async fn serve(
         ));
     }
 
-    let metrics = Arc::new(Metrics::new(Arc::clone(&pool)));
-    let scheduler = Scheduler::new(Arc::clone(&pool), settings.scheduler);
+    // The prefix slot: precise index (fed by agents) first, the prefix tree where it can't answer.
+    let index = Arc::new(KvIndex::new(settings.index));
+    let tokenizer =
+        affinity::with_local_tokenizers(Tokenizer::new(settings.tokenizer), &settings.models)?;
+    let affinity = Arc::new(PrefixAffinity::new(
+        settings.affinity,
+        affinity::hashers(&settings.models)?,
+        Arc::clone(&index),
+        Arc::new(PrefixTree::new(PrefixTreeConfig::default())),
+        tokenizer,
+    ));
+
+    let mut metrics = Metrics::new(Arc::clone(&pool));
+    affinity.register_metrics(metrics.registry_mut());
+    let metrics = Arc::new(metrics);
+    let scheduler = Scheduler::new(Arc::clone(&pool), settings.scheduler)
+        .with_prefix_scorer(Box::new(Arc::clone(&affinity)));
     let router = Arc::new(Router::new(
         scheduler,
         Arc::clone(&metrics),
@@ -136,6 +157,7 @@ pub async fn serve(
         pool,
         metrics,
         scheduler: settings.scheduler,
+        index,
     });
     let admin = axum::serve(admin_listener, admin::routes(admin_state)).with_graceful_shutdown(
         async move {
@@ -185,3 +207,6 @@ async fn report_readiness(pool: Arc<Pool>, reporter: tonic_health::server::Healt
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -14,6 +14,13 @@
 //! scheduler:
 //!   weights: {queue: 1, in_flight: 1, kv_cache: 1, prefix: 2}
 //!   saturation: {max_waiting: 128, max_kv_cache_usage: 0.99}
+//! models:                      # engine settings for precise prefix routing
+//!   - name: tiny
+//!     block_size: 16
+//!     hash_algo: sha256_cbor
+//!     hash_seed: "1729"        # the engines' PYTHONHASHSEED
+//! tokenize_deadline: 50ms
+//! speculative_ttl: 2s
 //! ```
 //!
 //! The file is polled for changes ([`watch_replicas`]); a change re-reads the replica list and
@@ -31,9 +38,12 @@ use clap::Args;
 use serde::{Deserialize, Deserializer};
 use thiserror::Error;
 
+use crate::affinity::{AffinityConfig, FileModel, ModelSettings};
 use crate::extproc::DESTINATION_HEADER;
+use crate::kvindex::IndexConfig;
 use crate::pool::{Pool, ReplicaSpec};
 use crate::scheduler::SchedulerSettings;
+use crate::tokenize::TokenizerConfig;
 
 #[derive(Debug, Error)]
 pub enum ConfigError {
@@ -55,6 +65,8 @@ pub enum ConfigError {
     Address(String),
     #[error("replica {0} serves no model")]
     NoModels(String),
+    #[error(transparent)]
+    Model(#[from] crate::affinity::ModelSettingsError),
     #[error("invalid duration {0:?}: expected e.g. 250ms, 2s, 1m")]
     Duration(String),
     #[error("{0} must be positive")]
@@ -129,6 +141,30 @@ pub struct ServeArgs {
     /// Load spread (in flight + waiting) from which prefix affinity is ignored.
     #[arg(long, env = "LLMGW_IMBALANCE_THRESHOLD")]
     pub imbalance_threshold: Option<f64>,
+    /// A model's engine settings for precise prefix routing, repeatable:
+    /// MODEL=block_size=N[,algo=sha256_cbor|xxhash_cbor][,seed=PYTHONHASHSEED]
+    /// [,salt=tagged|untagged][,tokenizer=PATH/tokenizer.json]. Models without one are routed by
+    /// the approximate prefix tree.
+    #[arg(long = "model", env = "LLMGW_MODEL")]
+    pub models: Vec<String>,
+    /// How long a request waits for its tokens before the prefix tree decides (default 50ms).
+    #[arg(long, env = "LLMGW_TOKENIZE_DEADLINE", value_parser = parse_duration)]
+    pub tokenize_deadline: Option<Duration>,
+    /// Bytes the tokenization cache may hold (default 64 MiB).
+    #[arg(long, env = "LLMGW_TOKENIZE_CACHE_BYTES")]
+    pub tokenize_cache_bytes: Option<usize>,
+    /// How long a pick credits the chosen replica with the prompt's blocks (default 2s; 0 off).
+    #[arg(long, env = "LLMGW_SPECULATIVE_TTL", value_parser = parse_duration)]
+    pub speculative_ttl: Option<Duration>,
+    /// Leading blocks a replica must hold before its cache counts (default 1).
+    #[arg(long, env = "LLMGW_MIN_PREFIX_BLOCKS")]
+    pub min_prefix_blocks: Option<u32>,
+    /// Most blocks the KV index keeps per replica; the oldest go first (default 4,000,000).
+    #[arg(long, env = "LLMGW_INDEX_MAX_BLOCKS_PER_REPLICA")]
+    pub index_max_blocks_per_replica: Option<u32>,
+    /// Weight of a block held only in CPU (offloaded) memory, relative to GPU (default 0.5).
+    #[arg(long, env = "LLMGW_OFFLOADED_WEIGHT")]
+    pub offloaded_weight: Option<f32>,
 }
 
 /// The configuration file. Every field is optional.
@@ -154,6 +190,16 @@ pub struct FileConfig {
     pub replicas: Vec<FileReplica>,
     #[serde(default)]
     pub scheduler: Option<SchedulerSettings>,
+    #[serde(default)]
+    pub models: Vec<FileModel>,
+    #[serde(default, deserialize_with = "opt_duration")]
+    pub tokenize_deadline: Option<Duration>,
+    pub tokenize_cache_bytes: Option<usize>,
+    #[serde(default, deserialize_with = "opt_duration")]
+    pub speculative_ttl: Option<Duration>,
+    pub min_prefix_blocks: Option<u32>,
+    pub index_max_blocks_per_replica: Option<u32>,
+    pub offloaded_weight: Option<f32>,
 }
 
 /// One replica in the file.
@@ -187,6 +233,11 @@ pub struct Settings {
     pub config_path: Option<PathBuf>,
     /// The `--replica` flags, re-added on every reload.
     pub flag_replicas: Vec<ReplicaSpec>,
+    /// Engine settings per model, for the precise tier.
+    pub models: Vec<ModelSettings>,
+    pub tokenizer: TokenizerConfig,
+    pub affinity: AffinityConfig,
+    pub index: IndexConfig,
 }
 
 impl Settings {
@@ -217,6 +268,7 @@ impl Settings {
         override_with(&mut scheduler.imbalance_threshold, args.imbalance_threshold);
         override_with(&mut scheduler.fallbacks, args.fallbacks);
 
+        let models = resolve_models(args, &file)?;
         let settings = Settings {
             grpc_addr: args
                 .grpc_addr
@@ -262,6 +314,38 @@ impl Settings {
             scheduler,
             config_path: args.config.clone(),
             flag_replicas,
+            models,
+            tokenizer: TokenizerConfig {
+                deadline: args
+                    .tokenize_deadline
+                    .or(file.tokenize_deadline)
+                    .unwrap_or(TokenizerConfig::default().deadline),
+                cache_bytes: args
+                    .tokenize_cache_bytes
+                    .or(file.tokenize_cache_bytes)
+                    .unwrap_or(TokenizerConfig::default().cache_bytes),
+                ..TokenizerConfig::default()
+            },
+            affinity: AffinityConfig {
+                min_blocks: args
+                    .min_prefix_blocks
+                    .or(file.min_prefix_blocks)
+                    .unwrap_or(AffinityConfig::default().min_blocks),
+                speculative_ttl: args
+                    .speculative_ttl
+                    .or(file.speculative_ttl)
+                    .unwrap_or(AffinityConfig::default().speculative_ttl),
+            },
+            index: IndexConfig {
+                max_blocks_per_replica: args
+                    .index_max_blocks_per_replica
+                    .or(file.index_max_blocks_per_replica)
+                    .unwrap_or(IndexConfig::default().max_blocks_per_replica),
+                offloaded_weight: args
+                    .offloaded_weight
+                    .or(file.offloaded_weight)
+                    .unwrap_or(IndexConfig::default().offloaded_weight),
+            },
         };
         for (name, value) in [
             ("health_interval", settings.health_interval),
@@ -275,6 +359,24 @@ impl Settings {
         }
         Ok(settings)
     }
+}
+
+/// The file's models, then the flags' (a flag for the same model replaces the file's entry).
+fn resolve_models(args: &ServeArgs, file: &FileConfig) -> Result<Vec<ModelSettings>, ConfigError> {
+    let mut models: Vec<ModelSettings> = file
+        .models
+        .iter()
+        .cloned()
+        .map(ModelSettings::try_from)
+        .collect::<Result<_, _>>()?;
+    for flag in &args.models {
+        let model: ModelSettings = flag.parse()?;
+        models.retain(|m| m.model != model.model);
+        models.push(model);
+    }
+    // Refuse settings no engine could have (xxhash without a seed) at start-up, not per request.
+    crate::affinity::hashers(&models)?;
+    Ok(models)
 }
 
 fn override_with<T>(target: &mut T, value: Option<T>) {

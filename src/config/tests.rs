@@ -130,3 +130,35 @@ async fn changed_file_swaps_the_replicas() {
     assert_eq!(pool.snapshot().replicas().len(), 3);
     watcher.abort();
 }
+
+#[test]
+fn models_and_precise_settings_from_file_and_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_file(
+        &dir,
+        "models:\n  - name: tiny\n    block_size: 16\n    hash_seed: \"1729\"\n  - name: big\n    block_size: 32\ntokenize_deadline: 20ms\nspeculative_ttl: 0s\n",
+    );
+    let args = ServeArgs {
+        config: Some(path),
+        models: vec!["big=block_size=64,algo=xxhash_cbor,seed=7".to_string()],
+        min_prefix_blocks: Some(3),
+        ..ServeArgs::default()
+    };
+    let settings = Settings::resolve(&args).unwrap();
+    assert_eq!(settings.models.len(), 2);
+    assert_eq!(settings.models[0].model, "tiny");
+    assert_eq!(settings.models[0].hashing.seed.as_deref(), Some("1729"));
+    // The flag replaced the file's entry for the same model.
+    assert_eq!(settings.models[1].model, "big");
+    assert_eq!(settings.models[1].hashing.block_size.get(), 64);
+    assert_eq!(settings.tokenizer.deadline, Duration::from_millis(20));
+    assert_eq!(settings.affinity.speculative_ttl, Duration::ZERO);
+    assert_eq!(settings.affinity.min_blocks, 3);
+
+    let unreproducible = ServeArgs {
+        models: vec!["m=block_size=16,algo=xxhash_cbor".to_string()],
+        ..ServeArgs::default()
+    };
+    let err = Settings::resolve(&unreproducible).unwrap_err().to_string();
+    assert!(err.contains("seed"), "{err}");
+}

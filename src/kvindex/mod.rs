@@ -271,6 +271,15 @@ pub struct KvIndex {
     replicas: RwLock<ReplicaTable>,
 }
 
+impl std::fmt::Debug for KvIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvIndex")
+            .field("config", &self.config)
+            .field("replicas", &self.replicas.read().names.len())
+            .finish_non_exhaustive()
+    }
+}
+
 impl KvIndex {
     pub fn new(config: IndexConfig) -> Self {
         KvIndex {

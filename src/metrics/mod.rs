@@ -113,6 +113,11 @@ impl Metrics {
         }
     }
 
+    /// The registry, for other modules to register their metrics before the server starts.
+    pub fn registry_mut(&mut self) -> &mut Registry {
+        &mut self.registry
+    }
+
     pub fn record(&self, outcome: Outcome) {
         self.decisions
             .get_or_create(&OutcomeLabels {

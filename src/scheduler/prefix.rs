@@ -58,3 +58,22 @@ pub trait PrefixScorer: Send + Sync + 'static {
     /// returned for the request. Must not block: it runs on the request path.
     fn after_pick(&self, request: &ParsedRequest, chosen: &Candidate, scores: &PrefixScores);
 }
+
+/// A shared scorer (the router keeps a handle for metrics and `/debug`).
+impl<T: PrefixScorer> PrefixScorer for std::sync::Arc<T> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+
+    fn score<'a>(
+        &'a self,
+        request: &'a ParsedRequest,
+        candidates: &'a [Candidate],
+    ) -> BoxFuture<'a, Result<PrefixScores, PrefixUnavailable>> {
+        (**self).score(request, candidates)
+    }
+
+    fn after_pick(&self, request: &ParsedRequest, chosen: &Candidate, scores: &PrefixScores) {
+        (**self).after_pick(request, chosen, scores)
+    }
+}
