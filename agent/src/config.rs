@@ -55,6 +55,9 @@ pub struct EngineSpec {
     /// Data-parallel size: ranks 0..dp on consecutive ports.
     #[serde(default = "one")]
     pub dp: u16,
+    /// The engine's health URL (default `http://REPLICA/health`).
+    #[serde(default)]
+    pub health: Option<String>,
 }
 
 fn one() -> u16 {
@@ -81,12 +84,14 @@ impl FromStr for EngineSpec {
             bind: false,
             topic: None,
             dp: 1,
+            health: None,
         };
         for opt in parts {
             match opt.trim().split_once('=') {
                 None if opt.trim() == "bind" => spec.bind = true,
                 Some(("replay", v)) => spec.replay = Some(v.trim().to_owned()),
                 Some(("topic", v)) => spec.topic = Some(v.to_owned()),
+                Some(("health", v)) => spec.health = Some(v.trim().to_owned()),
                 Some(("dp", v)) => {
                     spec.dp = v
                         .trim()
@@ -162,6 +167,10 @@ impl EngineSpec {
                         .map(|r| offset(r, rank))
                         .transpose()?,
                     bind: self.bind,
+                    health: self
+                        .health
+                        .clone()
+                        .unwrap_or_else(|| format!("http://{}/health", self.replica)),
                     topic: self
                         .topic
                         .clone()
@@ -182,6 +191,8 @@ pub struct EngineConfig {
     pub replay: Option<String>,
     pub bind: bool,
     pub topic: String,
+    /// Checked when the engine has been silent for `stale_after`.
+    pub health: String,
 }
 
 /// The YAML file: the same settings as the flags, all optional.
@@ -202,6 +213,7 @@ pub struct FileConfig {
     pub admin_addr: Option<SocketAddr>,
     pub replay_timeout_ms: Option<u64>,
     pub token_file: Option<PathBuf>,
+    pub stale_after_ms: Option<u64>,
 }
 
 impl FileConfig {
@@ -260,6 +272,10 @@ pub struct AgentArgs {
     /// File holding the shared token the routers check.
     #[arg(long, env = "LLMGW_AGENT_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
+    /// Silence (ms) after which an engine's /health is checked; a failing check resets it.
+    /// 0 disables (default 10000).
+    #[arg(long, env = "LLMGW_AGENT_STALE_AFTER_MS")]
+    pub stale_after_ms: Option<u64>,
     /// The shared token itself (prefer --token-file).
     #[arg(long, env = "LLMGW_AGENT_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
@@ -280,6 +296,8 @@ pub struct AgentConfig {
     pub replay_timeout: Duration,
     /// The shared token presented to routers.
     pub token: Option<String>,
+    /// Silence before a health check; `None` disables staleness.
+    pub stale_after: Option<Duration>,
 }
 
 pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9101";
@@ -340,7 +358,16 @@ impl AgentArgs {
             ),
             (None, None) => None,
         };
+        let stale_after = match self
+            .stale_after_ms
+            .or(file.stale_after_ms)
+            .unwrap_or(10_000)
+        {
+            0 => None,
+            ms => Some(Duration::from_millis(ms)),
+        };
         Ok(AgentConfig {
+            stale_after,
             token,
             node,
             engines,

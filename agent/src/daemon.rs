@@ -126,6 +126,16 @@ impl Agent {
                     tracing::error!(engine = name, error = %e, "intake stopped");
                 }
             }));
+            if let Some(silence) = agent.config.stale_after {
+                let watch = crate::health::HealthWatch {
+                    engine: Arc::clone(&engine),
+                    url: ec.health.clone(),
+                    silence,
+                    inputs: tx.clone(),
+                    metrics: Arc::clone(&agent.metrics),
+                };
+                agent.tasks.push(tokio::spawn(watch.run()));
+            }
             agent.inputs.insert(ec.name.clone(), tx);
             agent.engines.push(engine);
         }

@@ -12,6 +12,7 @@ pub mod config;
 pub mod daemon;
 pub mod engine;
 pub mod hashcheck;
+pub mod health;
 pub mod metrics;
 pub mod mirror;
 pub mod supervisor;

@@ -54,6 +54,7 @@ pub struct Metrics {
     pub bad_messages: Family<EngineLabel, Counter>,
     pub unknown_removals: Family<EngineLabel, Counter>,
     pub mirror_blocks: Family<EngineLabel, Gauge>,
+    pub engine_stale: Family<EngineLabel, Gauge>,
     pub uplink_connected: Family<RouterLabel, Gauge>,
     pub event_to_flush: Family<EngineLabel, Histogram, fn() -> Histogram>,
     pub event_to_router: Family<RouterLabel, Histogram, fn() -> Histogram>,
@@ -78,6 +79,7 @@ impl Metrics {
         let bad_messages = Family::<EngineLabel, Counter>::default();
         let unknown_removals = Family::<EngineLabel, Counter>::default();
         let mirror_blocks = Family::<EngineLabel, Gauge>::default();
+        let engine_stale = Family::<EngineLabel, Gauge>::default();
         let uplink_connected = Family::<RouterLabel, Gauge>::default();
         let event_to_flush: Family<EngineLabel, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(latency_histogram);
@@ -126,6 +128,11 @@ impl Metrics {
             mirror_blocks.clone(),
         );
         registry.register(
+            "engine_stale",
+            "1 while an engine is silent and its /health fails",
+            engine_stale.clone(),
+        );
+        registry.register(
             "uplink_connected",
             "1 while the feed stream to a router is up",
             uplink_connected.clone(),
@@ -152,6 +159,7 @@ impl Metrics {
             bad_messages,
             unknown_removals,
             mirror_blocks,
+            engine_stale,
             uplink_connected,
             event_to_flush,
             event_to_router,

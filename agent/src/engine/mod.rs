@@ -56,6 +56,8 @@ pub enum ResetReason {
     Decode,
     /// The supervisor restarted the engine.
     Supervisor,
+    /// The engine went silent and its `/health` fails.
+    Stale,
 }
 
 impl ResetReason {
@@ -66,6 +68,7 @@ impl ResetReason {
             ResetReason::Gap => "gap",
             ResetReason::Decode => "decode_error",
             ResetReason::Supervisor => "supervisor",
+            ResetReason::Stale => "stale",
         }
     }
 
@@ -117,6 +120,10 @@ pub struct EngineSnapshot {
 struct State {
     mirror: Mirror,
     hash: HashStatus,
+    /// When the last batch arrived (or the engine was created).
+    last_batch: Option<Instant>,
+    /// Silent with `/health` failing: reset, and waiting for the engine to speak again.
+    stale: bool,
     /// Engine publish time (Unix seconds) of the oldest batch in the pending window.
     oldest_pending_ts: Option<f64>,
 }
@@ -155,6 +162,20 @@ impl Engine {
 
     pub fn hash_status(&self) -> HashStatus {
         self.state.lock().hash
+    }
+
+    /// How long since the last batch (or since `since`, when none arrived yet).
+    pub fn quiet_for(&self, now: Instant, since: Instant) -> Duration {
+        now.saturating_duration_since(self.state.lock().last_batch.unwrap_or(since))
+    }
+
+    pub fn is_stale(&self) -> bool {
+        self.state.lock().stale
+    }
+
+    /// Marks the engine stale; false when it already was.
+    pub(crate) fn mark_stale(&self) -> bool {
+        !std::mem::replace(&mut self.state.lock().stale, true)
     }
 }
 
@@ -212,6 +233,14 @@ impl MirrorTask {
                     .batches
                     .get_or_create(&Metrics::engine(engine))
                     .inc();
+                st.last_batch = Some(Instant::now());
+                if std::mem::take(&mut st.stale) {
+                    tracing::info!(engine, seq, "engine speaks again: no longer stale");
+                    self.metrics
+                        .engine_stale
+                        .get_or_create(&Metrics::engine(engine))
+                        .set(0);
+                }
                 for ev in &batch.events {
                     self.apply(&mut st, engine, seq, ev);
                 }

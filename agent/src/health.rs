@@ -1,0 +1,171 @@
+//! Staleness: an engine that has published nothing for a while *and* whose `/health` fails is
+//! presumed dead; its blocks are reset so the routers stop sending it prefix-heavy traffic on
+//! the strength of a cache that no longer exists. A silent engine whose `/health` answers is
+//! simply idle and keeps its blocks. The engine becomes live again with its next batch.
+//!
+//! # Concurrency model
+//! One task per engine; it reads the engine's last-batch time through its short lock and
+//! resets through the engine's input channel, like the intake.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::engine::{Engine, Input, ResetReason};
+use crate::metrics::Metrics;
+
+/// One engine's health watch.
+pub struct HealthWatch {
+    pub engine: Arc<Engine>,
+    /// e.g. `http://10.0.0.5:8000/health`.
+    pub url: String,
+    /// Silence that triggers a health check.
+    pub silence: Duration,
+    pub inputs: mpsc::Sender<Input>,
+    pub metrics: Arc<Metrics>,
+}
+
+impl HealthWatch {
+    pub async fn run(self) {
+        let client = match reqwest::Client::builder()
+            .timeout(Duration::from_secs(2).min(self.silence.max(Duration::from_millis(50))))
+            .build()
+        {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(engine = &*self.engine.id.0, error = %e, "no HTTP client: staleness not watched");
+                return;
+            }
+        };
+        let started = Instant::now();
+        let period = (self.silence / 2).max(Duration::from_millis(10));
+        loop {
+            tokio::time::sleep(period).await;
+            if self.engine.is_stale()
+                || self.engine.quiet_for(Instant::now(), started) < self.silence
+            {
+                continue;
+            }
+            let healthy = match client.get(&self.url).send().await {
+                Ok(r) => r.status().is_success(),
+                Err(_) => false,
+            };
+            if healthy || !self.engine.mark_stale() {
+                continue;
+            }
+            let engine = &*self.engine.id.0;
+            tracing::warn!(
+                engine,
+                url = self.url,
+                silence = ?self.silence,
+                "engine silent and its health check fails: stale, resetting"
+            );
+            self.metrics
+                .engine_stale
+                .get_or_create(&Metrics::engine(engine))
+                .set(1);
+            if self
+                .inputs
+                .send(Input::Reset(ResetReason::Stale))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::sync::broadcast;
+
+    use super::*;
+    use crate::engine::{EngineId, MirrorTask, ReplicaId};
+    use crate::mirror::DEFAULT_WINDOW;
+    use crate::wire::{BlockStored, EventBatch, ExternalHash, KvEvent};
+
+    async fn watched(url: String) -> (Arc<Engine>, Arc<Metrics>, mpsc::Sender<Input>) {
+        let metrics = Arc::new(Metrics::new());
+        let engine = Engine::new(EngineId(Arc::from("e0")), ReplicaId(Arc::from("h:1")));
+        let (tx, rx) = mpsc::channel(16);
+        let mirror = MirrorTask {
+            engine: Arc::clone(&engine),
+            check: None,
+            window: DEFAULT_WINDOW,
+            metrics: Arc::clone(&metrics),
+            updates: broadcast::channel(16).0,
+        };
+        tokio::spawn(mirror.run(rx));
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored(BlockStored {
+                block_hashes: vec![ExternalHash(5)],
+                ..BlockStored::default()
+            })],
+            dp_rank: None,
+        };
+        tx.send(Input::Batch { seq: 0, batch }).await.expect("send");
+        tokio::spawn(
+            HealthWatch {
+                engine: Arc::clone(&engine),
+                url,
+                silence: Duration::from_millis(100),
+                inputs: tx.clone(),
+                metrics: Arc::clone(&metrics),
+            }
+            .run(),
+        );
+        (engine, metrics, tx)
+    }
+
+    #[tokio::test]
+    async fn a_silent_engine_whose_health_fails_is_reset_as_stale() {
+        // Nothing listens on this port.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("port")
+            .port();
+        let (engine, metrics, tx) = watched(format!("http://127.0.0.1:{port}/health")).await;
+        for _ in 0..200 {
+            if engine.is_stale() && engine.block_set().is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(engine.is_stale());
+        assert!(engine.block_set().is_empty(), "blocks reset");
+        let m = metrics.encode();
+        assert!(
+            m.contains(r#"llmgw_agent_engine_stale{engine="e0"} 1"#),
+            "{m}"
+        );
+        assert!(m.contains(r#"llmgw_agent_resets_total{engine="e0",reason="stale"} 1"#));
+        // The engine speaks again: live.
+        let batch = EventBatch::default();
+        tx.send(Input::Batch { seq: 1, batch }).await.expect("send");
+        for _ in 0..100 {
+            if !engine.is_stale() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!engine.is_stale());
+    }
+
+    #[tokio::test]
+    async fn a_silent_but_healthy_engine_keeps_its_blocks() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let app = axum::Router::new().route("/health", axum::routing::get(|| async { "" }));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let (engine, _metrics, _tx) = watched(format!("http://{addr}/health")).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!engine.is_stale());
+        assert_eq!(engine.block_set().len(), 1);
+    }
+}
