@@ -60,8 +60,8 @@ fn serve(args: &llmgw::config::ServeArgs) -> anyhow::Result<()> {
     runtime.block_on(llmgw::app::serve(settings, shutdown_signal(), |bound| {
         // Tests and scripts read this line to learn the ports (useful with port 0).
         println!(
-            "llmgw-router listening grpc={} admin={}",
-            bound.grpc, bound.admin
+            "llmgw-router listening grpc={} admin={} feed={}",
+            bound.grpc, bound.admin, bound.feed
         );
     }))?;
     Ok(())

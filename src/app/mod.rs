@@ -7,6 +7,7 @@
 //! state. The gRPC server (ext_proc + health) and the admin server run side by side and stop
 //! together on the shutdown signal; the background tasks are aborted when [`serve`] returns.
 
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,7 +21,8 @@ use crate::admin::{self, AdminState};
 use crate::affinity::{self, ModelSettingsError, PrefixAffinity};
 use crate::config::{self, Settings};
 use crate::extproc::{ExtProcService, ExtProcSettings};
-use crate::kvindex::KvIndex;
+use crate::feed::{FeedConfig, FeedService};
+use crate::kvindex::{KvEventSink, KvIndex};
 use crate::metrics::Metrics;
 use crate::pool::Pool;
 use crate::pool::monitor::{self, HttpProber, ProbeError, ProbeSettings};
@@ -55,6 +57,8 @@ pub enum ServeError {
 pub struct BoundAddrs {
     pub grpc: SocketAddr,
     pub admin: SocketAddr,
+    /// Where agents connect (llmgw.feed.v1).
+    pub feed: SocketAddr,
 }
 
 /// Runs the router until `shutdown` completes. `on_bound` is called once both listeners are
@@ -102,8 +106,28 @@ pub async fn serve(
         tokenizer,
     ));
 
+    // Agents feed the index; each node may only speak for its own replicas.
+    let mut nodes: HashMap<String, HashSet<String>> = HashMap::new();
+    for replica in &settings.replicas {
+        if let Some(node) = &replica.node {
+            nodes
+                .entry(node.clone())
+                .or_default()
+                .insert(replica.address.to_string());
+        }
+    }
+    let feed = FeedService::new(
+        Arc::clone(&index) as Arc<dyn KvEventSink>,
+        FeedConfig {
+            token: settings.feed_token.clone(),
+            nodes,
+            grace: settings.feed_grace,
+        },
+    );
+
     let mut metrics = Metrics::new(Arc::clone(&pool));
     affinity.register_metrics(metrics.registry_mut());
+    feed.metrics.register(metrics.registry_mut());
     let metrics = Arc::new(metrics);
     let scheduler = Scheduler::new(Arc::clone(&pool), settings.scheduler)
         .with_prefix_scorer(Box::new(Arc::clone(&affinity)));
@@ -128,12 +152,14 @@ pub async fn serve(
 
     let grpc_listener = bind(settings.grpc_addr).await?;
     let admin_listener = bind(settings.admin_addr).await?;
+    let feed_listener = bind(settings.feed_addr).await?;
     let bound = BoundAddrs {
         grpc: local_addr(&grpc_listener, settings.grpc_addr)?,
         admin: local_addr(&admin_listener, settings.admin_addr)?,
+        feed: local_addr(&feed_listener, settings.feed_addr)?,
     };
     on_bound(bound);
-    tracing::info!(grpc = %bound.grpc, admin = %bound.admin, replicas = settings.replicas.len(), "llmgw-router serving");
+    tracing::info!(grpc = %bound.grpc, admin = %bound.admin, feed = %bound.feed, replicas = settings.replicas.len(), "llmgw-router serving");
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -164,7 +190,10 @@ pub async fn serve(
             let _ = admin_stop.wait_for(|stop| *stop).await;
         },
     );
+    let feed_task = tokio::spawn(feed.clone().serve_with_listener(feed_listener));
     let (grpc_result, admin_result) = tokio::join!(grpc, admin);
+    feed.shutdown();
+    feed_task.abort();
     background.abort_all();
     grpc_result?;
     admin_result.map_err(ServeError::Admin)?;

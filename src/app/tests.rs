@@ -65,6 +65,7 @@ async fn serves_grpc_health_admin_endpoints_and_stops_on_shutdown() {
         replicas: vec![format!("tiny={replica}")],
         grpc_addr: Some("127.0.0.1:0".parse().unwrap()),
         admin_addr: Some("127.0.0.1:0".parse().unwrap()),
+        feed_addr: Some("127.0.0.1:0".parse().unwrap()),
         health_interval: Some(Duration::from_millis(50)),
         scrape_interval: Some(Duration::from_millis(50)),
         ..ServeArgs::default()

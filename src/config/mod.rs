@@ -165,6 +165,18 @@ pub struct ServeArgs {
     /// Weight of a block held only in CPU (offloaded) memory, relative to GPU (default 0.5).
     #[arg(long, env = "LLMGW_OFFLOADED_WEIGHT")]
     pub offloaded_weight: Option<f32>,
+    /// Where agents stream KV-cache changes (llmgw.feed.v1; default 127.0.0.1:9003).
+    #[arg(long, env = "LLMGW_FEED_ADDR")]
+    pub feed_addr: Option<SocketAddr>,
+    /// A file holding the token agents must present (see also LLMGW_FEED_TOKEN).
+    #[arg(long, env = "LLMGW_FEED_TOKEN_FILE")]
+    pub feed_token_file: Option<PathBuf>,
+    /// The token agents must present; without one (or a file) any agent is accepted.
+    #[arg(long, env = "LLMGW_FEED_TOKEN", hide_env_values = true)]
+    pub feed_token: Option<String>,
+    /// How long a node's blocks stay in the index after its agent's stream ended (default 30s).
+    #[arg(long, env = "LLMGW_FEED_GRACE", value_parser = parse_duration)]
+    pub feed_grace: Option<Duration>,
 }
 
 /// The configuration file. Every field is optional.
@@ -200,6 +212,10 @@ pub struct FileConfig {
     pub min_prefix_blocks: Option<u32>,
     pub index_max_blocks_per_replica: Option<u32>,
     pub offloaded_weight: Option<f32>,
+    pub feed_addr: Option<SocketAddr>,
+    pub feed_token_file: Option<PathBuf>,
+    #[serde(default, deserialize_with = "opt_duration")]
+    pub feed_grace: Option<Duration>,
 }
 
 /// One replica in the file.
@@ -238,6 +254,10 @@ pub struct Settings {
     pub tokenizer: TokenizerConfig,
     pub affinity: AffinityConfig,
     pub index: IndexConfig,
+    pub feed_addr: SocketAddr,
+    /// The shared token of agents; `None` accepts any.
+    pub feed_token: Option<String>,
+    pub feed_grace: Duration,
 }
 
 impl Settings {
@@ -269,6 +289,24 @@ impl Settings {
         override_with(&mut scheduler.fallbacks, args.fallbacks);
 
         let models = resolve_models(args, &file)?;
+        let feed_token = match (
+            &args.feed_token,
+            args.feed_token_file
+                .as_ref()
+                .or(file.feed_token_file.as_ref()),
+        ) {
+            (Some(token), _) => Some(token.trim().to_owned()),
+            (None, Some(path)) => Some(
+                std::fs::read_to_string(path)
+                    .map_err(|source| ConfigError::Read {
+                        path: path.clone(),
+                        source,
+                    })?
+                    .trim()
+                    .to_owned(),
+            ),
+            (None, None) => None,
+        };
         let settings = Settings {
             grpc_addr: args
                 .grpc_addr
@@ -346,6 +384,15 @@ impl Settings {
                     .or(file.offloaded_weight)
                     .unwrap_or(IndexConfig::default().offloaded_weight),
             },
+            feed_addr: args
+                .feed_addr
+                .or(file.feed_addr)
+                .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 9003))),
+            feed_token,
+            feed_grace: args
+                .feed_grace
+                .or(file.feed_grace)
+                .unwrap_or(Duration::from_secs(30)),
         };
         for (name, value) in [
             ("health_interval", settings.health_interval),

@@ -75,6 +75,7 @@ pub fn start_router(grpc_port: u16, replicas: &[String], extra: &[&str]) -> Rout
     cmd.arg("serve")
         .args(["--grpc-addr", &format!("127.0.0.1:{grpc_port}")])
         .args(["--admin-addr", "127.0.0.1:0"])
+        .args(["--feed-addr", "127.0.0.1:0"])
         .args(["--health-interval", "200ms", "--scrape-interval", "100ms"])
         .args(["--probe-timeout", "500ms"]);
     for replica in replicas {
