@@ -3,6 +3,7 @@
 //! outlive a test.
 
 pub mod sim;
+pub mod system;
 
 use std::io::{BufRead as _, BufReader};
 use std::net::{SocketAddr, TcpListener};

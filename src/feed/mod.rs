@@ -73,7 +73,7 @@ pub struct FeedMetrics {
 
 impl FeedMetrics {
     pub fn register(&self, registry: &mut Registry) {
-        let r = registry.sub_registry_with_prefix("feed");
+        let r = registry.sub_registry_with_prefix("llmgw_feed");
         r.register("streams", "Agent streams connected", self.streams.clone());
         r.register(
             "snapshots",

@@ -1,0 +1,337 @@
+//! The whole system on loopback, as `make run`, the benchmarks and the system tests start it:
+//! simulated replicas, `llmgw-router`, one `llmgw-agent` for the node, and Envoy in front, all
+//! real processes killed when the [`System`] is dropped.
+
+use std::io::{BufRead as _, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use crate::{ChildGuard, SimHandle, bin_path, envoy_bin, free_port, repo_root, spawn_sim_with_env};
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct SystemConfig {
+    pub replicas: usize,
+    pub model: String,
+    pub block_size: usize,
+    /// Cache capacity of each replica, in blocks.
+    pub blocks_per_replica: usize,
+    /// PYTHONHASHSEED of every engine.
+    pub seed: String,
+    pub node: String,
+    /// Extra `llmgw-sim` flags (latency model, output length…).
+    pub sim_args: Vec<String>,
+    /// Extra `llmgw-router serve` flags.
+    pub router_args: Vec<String>,
+    /// Start the agent (without it, the router routes by load and the prefix tree only).
+    pub agent: bool,
+    /// Envoy's log level.
+    pub envoy_log_level: String,
+}
+
+impl Default for SystemConfig {
+    fn default() -> Self {
+        SystemConfig {
+            replicas: 4,
+            model: "tiny".to_owned(),
+            block_size: 16,
+            blocks_per_replica: 512,
+            seed: "1729".to_owned(),
+            node: "node-a".to_owned(),
+            sim_args: Vec::new(),
+            router_args: Vec::new(),
+            agent: true,
+            envoy_log_level: "error".to_owned(),
+        }
+    }
+}
+
+/// The router's bound addresses.
+#[derive(Debug, Clone, Copy)]
+pub struct RouterAddrs {
+    pub grpc: SocketAddr,
+    pub admin: SocketAddr,
+    pub feed: SocketAddr,
+}
+
+/// Everything running. Dropping it stops every process.
+pub struct System {
+    pub config: SystemConfig,
+    pub router: RouterAddrs,
+    /// Envoy's listener: where clients send requests.
+    pub envoy: SocketAddr,
+    pub envoy_admin: SocketAddr,
+    // Fields drop in declaration order: Envoy first, the replicas last.
+    _envoy: ChildGuard,
+    _agent: Option<ChildGuard>,
+    _router: ChildGuard,
+    pub sims: Vec<SimHandle>,
+}
+
+impl System {
+    /// `http://ENVOY{path}`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.envoy, path)
+    }
+
+    /// The replica addresses, in start order.
+    pub fn replicas(&self) -> Vec<SocketAddr> {
+        self.sims.iter().map(|s| s.addr).collect()
+    }
+}
+
+/// Starts the system and waits until Envoy is ready, the router sees every replica healthy and
+/// (with an agent) the agent's stream is up. Test-support code: panics with a clear message
+/// when a part does not start.
+pub async fn start(config: SystemConfig) -> System {
+    let events = r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:*","topic":"kv"}"#;
+    let blocks = config.blocks_per_replica.to_string();
+    let block_size = config.block_size.to_string();
+    let max_model_len = ((config.blocks_per_replica - 1) * config.block_size)
+        .min(8192)
+        .to_string();
+    let sims: Vec<SimHandle> = (0..config.replicas)
+        .map(|_| {
+            let mut args: Vec<&str> = vec![
+                "--served-model-name",
+                &config.model,
+                "--block-size",
+                &block_size,
+                "--num-gpu-blocks-override",
+                &blocks,
+                "--max-model-len",
+                &max_model_len,
+                "--kv-events-config",
+                events,
+            ];
+            args.extend(config.sim_args.iter().map(String::as_str));
+            spawn_sim_with_env(args, [("PYTHONHASHSEED", config.seed.as_str())])
+        })
+        .collect();
+
+    let (router, router_guard) = start_router(&config, &sims);
+    let agent = config
+        .agent
+        .then(|| start_agent(&config, &sims, router.feed));
+    let (envoy, envoy_admin, envoy_guard) = start_envoy(&config, router.grpc, &sims).await;
+    let system = System {
+        config,
+        sims,
+        router,
+        envoy,
+        envoy_admin,
+        _envoy: envoy_guard,
+        _agent: agent,
+        _router: router_guard,
+    };
+    wait_ready(&system).await;
+    system
+}
+
+fn start_router(config: &SystemConfig, sims: &[SimHandle]) -> (RouterAddrs, ChildGuard) {
+    let mut cmd = Command::new(bin_path("llmgw-router"));
+    cmd.arg("serve")
+        .args(["--grpc-addr", "127.0.0.1:0"])
+        .args(["--admin-addr", "127.0.0.1:0"])
+        .args(["--feed-addr", "127.0.0.1:0"])
+        .args(["--health-interval", "200ms", "--scrape-interval", "100ms"])
+        .args(["--feed-grace", "5s"])
+        .arg("--model")
+        .arg(format!(
+            "{}=block_size={},seed={}",
+            config.model, config.block_size, config.seed
+        ));
+    for sim in sims {
+        cmd.arg("--replica")
+            .arg(format!("{}={}@{}", config.model, sim.addr, config.node));
+    }
+    cmd.args(&config.router_args)
+        .env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".to_owned()),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut child = cmd.spawn().expect("spawn llmgw-router");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let guard = ChildGuard::new("llmgw-router", child);
+    let mut lines = BufReader::new(stdout).lines();
+    for line in lines.by_ref() {
+        let line = line.expect("router stdout");
+        let Some(rest) = line.strip_prefix("llmgw-router listening ") else {
+            continue;
+        };
+        let addr = |key: &str| -> SocketAddr {
+            rest.split_whitespace()
+                .find_map(|part| part.strip_prefix(key))
+                .and_then(|a| a.parse().ok())
+                .unwrap_or_else(|| panic!("router printed no {key} address: {line}"))
+        };
+        let addrs = RouterAddrs {
+            grpc: addr("grpc="),
+            admin: addr("admin="),
+            feed: addr("feed="),
+        };
+        std::thread::spawn(move || for _ in lines {});
+        return (addrs, guard);
+    }
+    panic!("llmgw-router exited before listening");
+}
+
+fn start_agent(config: &SystemConfig, sims: &[SimHandle], feed: SocketAddr) -> ChildGuard {
+    let mut cmd = Command::new(bin_path("llmgw-agent"));
+    cmd.arg("serve")
+        .args(["--node", &config.node])
+        .args(["--router", &feed.to_string()])
+        .args(["--model", &config.model])
+        .args(["--hash-seed", &config.seed])
+        .args(["--block-size", &config.block_size.to_string()])
+        .args(["--admin-addr", "127.0.0.1:0"]);
+    for sim in sims {
+        let events = sim.events.as_deref().expect("sim publishes events");
+        cmd.arg("--engine").arg(format!("{}={events}", sim.addr));
+    }
+    cmd.env(
+        "RUST_LOG",
+        std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".to_owned()),
+    )
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(Stdio::inherit());
+    ChildGuard::new("llmgw-agent", cmd.spawn().expect("spawn llmgw-agent"))
+}
+
+/// The default Envoy config (`envoy/envoy.yaml`) pointed at these ports and replicas.
+pub fn envoy_config(grpc: SocketAddr, listen: u16, admin: u16, replicas: &[SocketAddr]) -> String {
+    let text = std::fs::read_to_string(repo_root().join("envoy/envoy.yaml"))
+        .expect("read envoy/envoy.yaml");
+    let endpoint = |port: u16| {
+        format!(
+            "        - endpoint:\n            address:\n              socket_address: {{address: 127.0.0.1, port_value: {port}}}\n"
+        )
+    };
+    let defaults = format!("{}{}", endpoint(8001), endpoint(8002));
+    assert!(
+        text.contains(&defaults),
+        "envoy/envoy.yaml no longer lists the replicas as expected"
+    );
+    let ours: String = replicas.iter().map(|r| endpoint(r.port())).collect();
+    text.replace(&defaults, &ours)
+        .replace("port_value: 10000", &format!("port_value: {listen}"))
+        .replace("port_value: 9901", &format!("port_value: {admin}"))
+        .replace("port_value: 9002", &format!("port_value: {}", grpc.port()))
+}
+
+async fn start_envoy(
+    config: &SystemConfig,
+    grpc: SocketAddr,
+    sims: &[SimHandle],
+) -> (SocketAddr, SocketAddr, ChildGuard) {
+    let listen = free_port();
+    let admin = free_port();
+    let replicas: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
+    let dir: PathBuf = repo_root().join("target/llmgw-system");
+    std::fs::create_dir_all(&dir).expect("create target/llmgw-system");
+    let path = dir.join(format!("envoy-{}-{listen}.yaml", std::process::id()));
+    std::fs::write(&path, envoy_config(grpc, listen, admin, &replicas))
+        .expect("write envoy config");
+    let child = Command::new(envoy_bin())
+        .args(["-c", &path.to_string_lossy()])
+        .args(["--use-dynamic-base-id", "--concurrency", "1"])
+        .args(["--log-level", &config.envoy_log_level])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn envoy");
+    (
+        SocketAddr::from(([127, 0, 0, 1], listen)),
+        SocketAddr::from(([127, 0, 0, 1], admin)),
+        ChildGuard::new("envoy", child),
+    )
+}
+
+async fn wait_ready(system: &System) {
+    let client = reqwest::Client::new();
+    let envoy_ready = format!("http://{}/ready", system.envoy_admin);
+    let router_metrics = format!("http://{}/metrics", system.router.admin);
+    let mut status = String::new();
+    for _ in 0..300 {
+        let envoy_up = client
+            .get(&envoy_ready)
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        let metrics = match client.get(&router_metrics).send().await {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        };
+        let healthy = metrics
+            .lines()
+            .filter(|l| l.starts_with("llmgw_replica_healthy{") && l.ends_with(" 1"))
+            .count();
+        let streams_up = !system.config.agent
+            || metrics
+                .lines()
+                .any(|l| l.starts_with("llmgw_feed_streams ") && !l.ends_with(" 0"));
+        if envoy_up && healthy == system.sims.len() && streams_up {
+            return;
+        }
+        status = format!(
+            "envoy ready: {envoy_up}, healthy replicas: {healthy}/{}, agent stream up: {streams_up}",
+            system.sims.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the system did not become ready within 15 s ({status})");
+}
+
+/// The block hashes the router's index holds for `replica`.
+pub async fn router_blocks(system: &System, replica: SocketAddr) -> Vec<u64> {
+    let url = format!(
+        "http://{}/debug/replicas/{replica}/blocks",
+        system.router.admin
+    );
+    let v: serde_json::Value = reqwest::get(url)
+        .await
+        .expect("router admin")
+        .json()
+        .await
+        .expect("json");
+    serde_json::from_value(v["block_hashes"].clone()).expect("u64 list")
+}
+
+/// The block hashes a sim holds now (`/debug/blocks`), sorted.
+pub async fn sim_blocks(sim: &SimHandle) -> Vec<u64> {
+    let v: serde_json::Value = reqwest::get(format!("{}/debug/blocks", sim.url()))
+        .await
+        .expect("sim debug/blocks")
+        .json()
+        .await
+        .expect("json");
+    let mut blocks: Vec<u64> = serde_json::from_value(v["block_hashes"].clone()).expect("u64 list");
+    blocks.sort_unstable();
+    blocks
+}
+
+/// Waits (at most `timeout`) until the router's index equals every sim's own block list;
+/// returns whether it did.
+pub async fn converged(system: &System, timeout: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let mut equal = true;
+        for sim in &system.sims {
+            equal &= router_blocks(system, sim.addr).await == sim_blocks(sim).await;
+        }
+        if equal {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
