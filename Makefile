@@ -51,3 +51,40 @@ bench-sim:
 
 clean:
 	$(CARGO) clean
+
+# The whole system on its embedded default: Envoy + llmgw-router + llmgw-agent + four simulated
+# replicas with small caches, driven by a multi-tenant chat workload; live progress, then a table
+# (requests per replica, prefix-cache hit rate, TTFT, which tier decided). Ctrl-C stops it all.
+# `make run RUN_ARGS="--seconds 60 --replicas 8"` changes the defaults (llmgw-demo --help).
+.PHONY: run
+run: $(ENVOY)
+	$(CARGO) build --workspace --bins
+	target/debug/llmgw-demo $(RUN_ARGS)
+
+# A stack on fixed ports to poke at by hand: two simulated replicas (:8001, :8002), llmgw-router
+# (ext_proc :9002, admin :9090, feed :9003), llmgw-agent and Envoy (:10000) with
+# envoy/envoy.yaml. Try:
+#   curl localhost:10000/v1/completions -H 'content-type: application/json' \
+#        -d '{"model":"tiny","prompt":"hello","max_tokens":8}'
+# Ctrl-C stops everything.
+.PHONY: run-stack
+run-stack: $(ENVOY)
+	$(CARGO) build --workspace --bins
+	@trap 'kill 0' EXIT INT TERM; \
+	PYTHONHASHSEED=1729 target/debug/llmgw-sim --host 127.0.0.1 --port 8001 --served-model-name tiny \
+	  --kv-events-config '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:5557"}' & \
+	PYTHONHASHSEED=1729 target/debug/llmgw-sim --host 127.0.0.1 --port 8002 --served-model-name tiny \
+	  --kv-events-config '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:5558"}' & \
+	target/debug/llmgw-router serve --replica tiny=127.0.0.1:8001@local --replica tiny=127.0.0.1:8002@local \
+	  --model tiny=block_size=16,seed=1729 & \
+	target/debug/llmgw-agent serve --node local --router 127.0.0.1:9003 --model tiny --hash-seed 1729 \
+	  --block-size 16 --engine 127.0.0.1:8001=tcp://127.0.0.1:5557,bind --engine 127.0.0.1:8002=tcp://127.0.0.1:5558,bind & \
+	$(ENVOY) -c envoy/envoy.yaml --log-level warn & \
+	wait
+
+# Latency llmgw adds (Envoy → llmgw → replica over Envoy → replica, round robin; 8 KB and
+# 200 KB prompts, BUFFERED and FULL_DUPLEX_STREAMED) and router CPU per request.
+.PHONY: bench-overhead
+bench-overhead: $(ENVOY)
+	$(CARGO) build --release --workspace --bins
+	target/release/llmgw-bench-overhead --json target/bench-overhead.json

@@ -4,6 +4,7 @@
 
 pub mod sim;
 pub mod system;
+pub mod workload;
 
 use std::io::{BufRead as _, BufReader};
 use std::net::{SocketAddr, TcpListener};
