@@ -4,8 +4,8 @@
 //! [`blockhash`] → `kvindex` / `prefix` → `scheduler` → back to `extproc`, with `pool` and
 //! `feed` beside it.
 
-pub mod affinity;
 pub mod admin;
+pub mod affinity;
 pub mod app;
 pub mod blockhash;
 pub mod config;
@@ -13,9 +13,9 @@ pub mod extproc;
 pub mod feed;
 pub mod kvindex;
 pub mod metrics;
-pub mod prefix;
 pub mod openai;
 pub mod pool;
+pub mod prefix;
 pub mod router;
 pub mod scheduler;
 pub mod tokenize;

@@ -195,7 +195,7 @@ fn start_agent(config: &SystemConfig, sims: &[SimHandle], feed: SocketAddr) -> C
         cmd.arg("--engine").arg(format!("{}={events}", sim.addr));
     }
     cmd.env(
-        "RUST_LOG",
+        "LLMGW_AGENT_LOG",
         std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".to_owned()),
     )
     .stdin(Stdio::null())

@@ -432,3 +432,35 @@ async fn after_a_workload_with_evictions_the_index_equals_each_sim() {
         assert!(f.index_blocks(sim).len() <= 48, "sim {sim} evicted");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_tokenizer_gives_the_same_tokens_as_the_replicas_tokenize() {
+    let sim = spawn(256, 4000, &[]);
+    let local = llmgw::tokenize::LocalTokenizer::from_file(
+        &llmgw_integration::repo_root().join("integration/assets/tokenizer.json"),
+    )
+    .expect("the shipped tokenizer loads");
+    let http = reqwest::Client::new();
+    for prompt in [
+        long_prompt(1),
+        "Licensed under the Apache License, Version 2.0".to_owned(),
+        "ünïcødé, emoji 🚀 and\ttabs\nnewlines".to_owned(),
+        String::new(),
+    ] {
+        let answer: Value = http
+            .post(format!("{}/tokenize", sim.url()))
+            .json(&json!({"model": MODEL, "prompt": prompt}))
+            .send()
+            .await
+            .expect("tokenize")
+            .json()
+            .await
+            .expect("json");
+        let remote: Vec<u32> = serde_json::from_value(answer["tokens"].clone()).expect("ids");
+        assert_eq!(
+            local.encode_prompt(&prompt).expect("encodes"),
+            remote,
+            "{prompt:?}"
+        );
+    }
+}

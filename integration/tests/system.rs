@@ -10,6 +10,9 @@ async fn start(replicas: usize) -> System {
     system::start(SystemConfig {
         replicas,
         sim_args: vec!["--sim-no-latency".to_owned()],
+        // Routing correctness, not tokenization speed, is under test: a loaded 2-core machine
+        // must not turn a precise decision into a fallback.
+        router_args: vec!["--tokenize-deadline".to_owned(), "2s".to_owned()],
         ..SystemConfig::default()
     })
     .await

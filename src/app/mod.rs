@@ -123,7 +123,8 @@ pub async fn serve(
             nodes,
             grace: settings.feed_grace,
         },
-    );
+    )
+    .expect_settings(&settings.models);
 
     let mut metrics = Metrics::new(Arc::clone(&pool));
     affinity.register_metrics(metrics.registry_mut());

@@ -38,6 +38,9 @@ use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::StreamExt as _;
+
+use crate::affinity::ModelSettings;
+use crate::blockhash::HashSettings;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -129,6 +132,9 @@ pub struct FeedService {
     state: Arc<Mutex<State>>,
     /// Flipped by [`FeedService::shutdown`]: every open stream then ends with `UNAVAILABLE`.
     stop: Arc<tokio::sync::watch::Sender<bool>>,
+    /// The router's own hash settings per model: an engine reporting others is refused, since
+    /// its blocks could never match the hashes the router computes.
+    expected: Arc<HashMap<String, HashSettings>>,
     pub metrics: FeedMetrics,
 }
 
@@ -150,8 +156,52 @@ impl FeedService {
             config: Arc::new(config),
             state: Arc::default(),
             stop: Arc::new(tokio::sync::watch::channel(false).0),
+            expected: Arc::default(),
             metrics: FeedMetrics::default(),
         }
+    }
+
+    /// Checks each engine's reported hash settings against the router's for its model.
+    pub fn expect_settings(mut self, models: &[ModelSettings]) -> Self {
+        self.expected = Arc::new(
+            models
+                .iter()
+                .map(|m| (m.model.clone(), m.hashing.clone()))
+                .collect(),
+        );
+        self
+    }
+
+    /// Why an engine's hashes cannot match the router's, if they cannot.
+    fn settings_mismatch(&self, engine: &pb::EngineInfo) -> Option<String> {
+        let want = self.expected.get(&engine.model)?;
+        let mut problems = Vec::new();
+        if engine.block_size != 0 && engine.block_size as usize != want.block_size.get() {
+            problems.push(format!(
+                "block size {} (router: {})",
+                engine.block_size, want.block_size
+            ));
+        }
+        if !engine.hash_algo.is_empty() && engine.hash_algo != want.algo.as_str() {
+            problems.push(format!(
+                "hash algo {} (router: {})",
+                engine.hash_algo, want.algo
+            ));
+        }
+        if engine.hash_seed_set != want.seed.is_some() {
+            problems.push(format!(
+                "PYTHONHASHSEED {} (router: {})",
+                if engine.hash_seed_set { "set" } else { "unset" },
+                if want.seed.is_some() { "set" } else { "unset" },
+            ));
+        }
+        (!problems.is_empty()).then(|| {
+            format!(
+                "engine hash settings differ from the router's for model {:?}: {}",
+                engine.model,
+                problems.join(", ")
+            )
+        })
     }
 
     /// Ends every open stream (the router is going away); agents reconnect elsewhere or later
@@ -269,12 +319,18 @@ impl FeedService {
                 }
                 let n = st.nodes.entry(hello.node.clone()).or_default();
                 for e in hello.engines {
-                    if !self.allowed(&hello.node, &e.replica) {
+                    let refusal = if !self.allowed(&hello.node, &e.replica) {
+                        Some(format!("replica not configured on node {:?}", hello.node))
+                    } else {
+                        self.settings_mismatch(&e)
+                    };
+                    if let Some(reason) = refusal {
                         tracing::warn!(
                             node = hello.node,
                             engine = e.engine,
                             replica = e.replica,
-                            "refusing an engine whose replica is not configured on this node"
+                            %reason,
+                            "refusing an engine's KV events"
                         );
                         self.metrics.refused.inc();
                         n.refused.insert(e.engine.clone());
@@ -282,7 +338,7 @@ impl FeedService {
                             body: Some(pb::router_message::Body::Refused(pb::Refused {
                                 engine: e.engine,
                                 replica: e.replica,
-                                reason: format!("replica not configured on node {:?}", hello.node),
+                                reason,
                             })),
                         });
                     } else {

@@ -1,4 +1,5 @@
 use super::*;
+use crate::affinity::ModelSettings;
 
 type Copies = HashMap<(ExternalHash, Medium), u32>;
 
@@ -239,4 +240,65 @@ async fn a_node_gone_past_the_grace_period_is_dropped() {
     tokio::time::advance(Duration::from_secs(6)).await;
     assert_eq!(svc.reap(Instant::now()), 1);
     assert!(rec.hashes("r1:8000").is_empty());
+}
+
+#[test]
+fn an_engine_hashing_differently_from_the_router_is_refused() {
+    let (svc, rec) = service(Duration::from_secs(30));
+    let svc = svc.expect_settings(&["tiny=block_size=16,seed=1729"
+        .parse::<ModelSettings>()
+        .expect("settings")]);
+    let engine = |block_size: u32, algo: &str, seed_set: bool| pb::EngineInfo {
+        engine: "r1:8000".into(),
+        replica: "r1:8000".into(),
+        model: "tiny".into(),
+        block_size,
+        hash_algo: algo.into(),
+        hash_seed_set: seed_set,
+    };
+    let hello_with = |e: pb::EngineInfo| {
+        pb::agent_message::Body::Hello(pb::Hello {
+            node: "n1".into(),
+            agent_version: "test".into(),
+            engines: vec![e],
+        })
+    };
+    for (i, (bad, expect)) in [
+        (engine(32, "sha256_cbor", true), "block size 32"),
+        (engine(16, "xxhash_cbor", true), "hash algo xxhash_cbor"),
+        (engine(16, "sha256_cbor", false), "PYTHONHASHSEED unset"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut node = None;
+        let replies = ok(&svc, &mut node, msg(i as u64 + 1, hello_with(bad)));
+        assert!(
+            replies.iter().any(|r| matches!(
+                &r.body,
+                Some(pb::router_message::Body::Refused(f)) if f.reason.contains(expect)
+            )),
+            "{expect}: {replies:?}"
+        );
+        ok(
+            &svc,
+            &mut node,
+            msg(10 + i as u64, delta("r1:8000", 1, 1, true, &[7], &[])),
+        );
+        assert!(rec.hashes("r1:8000").is_empty(), "{expect}");
+    }
+    assert_eq!(svc.metrics.refused.get(), 3);
+    // Matching settings are accepted.
+    let mut node = None;
+    ok(
+        &svc,
+        &mut node,
+        msg(20, hello_with(engine(16, "sha256_cbor", true))),
+    );
+    ok(
+        &svc,
+        &mut node,
+        msg(21, delta("r1:8000", 1, 1, true, &[7], &[])),
+    );
+    assert_eq!(rec.hashes("r1:8000"), HashSet::from([7]));
 }
