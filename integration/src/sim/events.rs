@@ -500,6 +500,99 @@ mod tests {
         assert!(keys[1].is_nil());
     }
 
+    fn digest_strategy() -> impl proptest::strategy::Strategy<Value = BlockDigest> {
+        use proptest::prelude::*;
+        (any::<u32>(), 1usize..64).prop_map(|(t, bs)| {
+            let hasher = BlockHasher::new(&HashSettings::sha256_cbor(
+                NonZeroUsize::new(bs).unwrap(),
+                Some("7"),
+            ))
+            .unwrap();
+            hasher.hash_block(None, &[t], None)
+        })
+    }
+
+    fn event_strategy() -> impl proptest::strategy::Strategy<Value = KvEvent> {
+        use proptest::prelude::*;
+        let stored = (
+            proptest::collection::vec(digest_strategy(), 1..4),
+            proptest::option::of(digest_strategy()),
+            proptest::collection::vec(any::<u32>(), 0..40),
+            1u32..128,
+            proptest::option::of("[a-z]{1,40}"),
+        )
+            .prop_map(|(block_hashes, parent, token_ids, block_size, salt)| {
+                let extra_keys = Some(
+                    (0..block_hashes.len())
+                        .map(|i| salt.clone().filter(|_| i == 0).map(|s| vec![s]))
+                        .collect(),
+                );
+                KvEvent::BlockStored(BlockStored {
+                    block_hashes,
+                    parent_block_hash: parent,
+                    token_ids,
+                    block_size,
+                    extra_keys,
+                    group_idx: Some(0),
+                    kv_cache_spec_kind: Some("full_attention"),
+                })
+            });
+        prop_oneof![
+            stored,
+            (
+                proptest::collection::vec(digest_strategy(), 1..3),
+                proptest::option::of(0u32..3)
+            )
+                .prop_map(|(block_hashes, group_idx)| KvEvent::BlockRemoved {
+                    block_hashes,
+                    group_idx
+                }),
+            Just(KvEvent::AllBlocksCleared),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Differential: whatever we encode, in every format and hash form, the agent's decoder
+        /// (written independently from vLLM's shapes) reads back as the same events.
+        #[test]
+        fn every_encoding_decodes_with_the_agents_decoder(
+            events in proptest::collection::vec(event_strategy(), 0..6),
+            format in proptest::prop_oneof![
+                proptest::strategy::Just(EventFormat::Map),
+                proptest::strategy::Just(EventFormat::Map033),
+                proptest::strategy::Just(EventFormat::Array),
+            ],
+            bytes in proptest::bool::ANY,
+        ) {
+            use llmgw_agent::wire;
+            let batch = EventBatch { ts: 1.5e9, events: events.clone(), data_parallel_rank: Some(3) };
+            let hashes = if bytes { HashForm::Bytes } else { HashForm::Int };
+            let decoded = wire::decode_batch(&batch.encode(Encoding { format, hashes })).unwrap();
+            proptest::prop_assert_eq!(decoded.ts, 1.5e9);
+            proptest::prop_assert_eq!(decoded.dp_rank, Some(3));
+            proptest::prop_assert_eq!(decoded.events.len(), events.len());
+            let ext = |ds: &[BlockDigest]| ds.iter().map(|d| d.external().0).collect::<Vec<_>>();
+            for (ours, theirs) in events.iter().zip(&decoded.events) {
+                match (ours, theirs) {
+                    (KvEvent::BlockStored(a), wire::KvEvent::BlockStored(b)) => {
+                        proptest::prop_assert_eq!(ext(&a.block_hashes), b.block_hashes.iter().map(|h| h.0).collect::<Vec<_>>());
+                        proptest::prop_assert_eq!(a.parent_block_hash.map(|d| d.external().0), b.parent_block_hash.map(|h| h.0));
+                        proptest::prop_assert_eq!(&a.token_ids, &b.token_ids);
+                        proptest::prop_assert_eq!(a.block_size, b.block_size);
+                        proptest::prop_assert_eq!(b.group_idx, Some(0));
+                        proptest::prop_assert_eq!(b.kv_cache_spec_kind.as_deref(), Some("full_attention"));
+                    }
+                    (KvEvent::BlockRemoved { block_hashes, group_idx }, wire::KvEvent::BlockRemoved(b)) => {
+                        proptest::prop_assert_eq!(ext(block_hashes), b.block_hashes.iter().map(|h| h.0).collect::<Vec<_>>());
+                        proptest::prop_assert_eq!(group_idx.map(i64::from), b.group_idx);
+                    }
+                    (KvEvent::AllBlocksCleared, wire::KvEvent::AllBlocksCleared(_)) => {}
+                    (a, b) => proptest::prop_assert!(false, "{a:?} decoded as {b:?}"),
+                }
+            }
+        }
+    }
+
     #[test]
     fn msgpack_ints_use_the_smallest_form() {
         let mut out = Vec::new();
