@@ -14,7 +14,7 @@ use crate::sim::publisher::KvEventsConfig;
 
 /// A simulated vLLM replica: vLLM's OpenAI server, prefix cache and KV events, without a GPU.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "llmgw-sim", version)]
+#[command(name = "llmgw-sim", version, args_override_self = true)]
 pub struct Cli {
     /// The model (as `vllm serve MODEL`); names the served model unless
     /// `--served-model-name` is given.
@@ -257,6 +257,13 @@ mod tests {
         assert!(Cli::try_parse_from(["llmgw-sim", "--kv-events-config", "{"]).is_err());
         assert!(Cli::try_parse_from(["llmgw-sim", "--sim-drop-seqs", "5-3"]).is_err());
         assert!(Cli::try_parse_from(["llmgw-sim", "--block-size", "0"]).is_err());
+    }
+
+    #[test]
+    fn a_repeated_flag_takes_the_last_value() {
+        // spawn_sim passes --host/--port first; a test's own --port must win.
+        let cli = Cli::try_parse_from(["llmgw-sim", "--port", "0", "--port", "8123"]).unwrap();
+        assert_eq!(cli.port, 8123);
     }
 
     #[test]
