@@ -116,7 +116,11 @@ fn bench_lookup(c: &mut Criterion) {
 }
 
 fn report_memory(_: &mut Criterion) {
-    for (label, replicas_per_block) in [("1 replica per block", 1), ("4 replicas per block", 4)] {
+    for (label, replicas_per_block) in [
+        ("1 replica per block", 1),
+        ("2 replicas per block", 2),
+        ("4 replicas per block", 4),
+    ] {
         let before = ALLOCATED.load(Ordering::Relaxed);
         let index = KvIndex::new(IndexConfig::default());
         let blocks = if std::env::args().any(|a| a == "--bench") {

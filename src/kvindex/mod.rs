@@ -16,10 +16,11 @@
 //! is held across an `.await` (there are none here).
 //!
 //! # Memory
-//! One map entry per block hash, holding an inline [`Holder`] for the common single-replica case
-//! (8 bytes) and a boxed list otherwise. Each replica has a cap on held blocks; going over it
-//! drops that replica's oldest tenth (by the order its stores arrived), found with one scan.
+//! One 12-byte bucket per block hash held by one replica (see `shard`); blocks held by several
+//! keep their holders in a side map. Each replica has a cap on held blocks; going over it drops
+//! that replica's oldest blocks (dated in sixteenths of the cap), found with one scan.
 
+mod shard;
 mod speculative;
 
 #[cfg(test)]
@@ -28,6 +29,7 @@ mod tests;
 use std::collections::HashMap;
 
 use parking_lot::{RwLock, RwLockReadGuard};
+use shard::{Holder, MAX_SLOTS, Shard, slot_bit};
 
 use crate::blockhash::ExternalHash;
 
@@ -103,152 +105,16 @@ pub struct PrefixMatch {
     pub weighted: f32,
 }
 
-/// One replica's hold on one block: reference counts per tier and the arrival stamp of the
-/// latest store (for dropping the oldest state first).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Holder {
-    stamp: u32,
-    slot: ReplicaSlot,
-    gpu_refs: u8,
-    offloaded_refs: u8,
-}
-
-impl Holder {
-    fn refs_mut(&mut self, medium: Medium) -> &mut u8 {
-        match medium {
-            Medium::Gpu => &mut self.gpu_refs,
-            Medium::Offloaded => &mut self.offloaded_refs,
-        }
-    }
-
-    fn is_empty(&self) -> bool {
-        self.gpu_refs == 0 && self.offloaded_refs == 0
-    }
-}
-
-/// Bit of a slot in the 64-bit holder masks; slots from 64 on have none (lookups over them
-/// take the general path).
-fn slot_bit(slot: ReplicaSlot) -> u64 {
-    if slot.0 < 64 { 1 << slot.0 } else { 0 }
-}
-
-/// Two or more holders of one block, with masks of the first 64 slots so that a lookup over up to
-/// 64 replicas intersects candidate sets in one instruction per block.
-#[derive(Debug, Clone)]
-struct ManyHolders {
-    /// Slots holding the block on any tier.
-    any: u64,
-    /// Slots holding it in GPU memory.
-    gpu: u64,
-    list: Box<[Holder]>,
-}
-
-impl ManyHolders {
-    fn new(list: Box<[Holder]>) -> Box<Self> {
-        let mut many = Box::new(ManyHolders {
-            any: 0,
-            gpu: 0,
-            list,
-        });
-        many.refresh();
-        many
-    }
-
-    fn refresh(&mut self) {
-        self.any = self
-            .list
-            .iter()
-            .map(|h| slot_bit(h.slot))
-            .fold(0, |a, b| a | b);
-        self.gpu = self
-            .list
-            .iter()
-            .filter(|h| h.gpu_refs > 0)
-            .map(|h| slot_bit(h.slot))
-            .fold(0, |a, b| a | b);
-    }
-}
-
-/// The replicas holding one block; one inline (the common case), more boxed.
-#[derive(Debug, Clone)]
-enum Holders {
-    One(Holder),
-    Many(Box<ManyHolders>),
-}
-
-impl Holders {
-    fn as_slice(&self) -> &[Holder] {
-        match self {
-            Holders::One(h) => std::slice::from_ref(h),
-            Holders::Many(m) => &m.list,
-        }
-    }
-
-    /// (slots holding on any tier, slots holding in GPU memory), over the first 64 slots.
-    fn masks(&self) -> (u64, u64) {
-        match self {
-            Holders::One(h) => {
-                let bit = slot_bit(h.slot);
-                (bit, if h.gpu_refs > 0 { bit } else { 0 })
-            }
-            Holders::Many(m) => (m.any, m.gpu),
-        }
-    }
-
-    /// A holder to change in place; call [`Holders::refresh`] afterwards.
-    fn find_mut(&mut self, slot: ReplicaSlot) -> Option<&mut Holder> {
-        match self {
-            Holders::One(h) => (h.slot == slot).then_some(h),
-            Holders::Many(m) => m.list.iter_mut().find(|h| h.slot == slot),
-        }
-    }
-
-    fn refresh(&mut self) {
-        if let Holders::Many(m) = self {
-            m.refresh();
-        }
-    }
-
-    fn push(&mut self, holder: Holder) {
-        let list: Box<[Holder]> = self.as_slice().iter().copied().chain([holder]).collect();
-        *self = Holders::Many(ManyHolders::new(list));
-    }
-
-    /// Drops the holders `keep` rejects; returns how many were dropped and whether none is left.
-    fn retain(&mut self, mut keep: impl FnMut(&Holder) -> bool) -> (usize, bool) {
-        match self {
-            Holders::One(h) => {
-                if keep(h) {
-                    (0, false)
-                } else {
-                    (1, true)
-                }
-            }
-            Holders::Many(m) => {
-                let kept: Vec<Holder> = m.list.iter().copied().filter(|h| keep(h)).collect();
-                let dropped = m.list.len() - kept.len();
-                let now_empty = kept.is_empty();
-                if dropped > 0 {
-                    *self = match kept.as_slice() {
-                        [only] => Holders::One(*only),
-                        _ => Holders::Many(ManyHolders::new(kept.into_boxed_slice())),
-                    };
-                }
-                (dropped, now_empty)
-            }
-        }
-    }
-}
-
-type Shard = HashMap<ExternalHash, Holders, foldhash::fast::RandomState>;
-
 #[derive(Debug, Default)]
 struct ReplicaBook {
     /// Blocks held (distinct hashes with any reference).
     blocks: u32,
-    /// Stamp given to the next stored block.
-    next_stamp: u32,
+    /// Blocks stored so far; their count in units of an epoch dates each holder.
+    stores: u64,
 }
+
+/// Epochs per block cap: holders are dated to 1/16 of the cap, and the oldest go first.
+const EPOCHS_PER_CAP: u64 = 16;
 
 #[derive(Debug, Default)]
 struct ReplicaTable {
@@ -311,10 +177,11 @@ impl KvIndex {
         if let Some(slot) = table.by_name.get(replica) {
             return Ok(*slot);
         }
-        let index =
-            u16::try_from(table.names.len()).map_err(|_| KvIndexError::TooManyReplicas {
-                max: usize::from(u16::MAX),
-            })?;
+        // The last u16 value marks shared blocks inside a shard.
+        let index = u16::try_from(table.names.len())
+            .ok()
+            .filter(|&i| usize::from(i) < MAX_SLOTS)
+            .ok_or(KvIndexError::TooManyReplicas { max: MAX_SLOTS })?;
         let slot = ReplicaSlot(index);
         table.by_name.insert(replica.to_owned(), slot);
         table.names.push(replica.to_owned());
@@ -356,64 +223,53 @@ impl KvIndex {
         };
         let mut out = Vec::new();
         for shard in self.shards.iter() {
-            let shard = shard.read();
-            out.extend(
-                shard
-                    .iter()
-                    .filter(|(_, holders)| holders.as_slice().iter().any(|h| h.slot == slot))
-                    .map(|(hash, _)| *hash),
-            );
+            shard.read().blocks_of(slot, &mut out);
         }
         out.sort_unstable();
         out
     }
 
+    fn epoch_len(&self) -> u64 {
+        (u64::from(self.config.max_blocks_per_replica) / EPOCHS_PER_CAP).max(1)
+    }
+
     fn store(&self, slot: ReplicaSlot, hashes: &[ExternalHash], medium: Medium) {
         let table = self.replicas.read();
         let mut book = table.books[slot.index()].lock();
+        let epoch_len = self.epoch_len();
         for &hash in hashes {
-            let stamp = book.next_stamp;
-            book.next_stamp = book.next_stamp.wrapping_add(1);
-            let mut shard = self.shards[Self::shard_of(hash)].write();
-            let mut fresh = Holder {
-                stamp,
-                slot,
-                gpu_refs: 0,
-                offloaded_refs: 0,
-            };
-            *fresh.refs_mut(medium) = 1;
-            match shard.get_mut(&hash) {
-                None => {
-                    shard.insert(hash, Holders::One(fresh));
-                    book.blocks += 1;
-                }
-                Some(holders) => match holders.find_mut(slot) {
-                    Some(holder) => {
-                        let refs = holder.refs_mut(medium);
-                        *refs = refs.saturating_add(1);
-                        holder.stamp = stamp;
-                        holders.refresh();
-                    }
-                    None => {
-                        holders.push(fresh);
-                        book.blocks += 1;
-                    }
-                },
+            let epoch = (book.stores / epoch_len) as u8;
+            book.stores += 1;
+            if self.shards[Self::shard_of(hash)]
+                .write()
+                .store(hash, slot, medium, epoch)
+            {
+                book.blocks += 1;
             }
         }
-        if book.blocks > self.config.max_blocks_per_replica {
-            // Stamps count stores, so the youngest `keep` stamps are at most `keep` blocks.
-            let keep = self.config.max_blocks_per_replica / 10 * 9;
-            let next = book.next_stamp;
-            let dropped =
-                self.drop_holders(|h| h.slot == slot && next.wrapping_sub(h.stamp) > keep);
-            book.blocks = book
-                .blocks
-                .saturating_sub(u32::try_from(dropped).unwrap_or(u32::MAX));
+        let cap = self.config.max_blocks_per_replica;
+        if book.blocks > cap {
+            // Drop the oldest epochs first: everything dated 14 epochs back or more leaves at
+            // most 14/16 of the cap (epochs are stores, and blocks are at most stores). Epochs
+            // wrap after 256, so should that not suffice, younger epochs follow.
+            let current = (book.stores / epoch_len) as u8;
+            let mut dropped = 0;
+            for min_age in [14u8, 12, 8, 4, 1, 0] {
+                dropped += self.drop_holders(|h| {
+                    h.slot() == slot && current.wrapping_sub(h.epoch()) >= min_age
+                });
+                book.blocks = book
+                    .blocks
+                    .saturating_sub(u32::try_from(dropped).unwrap_or(u32::MAX));
+                dropped = 0;
+                if book.blocks <= cap {
+                    break;
+                }
+            }
             tracing::warn!(
                 replica = %table.names[slot.index()],
-                dropped,
-                cap = self.config.max_blocks_per_replica,
+                held = book.blocks,
+                cap,
                 "replica over its block cap: dropped its oldest blocks from the index"
             );
         }
@@ -423,22 +279,10 @@ impl KvIndex {
         let table = self.replicas.read();
         let mut book = table.books[slot.index()].lock();
         for &hash in hashes {
-            let mut shard = self.shards[Self::shard_of(hash)].write();
-            let Some(holders) = shard.get_mut(&hash) else {
-                continue;
-            };
-            let Some(holder) = holders.find_mut(slot) else {
-                continue;
-            };
-            let refs = holder.refs_mut(medium);
-            *refs = refs.saturating_sub(1);
-            let now_unheld = holder.is_empty();
-            holders.refresh();
-            if now_unheld {
-                let (_, now_empty) = holders.retain(|h| h.slot != slot);
-                if now_empty {
-                    shard.remove(&hash);
-                }
+            if self.shards[Self::shard_of(hash)]
+                .write()
+                .remove(hash, slot, medium)
+            {
                 book.blocks = book.blocks.saturating_sub(1);
             }
         }
@@ -447,21 +291,16 @@ impl KvIndex {
     fn clear(&self, slot: ReplicaSlot) {
         let table = self.replicas.read();
         let mut book = table.books[slot.index()].lock();
-        self.drop_holders(|h| h.slot == slot);
+        self.drop_holders(|h| h.slot() == slot);
         book.blocks = 0;
     }
 
     /// Removes every holder `drop` selects, shard by shard; returns how many.
-    fn drop_holders(&self, mut drop: impl FnMut(&Holder) -> bool) -> usize {
-        let mut dropped = 0;
-        for shard in self.shards.iter() {
-            shard.write().retain(|_, holders| {
-                let (n, now_empty) = holders.retain(|h| !drop(h));
-                dropped += n;
-                !now_empty
-            });
-        }
-        dropped
+    fn drop_holders(&self, mut drop: impl FnMut(Holder) -> bool) -> usize {
+        self.shards
+            .iter()
+            .map(|shard| shard.write().drop_holders(&mut drop))
+            .sum()
     }
 
     /// For each candidate, how many of the prompt's leading blocks it holds (and their tier
@@ -506,7 +345,7 @@ impl KvIndex {
             }
             let shard_index = Self::shard_of(*hash);
             let shard = guards[shard_index].get_or_insert_with(|| self.shards[shard_index].read());
-            let (any, gpu) = shard.get(hash).map_or((0, 0), Holders::masks);
+            let (any, gpu) = shard.get(*hash).map_or((0, 0), |h| h.masks());
             let mut dropped = alive & !any;
             while dropped != 0 {
                 held[dropped.trailing_zeros() as usize] = walked;
@@ -554,22 +393,20 @@ impl KvIndex {
             }
             let shard_index = Self::shard_of(*hash);
             let shard = guards[shard_index].get_or_insert_with(|| self.shards[shard_index].read());
-            let Some(holders) = shard.get(hash) else {
+            let Some(holders) = shard.get(*hash) else {
                 break;
             };
-            let holders = holders.as_slice();
             for w in 0..alive.word_count() {
                 let mut bits = alive.word(w);
                 while bits != 0 {
                     let i = w * 64 + bits.trailing_zeros() as usize;
                     bits &= bits - 1;
-                    let held =
-                        candidates[i].and_then(|slot| holders.iter().find(|h| h.slot == slot));
+                    let held = candidates[i].and_then(|slot| holders.find(slot));
                     match held {
                         Some(h) => {
                             let m = &mut out[i];
                             m.blocks += 1;
-                            m.weighted += if h.gpu_refs > 0 {
+                            m.weighted += if h.on_gpu() {
                                 1.0
                             } else {
                                 self.config.offloaded_weight

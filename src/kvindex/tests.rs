@@ -243,3 +243,22 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn shared_blocks_collapse_back_when_all_but_one_holder_leaves() {
+    let index = KvIndex::new(IndexConfig::default());
+    for r in ["a:1", "b:1", "c:1"] {
+        index.stored(r, &hashes(&[5, 6]), Medium::Gpu);
+    }
+    index.removed("a:1", &hashes(&[5]), Medium::Gpu);
+    index.cleared("b:1");
+    assert_eq!(
+        matches(&index, &[5, 6], &["a:1", "b:1", "c:1"]),
+        vec![0, 0, 2]
+    );
+    index.removed("c:1", &hashes(&[5, 6]), Medium::Gpu);
+    assert_eq!(matches(&index, &[6], &["a:1", "c:1"]), vec![1, 0]);
+    assert_eq!(index.distinct_blocks(), 1);
+    index.removed("a:1", &hashes(&[6]), Medium::Gpu);
+    assert_eq!(index.distinct_blocks(), 0);
+}

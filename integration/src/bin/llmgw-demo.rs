@@ -98,7 +98,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         println!("\ninterrupted: stopping the workload");
     }
 
-    print_summary(&system, &results.lock()).await;
+    let final_results = std::mem::take(&mut *results.lock());
+    print_summary(&system, &final_results).await;
     println!("\nstopping Envoy, llmgw-agent, llmgw-router and the replicas.");
     drop(system);
     Ok(())
