@@ -189,7 +189,9 @@ proptest! {
                     let hs: Vec<u64> = blocks.iter().map(|&b| u64::from(b)).collect();
                     index.stored(&name(r), &hashes(&hs), medium(gpu));
                     for b in blocks {
-                        *model.refs.entry((r, b, gpu)).or_default() += 1;
+                        // The index saturates reference counts at 15 (see `shard::Holder`).
+                        let n = model.refs.entry((r, b, gpu)).or_default();
+                        *n = (*n + 1).min(15);
                     }
                 }
                 Op::Remove(r, blocks, gpu) => {
