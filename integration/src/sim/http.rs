@@ -781,3 +781,154 @@ async fn sim_drop_seqs(State(state): State<Arc<AppState>>, body: Bytes) -> Respo
         Err(e) => e.into_response(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroUsize;
+
+    use llmgw::blockhash::{BlockHasher, HashSettings};
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::sim::engine::{Engine, EngineConfig, LatencyModel};
+
+    /// An in-process server on 127.0.0.1:0 (its own runtime thread), for robustness tests.
+    fn serve() -> (String, std::thread::JoinHandle<()>) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let handle = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let tokenizer = Arc::new(SimTokenizer::builtin().unwrap());
+                let engine = Engine::spawn(
+                    EngineConfig {
+                        num_blocks: 64,
+                        max_num_seqs: 4,
+                        prefix_caching: true,
+                        kv_events: false,
+                        latency: LatencyModel::default(),
+                        output_len: 3,
+                        hasher: BlockHasher::new(&HashSettings::sha256_cbor(
+                            NonZeroUsize::new(16).unwrap(),
+                            None,
+                        ))
+                        .unwrap(),
+                        vocab: tokenizer.word_ids().into(),
+                        data_parallel_rank: 0,
+                    },
+                    None,
+                );
+                let state = Arc::new(AppState {
+                    names: vec!["tiny".into()],
+                    root: "tiny".into(),
+                    max_model_len: 128,
+                    tokenizer,
+                    engine,
+                    faults: Arc::new(Faults::default()),
+                    metrics: MetricsInfo {
+                        model_name: "tiny".into(),
+                        engine: "0".into(),
+                        block_size: 16,
+                        num_gpu_blocks: 64,
+                        prefix_caching: true,
+                        hash_algo: "sha256_cbor".into(),
+                        created: 0.0,
+                    },
+                    replica: HeaderValue::from_static("test"),
+                    created: 0,
+                    next_id: AtomicU64::new(0),
+                    tokenize_delay: Duration::ZERO,
+                });
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                tx.send(format!("http://{}", listener.local_addr().unwrap()))
+                    .unwrap();
+                axum::serve(listener, router(state)).await.unwrap();
+            });
+        });
+        (rx.recv().unwrap(), handle)
+    }
+
+    fn json_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            (0u64..5000).prop_map(Value::from),
+            "[a-z <|>]{0,12}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            let key = prop_oneof![
+                Just("prompt"),
+                Just("messages"),
+                Just("model"),
+                Just("max_tokens"),
+                Just("stream"),
+                Just("cache_salt"),
+                Just("tokens"),
+                Just("role"),
+                Just("content"),
+                Just("add_generation_prompt"),
+                Just("continue_final_message"),
+                Just("stream_options"),
+                Just("ms"),
+            ];
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+                proptest::collection::vec((key, inner), 0..5).prop_map(|kv| {
+                    Value::Object(kv.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
+                }),
+            ]
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+        /// Arbitrary JSON (and arbitrary bytes) on every POST route: always an answer, 200 or
+        /// a 4xx with vLLM's error body, never a 5xx or a dropped connection.
+        #[test]
+        fn arbitrary_bodies_never_crash_the_server(body in json_value(), junk in proptest::collection::vec(any::<u8>(), 0..16)) {
+            static SERVER: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+            let base = SERVER.get_or_init(|| serve().0);
+            let client = raw_http::blocking_client();
+            for path in ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/sim/stall"] {
+                for payload in [body.to_string().into_bytes(), junk.clone()] {
+                    let (status, text) = client(&format!("{base}{path}"), payload);
+                    prop_assert!(status == 200 || (400..500).contains(&status), "{path}: {status} {text}");
+                    if status != 200 {
+                        let v: Value = serde_json::from_str(&text).unwrap();
+                        prop_assert_eq!(v["error"]["code"].as_u64(), Some(u64::from(status)));
+                    }
+                }
+            }
+        }
+    }
+
+    mod raw_http {
+        /// A tiny blocking HTTP/1.1 POST over std (no extra client in unit tests).
+        pub fn blocking_client() -> impl Fn(&str, Vec<u8>) -> (u16, String) {
+            |url: &str, body: Vec<u8>| {
+                use std::io::{Read as _, Write as _};
+                let rest = url.strip_prefix("http://").unwrap();
+                let (host, path) = rest.split_once('/').unwrap();
+                let mut s = std::net::TcpStream::connect(host).unwrap();
+                let head = format!(
+                    "POST /{path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n\
+                     content-length: {}\r\nconnection: close\r\n\r\n",
+                    body.len()
+                );
+                s.write_all(head.as_bytes()).unwrap();
+                s.write_all(&body).unwrap();
+                let mut out = String::new();
+                s.read_to_string(&mut out).unwrap();
+                let status: u16 = out[9..12].parse().unwrap();
+                let text = out
+                    .split_once("\r\n\r\n")
+                    .map(|(_, b)| b.to_owned())
+                    .unwrap_or_default();
+                (status, text)
+            }
+        }
+    }
+}
