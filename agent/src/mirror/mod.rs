@@ -22,6 +22,9 @@ use llmgw::kvindex::Medium as Tier;
 
 use crate::wire::{ExternalHash, KvEvent, Medium};
 
+/// Pending-map capacity kept between windows (see [`Mirror::take_delta`]).
+const PENDING_KEEP: usize = 4096;
+
 /// The default coalescing window.
 pub const DEFAULT_WINDOW: Duration = Duration::from_millis(20);
 
@@ -219,6 +222,10 @@ impl Mirror {
                 &mut delta.removed
             };
             list.extend(std::iter::repeat_n(key, copies));
+        }
+        // A burst (a big prefill, a snapshot-sized replay) must not pin its peak capacity.
+        if self.pending.capacity() > PENDING_KEEP * 16 {
+            self.pending.shrink_to(PENDING_KEEP);
         }
         Some(delta)
     }

@@ -10,7 +10,7 @@ use super::{
 const MAX_VALUE_DEPTH: usize = 32;
 
 /// BlockStored's fields in declaration order (= array position after the tag), vLLM 0.9–0.33.
-const STORED_FIELDS: [&str; 15] = [
+pub(super) const STORED_FIELDS: [&str; 15] = [
     "block_hashes",
     "parent_block_hash",
     "token_ids",
@@ -29,13 +29,48 @@ const STORED_FIELDS: [&str; 15] = [
 ];
 
 /// BlockRemoved's fields in declaration order.
-const REMOVED_FIELDS: [&str; 5] = [
+pub(super) const REMOVED_FIELDS: [&str; 5] = [
     "block_hashes",
     "medium",
     "group_idx",
     "locality",
     "ownership",
 ];
+
+/// A BlockStored map key's position in [`STORED_FIELDS`] (a `match` compiles to a length
+/// switch plus one comparison, far cheaper than scanning the list per key).
+pub(super) fn stored_pos(key: &str) -> Option<usize> {
+    Some(match key {
+        "block_hashes" => 0,
+        "parent_block_hash" => 1,
+        "token_ids" => 2,
+        "block_size" => 3,
+        "lora_id" => 4,
+        "medium" => 5,
+        "lora_name" => 6,
+        "extra_keys" => 7,
+        "group_idx" => 8,
+        "kv_cache_spec_kind" => 9,
+        "kv_cache_spec_sliding_window" => 10,
+        "locality" => 11,
+        "ownership" => 12,
+        "session_id" => 13,
+        "lookahead_token_ids" => 14,
+        _ => return None,
+    })
+}
+
+/// A BlockRemoved map key's position in [`REMOVED_FIELDS`].
+pub(super) fn removed_pos(key: &str) -> Option<usize> {
+    Some(match key {
+        "block_hashes" => 0,
+        "medium" => 1,
+        "group_idx" => 2,
+        "locality" => 3,
+        "ownership" => 4,
+        _ => return None,
+    })
+}
 
 /// Decodes one `KVEventBatch` payload (the third frame of a vLLM KV-event message).
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, WireError> {
@@ -229,12 +264,12 @@ fn map_event(r: &mut Reader<'_>, index: usize) -> Result<KvEvent, WireError> {
         }
         let key = r.str()?;
         match tag {
-            Tag::Stored => match STORED_FIELDS.iter().position(|f| *f == key) {
+            Tag::Stored => match stored_pos(key) {
                 Some(pos) => stored_field(r, &mut stored, pos)
                     .map_err(|e| field_err(index, "BlockStored", STORED_FIELDS[pos], e))?,
                 None => r.skip()?,
             },
-            Tag::Removed => match REMOVED_FIELDS.iter().position(|f| *f == key) {
+            Tag::Removed => match removed_pos(key) {
                 Some(pos) => removed_field(r, &mut removed, pos)
                     .map_err(|e| field_err(index, "BlockRemoved", REMOVED_FIELDS[pos], e))?,
                 None => r.skip()?,

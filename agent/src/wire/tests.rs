@@ -223,6 +223,17 @@ fn every_capture_frame_decodes_and_every_hash_recomputes() {
 }
 
 #[test]
+fn map_key_positions_match_the_declared_field_order() {
+    for (i, name) in super::decode::STORED_FIELDS.iter().enumerate() {
+        assert_eq!(super::decode::stored_pos(name), Some(i), "{name}");
+    }
+    for (i, name) in super::decode::REMOVED_FIELDS.iter().enumerate() {
+        assert_eq!(super::decode::removed_pos(name), Some(i), "{name}");
+    }
+    assert_eq!(super::decode::stored_pos("type"), None);
+}
+
+#[test]
 fn map_form_batch_is_accepted() {
     let ev = rmpv::Value::Map(vec![
         ("type".into(), "BlockRemoved".into()),
