@@ -12,7 +12,8 @@ use llmgw::openai::{EndpointKind, parse_request};
 use llmgw::pool::{EngineLoad, Health, Pool, ReplicaSpec};
 use llmgw::scheduler::{Scheduler, SchedulerSettings, Scope};
 
-fn text_body(bytes: usize) -> String {
+/// JSON-escaped prose with quotes, newlines and non-ASCII, about `bytes` long.
+fn escaped_text(bytes: usize) -> String {
     let words = [
         "the ",
         "quick ",
@@ -23,20 +24,24 @@ fn text_body(bytes: usize) -> String {
         "\\\"lazy\\\" ",
         "dog. ",
     ];
-    let mut prompt = String::with_capacity(bytes);
+    let mut text = String::with_capacity(bytes + 16);
     let mut i = 0;
-    while prompt.len() < bytes {
-        prompt.push_str(words[i % words.len()]);
+    while text.len() < bytes {
+        text.push_str(words[i % words.len()]);
         i += 1;
     }
+    text
+}
+
+fn text_body(bytes: usize) -> String {
+    let prompt = escaped_text(bytes);
     format!(
         r#"{{"model":"tiny","prompt":"{prompt}","max_tokens":16,"stream":true,"temperature":0.2}}"#
     )
 }
 
 fn chat_body(bytes: usize) -> String {
-    let content = text_body(bytes / 4);
-    let content = &content[28..content.len() - 49];
+    let content = escaped_text(bytes / 4);
     let message = format!(r#"{{"role":"user","content":"{content}"}}"#);
     format!(
         r#"{{"model":"tiny","messages":[{m},{{"role":"assistant","content":"ok"}},{m},{m},{m}],"tools":[{{"type":"function","function":{{"name":"f","parameters":{{}}}}}}],"chat_template_kwargs":{{"enable_thinking":false}},"stream":true}}"#,

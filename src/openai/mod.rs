@@ -4,10 +4,15 @@
 //! The body is parsed once into [`ParsedRequest`]. Large sub-trees the router does not inspect
 //! itself (chat `messages`, `tools`, `chat_template_kwargs`) are kept as raw JSON slices
 //! ([`RawValue`]) so that a tokenizer can forward them byte for byte without re-serializing;
-//! every other field is skipped without being materialized. A text prompt is the one large
-//! field decoded into a `String`, because prefix hashing needs its characters.
+//! every other field is skipped without being materialized. A text prompt is kept the same way
+//! ([`PromptText`]) and decoded into a `String` only on first use: load-based routing never
+//! needs its characters, and decoding a megabyte of escaped JSON costs milliseconds, skipping it
+//! a fraction of that.
 //!
-//! Pure functions, no shared state: safe to call from any task.
+//! Pure functions, no shared state: safe to call from any task. A [`PromptText`] decodes at
+//! most once, thread-safely ([`OnceLock`]).
+
+use std::sync::OnceLock;
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -48,8 +53,82 @@ impl EndpointKind {
 /// routed by its first element, since one replica serves the whole request).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Prompt {
-    Text(String),
+    Text(PromptText),
     TokenIds(Vec<u32>),
+}
+
+/// A text prompt: its JSON string literal as sent, decoded on first use. Dereferences to the
+/// decoded `str`.
+#[derive(Clone)]
+pub struct PromptText {
+    raw: Box<RawValue>,
+    decoded: OnceLock<String>,
+}
+
+impl PromptText {
+    /// A prompt from already decoded text.
+    pub fn new(text: impl Into<String>) -> PromptText {
+        let text = text.into();
+        let raw =
+            serde_json::value::to_raw_value(&text).unwrap_or_else(|_| RawValue::NULL.to_owned());
+        PromptText {
+            raw,
+            decoded: OnceLock::from(text),
+        }
+    }
+
+    /// `raw` must be a JSON string literal (the parser checked it).
+    fn from_raw(raw: Box<RawValue>) -> PromptText {
+        PromptText {
+            raw,
+            decoded: OnceLock::new(),
+        }
+    }
+
+    /// The prompt's characters (decoded on the first call).
+    pub fn as_str(&self) -> &str {
+        self.decoded.get_or_init(|| {
+            // Decoding a literal the parser already skipped only fails on a lone UTF-16
+            // surrogate escape, which Rust strings cannot hold; keep the literal's inside then.
+            serde_json::from_str(self.raw.get()).unwrap_or_else(|_| {
+                let literal = self.raw.get();
+                literal
+                    .get(1..literal.len().saturating_sub(1))
+                    .unwrap_or_default()
+                    .to_string()
+            })
+        })
+    }
+
+    /// The JSON string literal as the client sent it, quotes included: forward it (to a
+    /// tokenizer) without decoding and re-encoding.
+    pub fn raw_json(&self) -> &RawValue {
+        &self.raw
+    }
+}
+
+impl std::ops::Deref for PromptText {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl PartialEq for PromptText {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for PromptText {}
+
+impl std::fmt::Debug for PromptText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PromptText")
+            .field("raw_bytes", &self.raw.get().len())
+            .finish()
+    }
 }
 
 /// A chat request's conversation, kept as raw JSON for a tokenizer's chat template.
@@ -168,17 +247,15 @@ fn parse_prompt(raw: &RawValue) -> Result<Prompt, ParseError> {
     let text = raw.get();
     let invalid = |_| ParseError::InvalidPrompt;
     match first_byte(text) {
-        Some(b'"') => serde_json::from_str(text)
-            .map(Prompt::Text)
-            .map_err(invalid),
+        Some(b'"') => Ok(Prompt::Text(PromptText::from_raw(raw.to_owned()))),
         Some(b'[') => match first_byte(&text[1..]) {
             Some(b'"') => {
-                let batch: Vec<String> = serde_json::from_str(text).map_err(invalid)?;
-                batch
-                    .into_iter()
-                    .next()
-                    .map(Prompt::Text)
-                    .ok_or(ParseError::InvalidPrompt)
+                let batch: Vec<&RawValue> = serde_json::from_str(text).map_err(invalid)?;
+                if !batch.iter().all(|item| item.get().starts_with('"')) {
+                    return Err(ParseError::InvalidPrompt);
+                }
+                let first = batch.first().ok_or(ParseError::InvalidPrompt)?;
+                Ok(Prompt::Text(PromptText::from_raw((*first).to_owned())))
             }
             Some(b'[') => {
                 let batch: Vec<Vec<u32>> = serde_json::from_str(text).map_err(invalid)?;
@@ -188,12 +265,39 @@ fn parse_prompt(raw: &RawValue) -> Result<Prompt, ParseError> {
                     .map(Prompt::TokenIds)
                     .ok_or(ParseError::InvalidPrompt)
             }
-            _ => serde_json::from_str(text)
+            _ => token_ids(text)
                 .map(Prompt::TokenIds)
-                .map_err(invalid),
+                .ok_or(ParseError::InvalidPrompt),
         },
         _ => Err(ParseError::InvalidPrompt),
     }
+}
+
+/// A JSON array of unsigned 32-bit integers, read in one pass (serde's generic path costs ~50 ns
+/// per id; prompts carry tens of thousands). `None` for anything else: fractions, exponents,
+/// signs, leading zeros, overflow, trailing garbage.
+fn token_ids(text: &str) -> Option<Vec<u32>> {
+    let bytes = text.trim_ascii().as_bytes();
+    let inner = bytes.strip_prefix(b"[")?.strip_suffix(b"]")?;
+    let mut ids = Vec::with_capacity(inner.len() / 4);
+    if inner.trim_ascii().is_empty() {
+        return Some(ids);
+    }
+    for item in inner.split(|&b| b == b',') {
+        let digits = item.trim_ascii();
+        if digits.is_empty()
+            || digits.len() > 10
+            || (digits.len() > 1 && digits[0] == b'0')
+            || !digits.iter().all(u8::is_ascii_digit)
+        {
+            return None;
+        }
+        let value = digits
+            .iter()
+            .fold(0u64, |acc, &d| acc * 10 + u64::from(d - b'0'));
+        ids.push(u32::try_from(value).ok()?);
+    }
+    Some(ids)
 }
 
 fn first_byte(text: &str) -> Option<u8> {

@@ -37,7 +37,10 @@ fn text_prompt_with_model_salt_and_stream() {
     assert_eq!(req.cache_salt.as_deref(), Some("s1"));
     assert!(req.stream);
     match req.input {
-        RequestInput::Completion(Prompt::Text(t)) => assert_eq!(t, "hello \"world\"\n"),
+        RequestInput::Completion(Prompt::Text(t)) => {
+            assert_eq!(t.as_str(), "hello \"world\"\n");
+            assert_eq!(t.raw_json().get(), r#""hello \"world\"\n""#);
+        }
         other => panic!("unexpected input {other:?}"),
     }
 }
@@ -49,7 +52,9 @@ fn token_id_prompt_and_batches_route_by_first_element() {
         matches!(ids.input, RequestInput::Completion(Prompt::TokenIds(ref v)) if v == &[1, 2, 3])
     );
     let text_batch = completion(r#"{"model":"m","prompt":["a","b"]}"#).unwrap();
-    assert!(matches!(text_batch.input, RequestInput::Completion(Prompt::Text(ref t)) if t == "a"));
+    assert!(
+        matches!(text_batch.input, RequestInput::Completion(Prompt::Text(ref t)) if t.as_str() == "a")
+    );
     let id_batch = completion(r#"{"model":"m","prompt":[[7,8],[9]]}"#).unwrap();
     assert!(
         matches!(id_batch.input, RequestInput::Completion(Prompt::TokenIds(ref v)) if v == &[7, 8])
@@ -158,5 +163,54 @@ fn megabyte_prompt_parses() {
     let body = serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 1}).to_string();
     assert!(body.len() > 1_000_000);
     let req = completion(&body).unwrap();
-    assert!(matches!(req.input, RequestInput::Completion(Prompt::Text(ref t)) if t == &prompt));
+    assert!(
+        matches!(req.input, RequestInput::Completion(Prompt::Text(ref t)) if t.as_str() == prompt)
+    );
+}
+
+#[test]
+fn prompt_text_decodes_lazily_and_keeps_the_literal() {
+    let req = completion(r#"{"model":"m","prompt":"caf\u00e9 \ud83d\ude00"}"#).unwrap();
+    let RequestInput::Completion(Prompt::Text(text)) = req.input else {
+        panic!("not text")
+    };
+    assert_eq!(text.raw_json().get(), r#""caf\u00e9 \ud83d\ude00""#);
+    assert_eq!(&*text, "café 😀");
+    assert_eq!(text, PromptText::new("café 😀"));
+    // A lone surrogate cannot be a Rust string: the literal's inside is kept.
+    let lone = completion(r#"{"model":"m","prompt":"a\ud800b"}"#).unwrap();
+    let RequestInput::Completion(Prompt::Text(text)) = lone.input else {
+        panic!("not text")
+    };
+    assert_eq!(text.as_str(), r"a\ud800b");
+}
+
+#[test]
+fn invalid_escapes_in_a_skipped_prompt_are_still_rejected() {
+    assert!(completion(r#"{"model":"m","prompt":"bad \q escape"}"#).is_err());
+    assert!(completion("{\"model\":\"m\",\"prompt\":\"raw \u{1} control\"}").is_err());
+}
+
+#[test]
+fn token_id_arrays_are_read_exactly() {
+    assert_eq!(
+        token_ids(" [ 0, 7 ,4294967295 ] "),
+        Some(vec![0, 7, u32::MAX])
+    );
+    assert_eq!(token_ids("[]"), Some(vec![]));
+    assert_eq!(token_ids("[ ]"), Some(vec![]));
+    for bad in [
+        "[4294967296]",
+        "[1.5]",
+        "[1e3]",
+        "[-1]",
+        "[01]",
+        "[1,]",
+        "[,1]",
+        "[1 2]",
+        "[\"1\"]",
+        "[1]x",
+    ] {
+        assert_eq!(token_ids(bad), None, "{bad}");
+    }
 }

@@ -6,7 +6,7 @@ use futures::future::BoxFuture;
 use parking_lot::Mutex;
 
 use super::*;
-use crate::openai::{EndpointKind, Prompt, RequestInput};
+use crate::openai::{EndpointKind, Prompt, PromptText, RequestInput};
 use crate::pool::{Health, ReplicaSpec};
 
 fn spec(port: u16, model: &str) -> ReplicaSpec {
@@ -37,7 +37,7 @@ fn request(model: &str) -> ParsedRequest {
     ParsedRequest {
         kind: EndpointKind::Completions,
         model: model.to_string(),
-        input: RequestInput::Completion(Prompt::Text("hi".to_string())),
+        input: RequestInput::Completion(Prompt::Text(PromptText::new("hi"))),
         cache_salt: None,
         stream: false,
     }

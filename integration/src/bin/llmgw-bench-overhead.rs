@@ -1,0 +1,565 @@
+//! `make bench-overhead`: the latency llmgw adds to a request, and the router CPU it costs.
+//!
+//! Two `llmgw-sim` replicas (no simulated latency), one `llmgw-router`, and three Envoys on
+//! loopback, all started here:
+//! * **baseline**: Envoy → replica, round robin, no ext_proc;
+//! * **buffered**: `envoy/envoy.yaml` (ext_proc BUFFERED → llmgw → override_host);
+//! * **full_duplex**: `envoy/envoy-original-dst.yaml` (FULL_DUPLEX_STREAMED both ways).
+//!
+//! For each prompt size, requests go out open-loop at a fixed rate, the three paths interleaved
+//! so that they share the machine's state; each path's p50/p99 is reported and the added latency
+//! is the difference from the baseline's. Router CPU per request is the router process's CPU
+//! time (all threads, from /proc) during the buffered requests, minus its idle CPU (health
+//! checks and scrapes) over a window of the same length, divided by the requests. The mean pick
+//! time is `llmgw_pick_duration_seconds` (parse + scheduling) from the router's own metrics.
+//!
+//! The HTTP client is a minimal HTTP/1.1 keep-alive client over TCP, so that the client's own
+//! cost stays small and identical for every path.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use llmgw_integration::{ChildGuard, bin_path, envoy_bin, free_port, repo_root, spawn_sim};
+use parking_lot::Mutex;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+#[derive(Parser)]
+#[command(about = "Latency and CPU llmgw adds over Envoy → replica")]
+struct Args {
+    /// Prompt sizes in bytes.
+    #[arg(long, value_delimiter = ',', default_value = "8192,204800")]
+    sizes: Vec<usize>,
+    /// Requests per second for each path.
+    #[arg(long, default_value_t = 20.0)]
+    rate: f64,
+    /// Measured requests per path and size.
+    #[arg(long, default_value_t = 300)]
+    requests: usize,
+    /// Unmeasured requests per path first.
+    #[arg(long, default_value_t = 30)]
+    warmup: usize,
+    /// Also write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Extra `llmgw-router serve` flags, e.g. `--router-arg=--weight-prefix=0` to measure
+    /// load-based picking alone (no tokenization for the prefix slot).
+    #[arg(long = "router-arg", allow_hyphen_values = true)]
+    router_args: Vec<String>,
+}
+
+const PATHS: [&str; 3] = ["baseline", "buffered", "full_duplex"];
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let sim_args = [
+        "--served-model-name",
+        "tiny",
+        "--sim-no-latency",
+        "--max-model-len",
+        "131072",
+        "--num-gpu-blocks-override",
+        "16384",
+    ];
+    let sims = [spawn_sim(sim_args), spawn_sim(sim_args)];
+    let replicas = [sims[0].addr, sims[1].addr];
+
+    let grpc_port = free_port();
+    let router = start_router(grpc_port, &replicas, &args.router_args)?;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    let baseline = start_envoy("baseline", &baseline_config(), replicas, grpc_port)?;
+    let buffered = start_envoy("buffered", &repo_config("envoy.yaml")?, replicas, grpc_port)?;
+    let full_duplex = start_envoy(
+        "full_duplex",
+        &repo_config("envoy-original-dst.yaml")?,
+        replicas,
+        grpc_port,
+    )?;
+    let envoys = [&baseline, &buffered, &full_duplex];
+    for envoy in envoys {
+        wait_ready(envoy.admin).await?;
+    }
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+
+    let mut results = Vec::new();
+    println!(
+        "\n| prompt | path | p50 ms | p99 ms | added p50 ms | added p99 ms | router CPU µs/req | mean pick µs |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for &size in &args.sizes {
+        let prompt = prompt_of(size);
+        let clients: Vec<Client> = envoys.iter().map(|e| Client::new(e.listen)).collect();
+        // Warm-up: connections, Envoy and router caches.
+        for i in 0..args.warmup {
+            for client in &clients {
+                client.post(&body(&prompt, i)).await?;
+            }
+        }
+        let picks_before = pick_stats(router.admin).await?;
+        let cpu_before = process_cpu(router.pid)?;
+        let started = Instant::now();
+        let latencies = measure(&clients, &prompt, &args).await?;
+        let window = started.elapsed();
+        let cpu_busy = process_cpu(router.pid)? - cpu_before;
+        let picks_after = pick_stats(router.admin).await?;
+        // Idle CPU over a window as long as the measurement.
+        let idle_before = process_cpu(router.pid)?;
+        tokio::time::sleep(window).await;
+        let cpu_idle = process_cpu(router.pid)? - idle_before;
+        let routed = (args.requests * 2) as f64; // buffered + full duplex both go through llmgw
+        let cpu_per_request_us = (cpu_busy - cpu_idle).max(0.0) / routed * 1e6;
+        let picks = picks_after.1 - picks_before.1;
+        let mean_pick_us = if picks > 0.0 {
+            (picks_after.0 - picks_before.0) / picks * 1e6
+        } else {
+            f64::NAN
+        };
+
+        let base = summary(&latencies["baseline"]);
+        for path in PATHS {
+            let s = summary(&latencies[path]);
+            let routed_path = path != "baseline";
+            println!(
+                "| {} | {path} | {:.3} | {:.3} | {} | {} | {} | {} |",
+                size_label(size),
+                s.p50,
+                s.p99,
+                if routed_path {
+                    format!("{:.3}", s.p50 - base.p50)
+                } else {
+                    "–".into()
+                },
+                if routed_path {
+                    format!("{:.3}", s.p99 - base.p99)
+                } else {
+                    "–".into()
+                },
+                if routed_path {
+                    format!("{cpu_per_request_us:.1}")
+                } else {
+                    "–".into()
+                },
+                if routed_path {
+                    format!("{mean_pick_us:.1}")
+                } else {
+                    "–".into()
+                },
+            );
+            results.push(serde_json::json!({
+                "prompt_bytes": size,
+                "path": path,
+                "requests": latencies[path].len(),
+                "p50_ms": s.p50,
+                "p99_ms": s.p99,
+                "added_p50_ms": routed_path.then_some(s.p50 - base.p50),
+                "added_p99_ms": routed_path.then_some(s.p99 - base.p99),
+            }));
+        }
+        results.push(serde_json::json!({
+            "prompt_bytes": size,
+            "router_cpu_us_per_request": cpu_per_request_us,
+            "router_cpu_busy_s": cpu_busy,
+            "router_cpu_idle_s": cpu_idle,
+            "mean_pick_us": mean_pick_us,
+        }));
+    }
+    println!(
+        "\nrate {} req/s per path, {} requests per path and size, paths interleaved; \
+         router CPU counts buffered and full-duplex requests together; router flags {:?}.",
+        args.rate, args.requests, args.router_args
+    );
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&results)?)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// Sends `requests` per path at `rate` per path, open loop, round-robin over the paths.
+async fn measure(
+    clients: &[Client],
+    prompt: &str,
+    args: &Args,
+) -> anyhow::Result<HashMap<&'static str, Vec<f64>>> {
+    let interval = Duration::from_secs_f64(1.0 / (args.rate * clients.len() as f64));
+    let results: Arc<Mutex<HashMap<&'static str, Vec<f64>>>> = Arc::default();
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    for i in 0..args.requests * clients.len() {
+        ticker.tick().await;
+        let path = PATHS[i % clients.len()];
+        let client = clients[i % clients.len()].clone();
+        let body = body(prompt, 1_000_000 + i);
+        let results = Arc::clone(&results);
+        tasks.spawn(async move {
+            let started = Instant::now();
+            client.post(&body).await?;
+            let ms = started.elapsed().as_secs_f64() * 1e3;
+            results.lock().entry(path).or_default().push(ms);
+            anyhow::Ok(())
+        });
+    }
+    while let Some(result) = tasks.join_next().await {
+        result??;
+    }
+    let results = std::mem::take(&mut *results.lock());
+    Ok(results)
+}
+
+struct Summary {
+    p50: f64,
+    p99: f64,
+}
+
+fn summary(samples: &[f64]) -> Summary {
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let at = |q: f64| sorted[((sorted.len() as f64 - 1.0) * q).round() as usize];
+    Summary {
+        p50: at(0.50),
+        p99: at(0.99),
+    }
+}
+
+fn size_label(size: usize) -> String {
+    if size >= 1024 {
+        format!("{} KB", size / 1024)
+    } else {
+        format!("{size} B")
+    }
+}
+
+/// Words, so that the simulator's tokenizer sees ordinary text.
+fn prompt_of(size: usize) -> String {
+    let words = [
+        "alpha ", "beta ", "gamma ", "delta ", "epsilon ", "router ", "cache ",
+    ];
+    let mut prompt = String::with_capacity(size + 16);
+    let mut i = 0usize;
+    while prompt.len() < size {
+        prompt.push_str(words[(i * 7 + i / 3) % words.len()]);
+        i += 1;
+    }
+    prompt.truncate(size);
+    prompt
+}
+
+/// A unique first word per request, so that no request hits the simulator's prefix cache.
+fn body(prompt: &str, i: usize) -> Vec<u8> {
+    serde_json::json!({"model": "tiny", "prompt": format!("r{i} {prompt}"), "max_tokens": 1})
+        .to_string()
+        .into_bytes()
+}
+
+struct RouterProcess {
+    admin: SocketAddr,
+    pid: u32,
+    _guard: ChildGuard,
+}
+
+fn start_router(
+    grpc_port: u16,
+    replicas: &[SocketAddr; 2],
+    extra: &[String],
+) -> anyhow::Result<RouterProcess> {
+    let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let child = Command::new(bin_path("llmgw-router"))
+        .args(["serve", "--grpc-addr", &format!("127.0.0.1:{grpc_port}")])
+        .args(["--admin-addr", &admin.to_string()])
+        .args(["--replica", &format!("tiny={}", replicas[0])])
+        .args(["--replica", &format!("tiny={}", replicas[1])])
+        // ORIGINAL_DST (full duplex path) takes one address.
+        .args(["--fallbacks", "0"])
+        .args(["--feed-addr", "127.0.0.1:0"])
+        .args(extra)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("spawn llmgw-router")?;
+    let pid = child.id();
+    Ok(RouterProcess {
+        admin,
+        pid,
+        _guard: ChildGuard::new("llmgw-router", child),
+    })
+}
+
+struct EnvoyProcess {
+    listen: SocketAddr,
+    admin: SocketAddr,
+    _guard: ChildGuard,
+}
+
+fn repo_config(name: &str) -> anyhow::Result<String> {
+    let path = repo_root().join("envoy").join(name);
+    std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))
+}
+
+/// Envoy → replicas, round robin, nothing in between: the same listener, buffer limits and
+/// cluster as `envoy/envoy.yaml`, without the ext_proc filter.
+fn baseline_config() -> String {
+    r#"
+admin:
+  address:
+    socket_address: {address: 127.0.0.1, port_value: 9901}
+static_resources:
+  listeners:
+  - name: llm
+    address:
+      socket_address: {address: 127.0.0.1, port_value: 10000}
+    per_connection_buffer_limit_bytes: 33554432
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: llm
+          codec_type: AUTO
+          route_config:
+            name: llm
+            virtual_hosts:
+            - name: llm
+              domains: ["*"]
+              routes:
+              - match: {prefix: "/"}
+                route: {cluster: vllm_replicas, timeout: 0s}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: vllm_replicas
+    type: STATIC
+    connect_timeout: 1s
+    lb_policy: ROUND_ROBIN
+    per_connection_buffer_limit_bytes: 33554432
+    load_assignment:
+      cluster_name: vllm_replicas
+      endpoints:
+      - lb_endpoints:
+        - endpoint:
+            address:
+              socket_address: {address: 127.0.0.1, port_value: 8001}
+        - endpoint:
+            address:
+              socket_address: {address: 127.0.0.1, port_value: 8002}
+"#
+    .to_string()
+}
+
+fn start_envoy(
+    name: &str,
+    config: &str,
+    replicas: [SocketAddr; 2],
+    grpc_port: u16,
+) -> anyhow::Result<EnvoyProcess> {
+    let listen = free_port();
+    let admin = free_port();
+    let config = config
+        .replace("port_value: 10000", &format!("port_value: {listen}"))
+        .replace("port_value: 9901", &format!("port_value: {admin}"))
+        .replace("port_value: 9002", &format!("port_value: {grpc_port}"))
+        .replace(
+            "port_value: 8001",
+            &format!("port_value: {}", replicas[0].port()),
+        )
+        .replace(
+            "port_value: 8002",
+            &format!("port_value: {}", replicas[1].port()),
+        );
+    let dir = repo_root().join("target").join("bench-overhead");
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join(format!("{name}-{}.yaml", std::process::id()));
+    std::fs::write(&path, config)?;
+    let child = Command::new(envoy_bin())
+        .arg("-c")
+        .arg(&path)
+        .args([
+            "--use-dynamic-base-id",
+            "--log-level",
+            "error",
+            "--concurrency",
+            "1",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("spawn envoy")?;
+    Ok(EnvoyProcess {
+        listen: SocketAddr::from(([127, 0, 0, 1], listen)),
+        admin: SocketAddr::from(([127, 0, 0, 1], admin)),
+        _guard: ChildGuard::new("envoy", child),
+    })
+}
+
+async fn wait_ready(admin: SocketAddr) -> anyhow::Result<()> {
+    let client = Client::new(admin);
+    for _ in 0..200 {
+        if let Ok((200, _)) = client.get("/ready").await {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("envoy at {admin} never became ready")
+}
+
+/// `llmgw_pick_duration_seconds` (sum, count).
+async fn pick_stats(admin: SocketAddr) -> anyhow::Result<(f64, f64)> {
+    let (_, text) = Client::new(admin).get("/metrics").await?;
+    let text = String::from_utf8_lossy(&text);
+    let value = |name: &str| {
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(name)
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+            })
+            .unwrap_or(0.0)
+    };
+    Ok((
+        value("llmgw_pick_duration_seconds_sum "),
+        value("llmgw_pick_duration_seconds_count "),
+    ))
+}
+
+/// CPU seconds used by every thread of `pid` so far (`/proc/<pid>/task/*/schedstat`, ns).
+fn process_cpu(pid: u32) -> anyhow::Result<f64> {
+    let mut total_ns = 0u64;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let path = task?.path().join("schedstat");
+        if let Ok(text) = std::fs::read_to_string(path) {
+            total_ns += text
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    Ok(total_ns as f64 / 1e9)
+}
+
+/// A minimal HTTP/1.1 client with a pool of keep-alive connections to one address.
+#[derive(Clone)]
+struct Client {
+    addr: SocketAddr,
+    idle: Arc<Mutex<Vec<BufReader<TcpStream>>>>,
+}
+
+impl Client {
+    fn new(addr: SocketAddr) -> Client {
+        Client {
+            addr,
+            idle: Arc::default(),
+        }
+    }
+
+    async fn get(&self, path: &str) -> anyhow::Result<(u16, Vec<u8>)> {
+        let head = format!("GET {path} HTTP/1.1\r\nhost: bench\r\n\r\n");
+        self.exchange(head.as_bytes(), &[]).await
+    }
+
+    /// POSTs a JSON completion; fails unless the answer is 200.
+    async fn post(&self, body: &[u8]) -> anyhow::Result<()> {
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        let (status, response) = self.exchange(head.as_bytes(), body).await?;
+        if status != 200 {
+            bail!(
+                "HTTP {status} from {}: {}",
+                self.addr,
+                String::from_utf8_lossy(&response[..response.len().min(300)])
+            );
+        }
+        Ok(())
+    }
+
+    async fn exchange(&self, head: &[u8], body: &[u8]) -> anyhow::Result<(u16, Vec<u8>)> {
+        let pooled = self.idle.lock().pop();
+        let mut conn = match pooled {
+            Some(conn) => conn,
+            None => {
+                let stream = TcpStream::connect(self.addr).await?;
+                stream.set_nodelay(true)?;
+                BufReader::with_capacity(64 * 1024, stream)
+            }
+        };
+        conn.get_mut().write_all(head).await?;
+        conn.get_mut().write_all(body).await?;
+        let (status, response, keep_alive) = read_response(&mut conn).await?;
+        if keep_alive {
+            self.idle.lock().push(conn);
+        }
+        Ok((status, response))
+    }
+}
+
+async fn read_response(conn: &mut BufReader<TcpStream>) -> anyhow::Result<(u16, Vec<u8>, bool)> {
+    let mut line = String::new();
+    conn.read_line(&mut line).await?;
+    let status: u16 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .context("status line")?;
+    let mut content_length = None;
+    let mut chunked = false;
+    let mut keep_alive = true;
+    loop {
+        line.clear();
+        conn.read_line(&mut line).await?;
+        let header = line.trim_end();
+        if header.is_empty() {
+            break;
+        }
+        if let Some((name, value)) = header.split_once(':') {
+            let value = value.trim();
+            match name.to_ascii_lowercase().as_str() {
+                "content-length" => content_length = value.parse::<usize>().ok(),
+                "transfer-encoding" => chunked = value.eq_ignore_ascii_case("chunked"),
+                "connection" => keep_alive = !value.eq_ignore_ascii_case("close"),
+                _ => {}
+            }
+        }
+    }
+    let mut body = Vec::new();
+    if chunked {
+        loop {
+            line.clear();
+            conn.read_line(&mut line).await?;
+            let size = usize::from_str_radix(line.trim(), 16).context("chunk size")?;
+            let mut chunk = vec![0; size + 2];
+            conn.read_exact(&mut chunk).await?;
+            if size == 0 {
+                break;
+            }
+            body.extend_from_slice(&chunk[..size]);
+        }
+    } else if let Some(length) = content_length {
+        body.resize(length, 0);
+        conn.read_exact(&mut body).await?;
+    } else {
+        conn.read_to_end(&mut body).await?;
+        keep_alive = false;
+    }
+    Ok((status, body, keep_alive))
+}
