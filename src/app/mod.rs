@@ -31,6 +31,11 @@ use crate::router::Router;
 use crate::scheduler::Scheduler;
 use crate::tokenize::Tokenizer;
 
+/// HTTP/2 flow-control windows of the ext_proc server: a whole large prompt per stream, many
+/// streams per connection.
+const GRPC_STREAM_WINDOW: u32 = 16 * 1024 * 1024;
+const GRPC_CONNECTION_WINDOW: u32 = 64 * 1024 * 1024;
+
 /// The gRPC health service name for the ext_proc service (same as readiness).
 pub const EXT_PROC_HEALTH_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
 
@@ -170,8 +175,12 @@ pub async fn serve(
     let mut grpc_stop = stop_rx.clone();
     let mut admin_stop = stop_rx;
 
+    // BUFFERED bodies arrive as one message: with h2's default 64 KiB stream window a 200 KB
+    // prompt would wait for several WINDOW_UPDATE round trips. Envoy's own windows are large.
     let grpc = tonic::transport::Server::builder()
         .tcp_nodelay(true)
+        .initial_stream_window_size(Some(GRPC_STREAM_WINDOW))
+        .initial_connection_window_size(Some(GRPC_CONNECTION_WINDOW))
         .add_service(health_service)
         .add_service(ext_proc.into_server())
         .serve_with_incoming_shutdown(
