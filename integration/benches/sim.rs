@@ -186,18 +186,27 @@ async fn footprint(count: usize) -> (u64, u64) {
 }
 
 fn main() {
-    // `cargo bench` passes `--bench`; a filter argument is accepted and ignored.
+    // `cargo bench` passes `--bench` and gets the measurement with its goals checked. Under
+    // `cargo test` (a debug build, run to prove the bench still works) a short run is printed
+    // but no goal is judged: speed goals are never test verdicts.
+    let measuring = std::env::args().any(|a| a == "--bench");
     let secs = std::env::var("SIM_BENCH_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(5);
+        .unwrap_or(if measuring { 5 } else { 1 });
+    let sims = if measuring { 64 } else { 4 };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()
         .expect("runtime");
     let (rate, errors) = runtime.block_on(throughput(secs, 64));
-    let (max_rss, _) = runtime.block_on(footprint(64));
+    let (max_rss, _) = runtime.block_on(footprint(sims));
+    if !measuring {
+        println!("(smoke run under cargo test: goals are judged by `make bench-sim` only)");
+        assert_eq!(errors, 0, "requests failed during the smoke run");
+        return;
+    }
     let mut ok = true;
     if rate < 2000.0 || errors > 0 {
         println!("GOAL MISSED: ≥ 2,000 req/s without errors on one core");
