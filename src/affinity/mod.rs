@@ -20,11 +20,14 @@ mod tests;
 pub use settings::{FileModel, ModelSettings, ModelSettingsError, hashers, with_local_tokenizers};
 
 use std::collections::HashMap;
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use futures::future::BoxFuture;
+use lru::LruCache;
+use parking_lot::Mutex;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::Counter;
@@ -141,8 +144,15 @@ pub struct PrefixAffinity {
     speculative: SpeculativeBlocks,
     tree: Arc<PrefixTree>,
     tokenizer: Tokenizer,
+    /// Recent prompts' block hashes, keyed by their tokens, salt and model: a repeated prompt
+    /// (every turn of a conversation re-sends the whole history) costs a 64-bit hash of its
+    /// tokens instead of a SHA-256 per block.
+    block_hashes: Mutex<LruCache<u128, Arc<[ExternalHash]>>>,
     metrics: AffinityMetrics,
 }
+
+/// Prompts whose block hashes are remembered (about 1 KB each for a 2k-token prompt).
+const HASH_CACHE_ENTRIES: usize = 8192;
 
 impl PrefixAffinity {
     pub fn new(
@@ -159,6 +169,9 @@ impl PrefixAffinity {
             index,
             tree,
             tokenizer,
+            block_hashes: Mutex::new(LruCache::new(
+                NonZeroUsize::new(HASH_CACHE_ENTRIES).unwrap_or(NonZeroUsize::MIN),
+            )),
             metrics: AffinityMetrics::default(),
         }
     }
@@ -185,6 +198,25 @@ impl PrefixAffinity {
     /// Replaces the per-model hash settings (config reload).
     pub fn set_hashers(&self, hashers: HashersByModel) {
         self.hashers.store(Arc::new(hashers));
+    }
+
+    /// The prompt's external block hashes, from the cache or computed (and remembered).
+    fn block_hashes(
+        &self,
+        hasher: &BlockHasher,
+        model: &str,
+        tokens: &[u32],
+        salt: Option<&str>,
+    ) -> Arc<[ExternalHash]> {
+        let key = tokens_key(model, salt, tokens);
+        if let Some(hashes) = self.block_hashes.lock().get(&key) {
+            return Arc::clone(hashes);
+        }
+        let mut hashes = Vec::new();
+        hasher.external_hashes_into(tokens, salt, &mut hashes);
+        let hashes: Arc<[ExternalHash]> = Arc::from(hashes);
+        self.block_hashes.lock().put(key, Arc::clone(&hashes));
+        hashes
     }
 
     /// The precise tier: `Ok` with scores, or `Err(reason)` to fall back.
@@ -215,8 +247,12 @@ impl PrefixAffinity {
                 e.reason()
             })?;
 
-        let mut hashes = Vec::new();
-        hasher.external_hashes_into(&tokens, request.cache_salt.as_deref(), &mut hashes);
+        let hashes = self.block_hashes(
+            hasher,
+            &request.model,
+            &tokens,
+            request.cache_salt.as_deref(),
+        );
         let mut matches: Vec<PrefixMatch> = Vec::with_capacity(candidates.len());
         self.index.match_prefix(&hashes, &slots, &mut matches);
         let mut blocks: Vec<u32> = matches.iter().map(|m| m.blocks).collect();
@@ -247,7 +283,7 @@ impl PrefixAffinity {
             scores,
             Memo {
                 branch: Branch::Index,
-                hashes: Some(Arc::from(hashes)),
+                hashes: Some(hashes),
                 matched,
             },
         ))
@@ -370,6 +406,29 @@ impl Collector for StateCollector {
         }
         Ok(())
     }
+}
+
+/// A 128-bit key of (model, salt, tokens): the model and salt seed an XXH3 over the tokens'
+/// little-endian bytes, fed through a stack buffer.
+fn tokens_key(model: &str, salt: Option<&str>, tokens: &[u32]) -> u128 {
+    let mut seed = xxhash_rust::xxh3::Xxh3::new();
+    seed.update(model.as_bytes());
+    match salt {
+        Some(salt) => {
+            seed.update(&[1]);
+            seed.update(salt.as_bytes());
+        }
+        None => seed.update(&[0]),
+    }
+    let mut hash = xxhash_rust::xxh3::Xxh3::with_seed(seed.digest());
+    let mut buf = [0u8; 1024];
+    for chunk in tokens.chunks(buf.len() / 4) {
+        for (bytes, token) in buf.chunks_exact_mut(4).zip(chunk) {
+            bytes.copy_from_slice(&token.to_le_bytes());
+        }
+        hash.update(&buf[..chunk.len() * 4]);
+    }
+    hash.digest128()
 }
 
 /// The bytes the prefix tree keys a request by: the prompt text, the token ids, or the chat

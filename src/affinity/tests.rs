@@ -250,3 +250,20 @@ async fn metrics_expose_decisions_and_tier_sizes() {
         f.candidates[2].replica.endpoint()
     )));
 }
+
+#[test]
+fn the_hash_cache_key_separates_models_salts_and_tokens() {
+    let tokens: Vec<u32> = (0..600).collect();
+    let base = super::tokens_key("m", None, &tokens);
+    assert_eq!(base, super::tokens_key("m", None, &tokens));
+    assert_ne!(base, super::tokens_key("m2", None, &tokens));
+    assert_ne!(base, super::tokens_key("m", Some(""), &tokens));
+    assert_ne!(
+        super::tokens_key("m", Some("a"), &tokens),
+        super::tokens_key("m", Some("b"), &tokens)
+    );
+    let mut other = tokens.clone();
+    other[599] = 7;
+    assert_ne!(base, super::tokens_key("m", None, &other));
+    assert_ne!(base, super::tokens_key("m", None, &tokens[..599]));
+}

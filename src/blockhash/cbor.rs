@@ -149,3 +149,67 @@ pub fn encode_block<T: Copy + Into<u64>>(
 pub fn encode_text(out: &mut Vec<u8>, text: &str) {
     write_text(out, text);
 }
+
+/// Most tokens a [`StackBlock`] holds: 64 tokens of at most 9 bytes each, plus the parent.
+const STACK_TOKENS: usize = 64;
+const STACK_BYTES: usize = 1 + 2 + 32 + 9 + STACK_TOKENS * 9 + 1;
+
+/// A block without extra keys, encoded on the stack with no per-item capacity checks.
+pub(super) struct StackBlock {
+    buf: [u8; STACK_BYTES],
+    len: usize,
+}
+
+impl StackBlock {
+    /// `None` when the block does not fit (more than 64 tokens or a parent over 32 bytes).
+    #[inline]
+    pub(super) fn encode<T: Copy + Into<u64>>(parent: &[u8], tokens: &[T]) -> Option<Self> {
+        if tokens.len() > STACK_TOKENS || parent.len() > 32 {
+            return None;
+        }
+        let mut block = StackBlock {
+            buf: [0; STACK_BYTES],
+            len: 0,
+        };
+        block.head(ARRAY, 3);
+        block.head(BYTES, parent.len() as u64);
+        block.buf[block.len..block.len + parent.len()].copy_from_slice(parent);
+        block.len += parent.len();
+        block.head(ARRAY, tokens.len() as u64);
+        for &token in tokens {
+            block.head(UNSIGNED, token.into());
+        }
+        block.buf[block.len] = NULL;
+        block.len += 1;
+        Some(block)
+    }
+
+    #[inline(always)]
+    fn head(&mut self, major: u8, value: u64) {
+        let (buf, n) = (&mut self.buf, self.len);
+        self.len += if value < 24 {
+            buf[n] = major | value as u8;
+            1
+        } else if value <= u64::from(u8::MAX) {
+            buf[n] = major | 24;
+            buf[n + 1] = value as u8;
+            2
+        } else if value <= u64::from(u16::MAX) {
+            buf[n] = major | 25;
+            buf[n + 1..n + 3].copy_from_slice(&(value as u16).to_be_bytes());
+            3
+        } else if value <= u64::from(u32::MAX) {
+            buf[n] = major | 26;
+            buf[n + 1..n + 5].copy_from_slice(&(value as u32).to_be_bytes());
+            5
+        } else {
+            buf[n] = major | 27;
+            buf[n + 1..n + 9].copy_from_slice(&value.to_be_bytes());
+            9
+        };
+    }
+
+    pub(super) fn as_bytes(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}

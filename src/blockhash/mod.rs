@@ -375,6 +375,15 @@ fn digest_block<H: StreamHash, T: Copy + Into<u64>>(
     tokens: &[T],
     extra_keys: Option<&[ExtraKey<'_>]>,
 ) -> BlockDigest {
+    // The common block (no extra keys, up to 64 tokens) is encoded into one stack buffer and
+    // hashed in a single update; anything else streams through the chunked sink.
+    if extra_keys.is_none()
+        && let Some(block) = cbor::StackBlock::encode(parent, tokens)
+    {
+        let mut hash = H::default();
+        hash.update(block.as_bytes());
+        return hash.finish();
+    }
     let mut sink = cbor::HashSink::<H>::default();
     cbor::write_block(&mut sink, parent, tokens, extra_keys);
     sink.finish()
