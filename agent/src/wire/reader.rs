@@ -126,38 +126,30 @@ impl<'a> Reader<'a> {
     }
 
     pub(crate) fn array_len(&mut self) -> Result<usize, WireError> {
-        match self.buf.get(self.pos) {
-            Some(&m @ 0x90..=0x9f) => {
-                self.pos += 1;
-                Ok(usize::from(m & 0x0f))
-            }
-            Some(0xdc) => {
-                self.pos += 1;
-                self.u16()
-            }
-            Some(0xdd) => {
-                self.pos += 1;
-                self.u32()
-            }
-            _ => Err(self.unexpected("array")),
-        }
+        self.container_len(0x90, 0xdc, "array")
     }
 
     pub(crate) fn map_len(&mut self) -> Result<usize, WireError> {
+        self.container_len(0x80, 0xde, "map")
+    }
+
+    /// The length of an array or map: `fix` is the fix-form marker with length 0 (lengths up to
+    /// 15 in its low nibble), `wide` the 16-bit form's marker (the 32-bit form follows it).
+    fn container_len(&mut self, fix: u8, wide: u8, what: &'static str) -> Result<usize, WireError> {
         match self.buf.get(self.pos) {
-            Some(&m @ 0x80..=0x8f) => {
+            Some(&m) if m & 0xf0 == fix => {
                 self.pos += 1;
                 Ok(usize::from(m & 0x0f))
             }
-            Some(0xde) => {
+            Some(&m) if m == wide => {
                 self.pos += 1;
                 self.u16()
             }
-            Some(0xdf) => {
+            Some(&m) if m == wide + 1 => {
                 self.pos += 1;
                 self.u32()
             }
-            _ => Err(self.unexpected("map")),
+            _ => Err(self.unexpected(what)),
         }
     }
 
