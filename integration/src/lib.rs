@@ -64,6 +64,28 @@ pub fn free_port() -> u16 {
     listener.local_addr().expect("local addr").port()
 }
 
+/// An Envoy configuration from `envoy/` pointed at this run's ports: the listener (10000), the
+/// admin port (9901), llmgw's gRPC port (9002) and two replicas (8001, 8002).
+pub fn retarget_envoy_config(
+    text: &str,
+    listen: u16,
+    admin: u16,
+    grpc: u16,
+    replicas: [SocketAddr; 2],
+) -> String {
+    text.replace("port_value: 10000", &format!("port_value: {listen}"))
+        .replace("port_value: 9901", &format!("port_value: {admin}"))
+        .replace("port_value: 9002", &format!("port_value: {grpc}"))
+        .replace(
+            "port_value: 8001",
+            &format!("port_value: {}", replicas[0].port()),
+        )
+        .replace(
+            "port_value: 8002",
+            &format!("port_value: {}", replicas[1].port()),
+        )
+}
+
 /// A loopback address with a free port.
 pub fn free_addr() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], free_port()))

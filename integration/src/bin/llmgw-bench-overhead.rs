@@ -25,7 +25,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use llmgw_integration::{ChildGuard, bin_path, envoy_bin, free_port, repo_root, spawn_sim};
+use llmgw_integration::{
+    ChildGuard, bin_path, envoy_bin, free_port, repo_root, retarget_envoy_config, spawn_sim,
+};
 use parking_lot::Mutex;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -373,18 +375,7 @@ fn start_envoy(
 ) -> anyhow::Result<EnvoyProcess> {
     let listen = free_port();
     let admin = free_port();
-    let config = config
-        .replace("port_value: 10000", &format!("port_value: {listen}"))
-        .replace("port_value: 9901", &format!("port_value: {admin}"))
-        .replace("port_value: 9002", &format!("port_value: {grpc_port}"))
-        .replace(
-            "port_value: 8001",
-            &format!("port_value: {}", replicas[0].port()),
-        )
-        .replace(
-            "port_value: 8002",
-            &format!("port_value: {}", replicas[1].port()),
-        );
+    let config = retarget_envoy_config(config, listen, admin, grpc_port, replicas);
     let dir = repo_root().join("target").join("bench-overhead");
     std::fs::create_dir_all(&dir)?;
     let path = dir.join(format!("{name}-{}.yaml", std::process::id()));

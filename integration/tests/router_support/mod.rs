@@ -13,7 +13,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use llmgw_integration::{
-    ChildGuard, SimHandle, bin_path, envoy_bin, free_port, repo_root, spawn_sim,
+    ChildGuard, SimHandle, bin_path, envoy_bin, free_port, repo_root, retarget_envoy_config,
+    spawn_sim,
 };
 
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
@@ -198,18 +199,7 @@ pub async fn start_envoy(config: &str, grpc_port: u16, replicas: [SocketAddr; 2]
         std::fs::read_to_string(repo_root().join("envoy").join(config)).expect("read envoy config");
     let listen = free_port();
     let admin = free_port();
-    let text = text
-        .replace("port_value: 10000", &format!("port_value: {listen}"))
-        .replace("port_value: 9901", &format!("port_value: {admin}"))
-        .replace("port_value: 9002", &format!("port_value: {grpc_port}"))
-        .replace(
-            "port_value: 8001",
-            &format!("port_value: {}", replicas[0].port()),
-        )
-        .replace(
-            "port_value: 8002",
-            &format!("port_value: {}", replicas[1].port()),
-        );
+    let text = retarget_envoy_config(&text, listen, admin, grpc_port, replicas);
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("envoy-configs");
     std::fs::create_dir_all(&dir).expect("config dir");
     let path = dir.join(format!(
