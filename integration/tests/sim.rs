@@ -694,6 +694,8 @@ async fn bad_input_gets_vllm_statuses_and_error_bodies() {
             400,
         ),
         ("/sim/stall", "{}".into(), 400),
+        ("/sim/stall", json!({"ms": u64::MAX}).to_string(), 400),
+        ("/sim/stall", json!({"ms": 60_001}).to_string(), 400),
     ];
     for (path, body, want) in cases {
         let (status, v) = http.post_raw(path, body.clone()).await;
