@@ -15,6 +15,9 @@ use std::time::Duration;
 
 use llmgw::blockhash::{HashAlgo, HashSettings, SaltEncoding};
 use serde::Deserialize;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 
 /// Configuration errors, each naming the offending value.
 #[derive(Debug, thiserror::Error)]
@@ -214,6 +217,12 @@ pub struct FileConfig {
     pub replay_timeout_ms: Option<u64>,
     pub token_file: Option<PathBuf>,
     pub stale_after_ms: Option<u64>,
+    /// PEM CA that signed the routers' feed certificates: connect over TLS.
+    pub router_ca: Option<PathBuf>,
+    /// PEM client certificate (chain) presented to routers that require mutual TLS.
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `tls_cert`.
+    pub tls_key: Option<PathBuf>,
 }
 
 impl FileConfig {
@@ -279,6 +288,15 @@ pub struct AgentArgs {
     /// The shared token itself (prefer --token-file).
     #[arg(long, env = "LLMGW_AGENT_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// PEM CA that signed the routers' feed certificates: connect to routers over TLS.
+    #[arg(long, env = "LLMGW_AGENT_ROUTER_CA")]
+    pub router_ca: Option<PathBuf>,
+    /// PEM client certificate for routers that require mutual TLS (needs --tls-key, --router-ca).
+    #[arg(long, env = "LLMGW_AGENT_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "LLMGW_AGENT_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
 }
 
 /// Everything resolved and validated.
@@ -298,6 +316,8 @@ pub struct AgentConfig {
     pub token: Option<String>,
     /// Silence before a health check; `None` disables staleness.
     pub stale_after: Option<Duration>,
+    /// TLS towards the routers (`None`: plain text), checked at start-up.
+    pub tls: Option<ClientTlsConfig>,
 }
 
 pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9101";
@@ -366,7 +386,13 @@ impl AgentArgs {
             0 => None,
             ms => Some(Duration::from_millis(ms)),
         };
+        let tls = resolve_tls(
+            self.router_ca.clone().or(file.router_ca),
+            self.tls_cert.clone().or(file.tls_cert),
+            self.tls_key.clone().or(file.tls_key),
+        )?;
         Ok(AgentConfig {
+            tls,
             stale_after,
             token,
             node,
@@ -389,6 +415,63 @@ impl AgentArgs {
             ),
         })
     }
+}
+
+fn read_pem(path: PathBuf) -> Result<Vec<u8>> {
+    std::fs::read(&path).map_err(|source| ConfigError::Read { path, source })
+}
+
+/// A PEM file holding at least one certificate.
+fn pem_certs(path: PathBuf) -> Result<Vec<u8>> {
+    let shown = path.display().to_string();
+    let pem = read_pem(path)?;
+    let certs = CertificateDer::pem_slice_iter(&pem)
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| ConfigError::Invalid(format!("{shown}: {e}")))?;
+    if certs.is_empty() {
+        return Err(ConfigError::Invalid(format!(
+            "{shown}: no PEM certificate (TLS to routers)"
+        )));
+    }
+    Ok(pem)
+}
+
+/// The uplinks' TLS settings from the CA, certificate and key files, validated here (a bad
+/// file fails start-up, not every connection attempt).
+fn resolve_tls(
+    router_ca: Option<PathBuf>,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+) -> Result<Option<ClientTlsConfig>> {
+    let identity = match (cert, key) {
+        (Some(cert), Some(key)) => Some((cert, key)),
+        (None, None) => None,
+        (Some(_), None) => return Err(ConfigError::Invalid("--tls-cert needs --tls-key".into())),
+        (None, Some(_)) => return Err(ConfigError::Invalid("--tls-key needs --tls-cert".into())),
+    };
+    let Some(ca) = router_ca else {
+        return match identity {
+            None => Ok(None),
+            Some(_) => Err(ConfigError::Invalid(
+                "a client certificate needs --router-ca (the CA of the routers' feed certificate)"
+                    .into(),
+            )),
+        };
+    };
+    let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem_certs(ca)?));
+    if let Some((cert, key)) = identity {
+        let key_path = key.display().to_string();
+        let key = read_pem(key)?;
+        PrivateKeyDer::from_pem_slice(&key).map_err(|e| {
+            ConfigError::Invalid(format!("{key_path}: not a PEM private key ({e})"))
+        })?;
+        tls = tls.identity(Identity::from_pem(pem_certs(cert)?, key));
+    }
+    // Building a connector checks that the certificate and key go together.
+    tonic::transport::Endpoint::from_static("https://localhost")
+        .tls_config(tls.clone())
+        .map_err(|e| ConfigError::Invalid(format!("TLS to routers: {e}")))?;
+    Ok(Some(tls))
 }
 
 impl AgentConfig {
@@ -536,6 +619,36 @@ mod tests {
         std::fs::write(&path, "nodes: typo\n").expect("write");
         let err = args.resolve().expect_err("unknown key").to_string();
         assert!(err.contains("nodes"), "{err}");
+    }
+
+    #[test]
+    fn tls_to_routers_needs_a_ca_and_complete_readable_files() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = |name: &str, text: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).expect("write");
+            p
+        };
+        let not_pem = file("junk.pem", "not a certificate\n");
+        let resolve = |ca: Option<&PathBuf>, cert: Option<&PathBuf>, key: Option<&PathBuf>| {
+            AgentArgs {
+                router_ca: ca.cloned(),
+                tls_cert: cert.cloned(),
+                tls_key: key.cloned(),
+                ..AgentArgs::default()
+            }
+            .resolve()
+        };
+        assert!(resolve(None, None, None).expect("plain").tls.is_none());
+        let cert_only = resolve(None, Some(&not_pem), Some(&not_pem)).expect_err("no CA");
+        assert!(cert_only.to_string().contains("--router-ca"), "{cert_only}");
+        let half = resolve(Some(&not_pem), Some(&not_pem), None).expect_err("no key");
+        assert!(half.to_string().contains("--tls-key"), "{half}");
+        let missing = dir.path().join("absent.pem");
+        let unread = resolve(Some(&missing), None, None).expect_err("missing file");
+        assert!(unread.to_string().contains("absent.pem"), "{unread}");
+        let junk = resolve(Some(&not_pem), None, None).expect_err("not PEM");
+        assert!(junk.to_string().contains("no PEM certificate"), "{junk}");
     }
 
     #[test]

@@ -148,7 +148,9 @@ impl Agent {
             .routers
             .iter()
             .map(|r| {
-                let cfg = crate::uplink::UplinkConfig::new(r.clone(), self.config.token.clone());
+                let mut cfg =
+                    crate::uplink::UplinkConfig::new(r.clone(), self.config.token.clone());
+                cfg.tls = self.config.tls.clone();
                 tokio::spawn(crate::uplink::run(Arc::clone(self), cfg))
             })
             .collect()

@@ -43,6 +43,14 @@ pub enum UplinkError {
         router: String,
         status: Box<tonic::Status>,
     },
+    #[error(
+        "stream to {router} broke before the router answered ({status}): if the router's feed \
+         port uses TLS, give the agent --router-ca (and --tls-cert/--tls-key for mutual TLS)"
+    )]
+    PlainTextRefused {
+        router: String,
+        status: Box<tonic::Status>,
+    },
     #[error("stream to {0} closed by the router")]
     Closed(String),
     #[error("the agent's delta channel closed")]
@@ -55,6 +63,8 @@ pub struct UplinkConfig {
     /// `HOST:PORT` of the router's feed service.
     pub router: String,
     pub token: Option<String>,
+    /// TLS (with a client identity for mutual TLS); `None` connects in plain text.
+    pub tls: Option<tonic::transport::ClientTlsConfig>,
     pub heartbeat: Duration,
     pub backoff_initial: Duration,
     pub backoff_max: Duration,
@@ -65,6 +75,7 @@ impl UplinkConfig {
         UplinkConfig {
             router: router.into(),
             token,
+            tls: None,
             heartbeat: Duration::from_secs(5),
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_secs(10),
@@ -148,6 +159,13 @@ pub async fn run(agent: Arc<Agent>, config: UplinkConfig) {
     }
 }
 
+/// One session: connect, Hello, snapshots, then deltas until the stream fails (it returns only
+/// with an error). For diagnostics and tests; [`run`] is the reconnecting loop.
+pub async fn session_once(agent: &Agent, config: &UplinkConfig) -> Result<(), UplinkError> {
+    let mut delay = config.backoff_initial;
+    session(agent, config, &mut delay).await
+}
+
 /// Sends to the outbound stream, numbering messages.
 struct Outbound {
     tx: mpsc::Sender<pb::AgentMessage>,
@@ -175,10 +193,23 @@ async fn session(
     delay: &mut Duration,
 ) -> Result<(), UplinkError> {
     let router = config.router.clone();
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{router}"))
+    let scheme = if config.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    let mut endpoint = tonic::transport::Endpoint::from_shared(format!("{scheme}://{router}"))
         .map_err(|e| UplinkError::Address(router.clone(), e.to_string()))?
         .connect_timeout(Duration::from_secs(3))
         .tcp_nodelay(true);
+    if let Some(tls) = &config.tls {
+        endpoint = endpoint
+            .tls_config(tls.clone())
+            .map_err(|source| UplinkError::Connect {
+                router: router.clone(),
+                source,
+            })?;
+    }
     let channel = endpoint
         .connect()
         .await
@@ -229,9 +260,25 @@ async fn session(
     let mut inbound = client
         .stream(request)
         .await
-        .map_err(|status| UplinkError::Stream {
-            router: router.clone(),
-            status: Box::new(status),
+        .map_err(|status| {
+            // A TLS port answers a plain-text HTTP/2 preface by closing the connection: the
+            // call fails at the transport level, not with a gRPC status from the router.
+            let transport = std::error::Error::source(&status).is_some()
+                && matches!(
+                    status.code(),
+                    tonic::Code::Unknown | tonic::Code::Unavailable
+                );
+            if config.tls.is_none() && transport {
+                UplinkError::PlainTextRefused {
+                    router: router.clone(),
+                    status: Box::new(status),
+                }
+            } else {
+                UplinkError::Stream {
+                    router: router.clone(),
+                    status: Box::new(status),
+                }
+            }
         })?
         .into_inner();
     let label = RouterLabel {

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use llmgw::blockhash::ExternalHash;
+use llmgw::feed::tls::{FeedTls, TlsRefusal};
 use llmgw::feed::{FeedConfig, FeedService};
 use llmgw::kvindex::{KvEventSink, Medium};
 use llmgw_agent::capture::{Capture, Frame};
@@ -17,6 +18,7 @@ use llmgw_agent::wire::{KvEvent, decode_batch};
 use llmgw_agent::zmq::{Publisher, ReplyShape};
 use parking_lot::Mutex;
 use tokio::task::JoinHandle;
+use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 
 const REPLICA: &str = "10.0.0.5:8000";
 
@@ -80,6 +82,11 @@ impl Drop for Router {
 
 /// A router feed on `addr` (a free port when `None`) that knows `REPLICA` on node "n1".
 async fn router(addr: Option<&str>, token: Option<&str>) -> Router {
+    router_tls(addr, token, None).await
+}
+
+/// The same, serving TLS when `tls` is given.
+async fn router_tls(addr: Option<&str>, token: Option<&str>, tls: Option<FeedTls>) -> Router {
     let index = Arc::new(Index::default());
     let nodes = [(
         "n1".to_owned(),
@@ -94,7 +101,8 @@ async fn router(addr: Option<&str>, token: Option<&str>) -> Router {
             nodes,
             grace: Duration::from_secs(60),
         },
-    );
+    )
+    .with_tls(tls);
     let listener = tokio::net::TcpListener::bind(addr.unwrap_or("127.0.0.1:0"))
         .await
         .expect("router binds");
@@ -162,6 +170,17 @@ impl Drop for Node {
 /// An engine publisher and an agent on node "n1" mirroring it as `replica`, uplinked to
 /// `routers`.
 async fn node(replica: &str, seed: &str, routers: &[&Router], token: Option<&str>) -> Node {
+    node_tls(replica, seed, routers, token, None).await
+}
+
+/// The same, with TLS (and a client identity) towards the routers.
+async fn node_tls(
+    replica: &str,
+    seed: &str,
+    routers: &[&Router],
+    token: Option<&str>,
+    tls: Option<ClientTlsConfig>,
+) -> Node {
     let publisher = Publisher::start(
         "tcp://127.0.0.1:0",
         false,
@@ -194,6 +213,7 @@ async fn node(replica: &str, seed: &str, routers: &[&Router], token: Option<&str
         .iter()
         .map(|r| {
             let mut cfg = UplinkConfig::new(r.addr.clone(), token.map(str::to_owned));
+            cfg.tls = tls.clone();
             cfg.backoff_initial = Duration::from_millis(20);
             cfg.backoff_max = Duration::from_millis(200);
             tokio::spawn(uplink::run(Arc::clone(&agent), cfg))
@@ -319,4 +339,211 @@ async fn a_wrong_seed_is_a_hash_mismatch_and_the_router_gets_nothing() {
         m.contains(r#"llmgw_agent_hash_mismatches_total{engine="10.0.0.5:8000"}"#),
         "{m}"
     );
+}
+
+/// A test CA that signs server and client certificates.
+struct TestCa {
+    issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+}
+
+/// A certificate and its key, PEM.
+struct Pem {
+    cert: String,
+    key: String,
+}
+
+impl TestCa {
+    fn new(name: &str) -> TestCa {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        let key = rcgen::KeyPair::generate().expect("CA key");
+        TestCa {
+            issuer: rcgen::CertifiedIssuer::self_signed(params, key).expect("CA cert"),
+        }
+    }
+
+    fn pem(&self) -> String {
+        self.issuer.pem()
+    }
+
+    fn leaf(&self, names: &[&str], usage: rcgen::ExtendedKeyUsagePurpose) -> Pem {
+        let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+        let mut params = rcgen::CertificateParams::new(names).expect("params");
+        params.extended_key_usages = vec![usage];
+        let key = rcgen::KeyPair::generate().expect("leaf key");
+        let cert = params.signed_by(&key, &self.issuer).expect("leaf cert");
+        Pem {
+            cert: cert.pem(),
+            key: key.serialize_pem(),
+        }
+    }
+
+    /// The router's feed certificate, for 127.0.0.1 and localhost.
+    fn server(&self) -> Pem {
+        self.leaf(
+            &["127.0.0.1", "localhost"],
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+        )
+    }
+
+    /// An agent's client certificate.
+    fn client(&self, node: &str) -> Pem {
+        self.leaf(&[node], rcgen::ExtendedKeyUsagePurpose::ClientAuth)
+    }
+}
+
+/// A router requiring client certificates from `ca` (and the token `s3cret`).
+async fn mtls_router(ca: &TestCa) -> Router {
+    let server = ca.server();
+    let tls = FeedTls::from_pem(
+        server.cert.as_bytes(),
+        server.key.as_bytes(),
+        Some(ca.pem().as_bytes()),
+    )
+    .expect("feed TLS");
+    assert!(tls.requires_client_cert());
+    router_tls(None, Some("s3cret"), Some(tls)).await
+}
+
+fn client_tls(ca: &TestCa, identity: Option<&Pem>) -> ClientTlsConfig {
+    let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca.pem()));
+    match identity {
+        Some(id) => tls.identity(Identity::from_pem(&id.cert, &id.key)),
+        None => tls,
+    }
+}
+
+fn refused(r: &Router, reason: &'static str) -> u64 {
+    r.feed
+        .metrics
+        .tls_refused
+        .get_or_create(&TlsRefusal { reason })
+        .get()
+}
+
+#[tokio::test]
+async fn an_agent_with_a_good_client_certificate_streams_over_mutual_tls() {
+    let frames = frames();
+    let ca = TestCa::new("llmgw test CA");
+    let r = mtls_router(&ca).await;
+    let id = ca.client("n1");
+    let mut n = node_tls(
+        REPLICA,
+        "1729",
+        &[&r],
+        Some("s3cret"),
+        Some(client_tls(&ca, Some(&id))),
+    )
+    .await;
+    publish(&mut n, &frames).await;
+    let want = final_set(&frames);
+    eventually("the index over mTLS", || r.index.hashes(REPLICA) == want).await;
+    assert_eq!(
+        r.feed.metrics.snapshots.get(),
+        1,
+        "one snapshot, one stream"
+    );
+}
+
+#[tokio::test]
+async fn the_token_is_still_checked_over_mutual_tls() {
+    let frames = frames();
+    let ca = TestCa::new("llmgw test CA");
+    let r = mtls_router(&ca).await;
+    let id = ca.client("n1");
+    let mut n = node_tls(
+        REPLICA,
+        "1729",
+        &[&r],
+        Some("guess"),
+        Some(client_tls(&ca, Some(&id))),
+    )
+    .await;
+    publish(&mut n, &frames).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        r.index.hashes(REPLICA).is_empty(),
+        "a wrong token sends nothing"
+    );
+    assert_eq!(r.feed.metrics.snapshots.get(), 0);
+    assert_eq!(
+        refused(&r, "no_client_cert") + refused(&r, "bad_client_cert"),
+        0
+    );
+}
+
+#[tokio::test]
+async fn agents_without_a_client_certificate_or_with_another_cas_are_refused() {
+    let frames = frames();
+    let ca = TestCa::new("llmgw test CA");
+    let r = mtls_router(&ca).await;
+
+    let mut anonymous = node_tls(
+        REPLICA,
+        "1729",
+        &[&r],
+        Some("s3cret"),
+        Some(client_tls(&ca, None)),
+    )
+    .await;
+    publish(&mut anonymous, &frames).await;
+    eventually("a no_client_cert refusal", || {
+        refused(&r, "no_client_cert") >= 1
+    })
+    .await;
+    drop(anonymous);
+
+    let other = TestCa::new("someone else's CA");
+    let foreign = other.client("n1");
+    let mut stranger = node_tls(
+        REPLICA,
+        "1729",
+        &[&r],
+        Some("s3cret"),
+        Some(client_tls(&ca, Some(&foreign))),
+    )
+    .await;
+    publish(&mut stranger, &frames).await;
+    eventually("a bad_client_cert refusal", || {
+        refused(&r, "bad_client_cert") >= 1
+    })
+    .await;
+    drop(stranger);
+
+    assert!(r.index.held.lock().is_empty(), "nothing reached the index");
+    assert_eq!(r.feed.metrics.snapshots.get(), 0);
+    let mut registry = prometheus_client::registry::Registry::default();
+    r.feed.metrics.register(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+    assert!(
+        text.contains("llmgw_feed_tls_refused_total{reason=\"no_client_cert\"}"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_plain_text_agent_against_a_tls_router_fails_clearly() {
+    let ca = TestCa::new("llmgw test CA");
+    let r = mtls_router(&ca).await;
+    let n = node(REPLICA, "1729", &[], Some("s3cret")).await;
+    let config = UplinkConfig::new(r.addr.clone(), Some("s3cret".into()));
+    let error = tokio::time::timeout(
+        Duration::from_secs(10),
+        uplink::session_once(&n.agent, &config),
+    )
+    .await
+    .expect("the session fails promptly")
+    .expect_err("a plain-text session cannot work");
+    let text = error.to_string();
+    assert!(text.contains("TLS"), "the error says why: {text}");
+    eventually("a not_tls refusal", || refused(&r, "not_tls") >= 1).await;
+    assert!(r.index.held.lock().is_empty());
 }

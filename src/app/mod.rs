@@ -55,6 +55,8 @@ pub enum ServeError {
     Admin(#[source] std::io::Error),
     #[error(transparent)]
     Models(#[from] ModelSettingsError),
+    #[error("feed TLS: {0}")]
+    FeedTls(#[from] crate::feed::tls::FeedTlsError),
 }
 
 /// The addresses actually bound (useful with port 0).
@@ -129,7 +131,14 @@ pub async fn serve(
             grace: settings.feed_grace,
         },
     )
-    .expect_settings(&settings.models);
+    .expect_settings(&settings.models)
+    .with_tls(
+        settings
+            .feed_tls
+            .as_ref()
+            .map(crate::feed::tls::FeedTls::load)
+            .transpose()?,
+    );
 
     let mut metrics = Metrics::new(Arc::clone(&pool));
     affinity.register_metrics(metrics.registry_mut());

@@ -21,6 +21,11 @@
 //!     hash_seed: "1729"        # the engines' PYTHONHASHSEED
 //! tokenize_deadline: 50ms
 //! speculative_ttl: 2s
+//! feed_addr: 0.0.0.0:9003      # agents stream KV events here
+//! feed_token_file: /etc/llmgw/feed-token
+//! feed_tls_cert: /etc/llmgw/feed.pem        # TLS on the feed port (with feed_tls_key)
+//! feed_tls_key: /etc/llmgw/feed-key.pem
+//! feed_tls_client_ca: /etc/llmgw/agents-ca.pem   # mutual TLS: agents need a cert it signed
 //! ```
 //!
 //! The file is polled for changes ([`watch_replicas`]); a change re-reads the replica list and
@@ -40,6 +45,7 @@ use thiserror::Error;
 
 use crate::affinity::{AffinityConfig, FileModel, ModelSettings};
 use crate::extproc::DESTINATION_HEADER;
+use crate::feed::tls::FeedTlsPaths;
 use crate::kvindex::IndexConfig;
 use crate::pool::{Pool, ReplicaSpec};
 use crate::scheduler::SchedulerSettings;
@@ -71,6 +77,8 @@ pub enum ConfigError {
     Duration(String),
     #[error("{0} must be positive")]
     NotPositive(&'static str),
+    #[error("feed TLS: {0}")]
+    FeedTls(&'static str),
 }
 
 /// `serve` options. Every one is also an `LLMGW_*` environment variable.
@@ -177,6 +185,15 @@ pub struct ServeArgs {
     /// How long a node's blocks stay in the index after its agent's stream ended (default 30s).
     #[arg(long, env = "LLMGW_FEED_GRACE", value_parser = parse_duration)]
     pub feed_grace: Option<Duration>,
+    /// PEM certificate (chain) of the feed port: serve the feed over TLS (needs --feed-tls-key).
+    #[arg(long, env = "LLMGW_FEED_TLS_CERT")]
+    pub feed_tls_cert: Option<PathBuf>,
+    /// PEM private key of --feed-tls-cert.
+    #[arg(long, env = "LLMGW_FEED_TLS_KEY")]
+    pub feed_tls_key: Option<PathBuf>,
+    /// PEM CA bundle: require every agent to present a client certificate it signed (mTLS).
+    #[arg(long, env = "LLMGW_FEED_TLS_CLIENT_CA")]
+    pub feed_tls_client_ca: Option<PathBuf>,
 }
 
 /// The configuration file. Every field is optional.
@@ -216,6 +233,9 @@ pub struct FileConfig {
     pub feed_token_file: Option<PathBuf>,
     #[serde(default, deserialize_with = "opt_duration")]
     pub feed_grace: Option<Duration>,
+    pub feed_tls_cert: Option<PathBuf>,
+    pub feed_tls_key: Option<PathBuf>,
+    pub feed_tls_client_ca: Option<PathBuf>,
 }
 
 /// One replica in the file.
@@ -258,6 +278,8 @@ pub struct Settings {
     /// The shared token of agents; `None` accepts any.
     pub feed_token: Option<String>,
     pub feed_grace: Duration,
+    /// TLS on the feed port (`None`: plain text).
+    pub feed_tls: Option<FeedTlsPaths>,
 }
 
 impl Settings {
@@ -307,6 +329,7 @@ impl Settings {
             ),
             (None, None) => None,
         };
+        let feed_tls = resolve_feed_tls(args, &file)?;
         let settings = Settings {
             grpc_addr: args
                 .grpc_addr
@@ -393,6 +416,7 @@ impl Settings {
                 .feed_grace
                 .or(file.feed_grace)
                 .unwrap_or(Duration::from_secs(30)),
+            feed_tls,
         };
         for (name, value) in [
             ("health_interval", settings.health_interval),
@@ -405,6 +429,34 @@ impl Settings {
             }
         }
         Ok(settings)
+    }
+}
+
+/// The feed's certificate, key and client CA: each flag over the file's key.
+fn resolve_feed_tls(
+    args: &ServeArgs,
+    file: &FileConfig,
+) -> Result<Option<FeedTlsPaths>, ConfigError> {
+    let pick = |flag: &Option<PathBuf>, key: &Option<PathBuf>| flag.clone().or(key.clone());
+    let cert = pick(&args.feed_tls_cert, &file.feed_tls_cert);
+    let key = pick(&args.feed_tls_key, &file.feed_tls_key);
+    let client_ca = pick(&args.feed_tls_client_ca, &file.feed_tls_client_ca);
+    match (cert, key) {
+        (Some(cert), Some(key)) => Ok(Some(FeedTlsPaths {
+            cert,
+            key,
+            client_ca,
+        })),
+        (Some(_), None) => Err(ConfigError::FeedTls(
+            "a certificate needs its key (--feed-tls-key)",
+        )),
+        (None, Some(_)) => Err(ConfigError::FeedTls(
+            "a key needs its certificate (--feed-tls-cert)",
+        )),
+        (None, None) if client_ca.is_some() => Err(ConfigError::FeedTls(
+            "a client CA needs the feed's own certificate and key (--feed-tls-cert, --feed-tls-key)",
+        )),
+        (None, None) => Ok(None),
     }
 }
 

@@ -162,3 +162,45 @@ fn models_and_precise_settings_from_file_and_flags() {
     let err = Settings::resolve(&unreproducible).unwrap_err().to_string();
     assert!(err.contains("seed"), "{err}");
 }
+
+#[test]
+fn feed_tls_paths_come_from_flags_over_the_file_and_must_be_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_file(
+        &dir,
+        "feed_tls_cert: /file/cert.pem\nfeed_tls_key: /file/key.pem\nfeed_tls_client_ca: /file/ca.pem\n",
+    );
+    let args = ServeArgs {
+        config: Some(path),
+        feed_tls_cert: Some("/flag/cert.pem".into()),
+        ..ServeArgs::default()
+    };
+    let tls = Settings::resolve(&args).unwrap().feed_tls.unwrap();
+    assert_eq!(tls.cert, PathBuf::from("/flag/cert.pem"));
+    assert_eq!(tls.key, PathBuf::from("/file/key.pem"));
+    assert_eq!(tls.client_ca, Some(PathBuf::from("/file/ca.pem")));
+
+    assert!(
+        Settings::resolve(&ServeArgs::default())
+            .unwrap()
+            .feed_tls
+            .is_none()
+    );
+    for args in [
+        ServeArgs {
+            feed_tls_cert: Some("c".into()),
+            ..ServeArgs::default()
+        },
+        ServeArgs {
+            feed_tls_key: Some("k".into()),
+            ..ServeArgs::default()
+        },
+        ServeArgs {
+            feed_tls_client_ca: Some("ca".into()),
+            ..ServeArgs::default()
+        },
+    ] {
+        let err = Settings::resolve(&args).unwrap_err();
+        assert!(matches!(err, ConfigError::FeedTls(_)), "{err}");
+    }
+}

@@ -3,6 +3,8 @@
 //! index through [`KvEventSink`].
 //!
 //! Rules enforced here:
+//! * with TLS configured ([`FeedService::with_tls`]), every connection is TLS, and with a
+//!   client CA every agent must present a certificate that CA signed (see [`tls`]);
 //! * the agent presents the shared token (`authorization: Bearer …`) when one is configured;
 //! * a node may only report replicas configured on it ([`FeedConfig::nodes`]); others are
 //!   refused (a `Refused` message, a metric and a log line) and their changes ignored;
@@ -22,6 +24,7 @@
 
 #[cfg(test)]
 mod tests;
+pub mod tls;
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -72,6 +75,8 @@ pub struct FeedMetrics {
     pub refused: Counter,
     pub out_of_order: Counter,
     pub nodes_expired: Counter,
+    /// TLS handshakes refused, by reason (no client certificate, bad certificate, not TLS…).
+    pub tls_refused: tls::TlsRefusals,
 }
 
 impl FeedMetrics {
@@ -98,6 +103,11 @@ impl FeedMetrics {
             "nodes_expired",
             "Nodes dropped after their grace period",
             self.nodes_expired.clone(),
+        );
+        r.register(
+            "tls_refused",
+            "TLS handshakes refused on the feed port, by reason",
+            self.tls_refused.clone(),
         );
     }
 }
@@ -135,6 +145,8 @@ pub struct FeedService {
     /// The router's own hash settings per model: an engine reporting others is refused, since
     /// its blocks could never match the hashes the router computes.
     expected: Arc<HashMap<String, HashSettings>>,
+    /// TLS on the feed port; `None` serves plain text.
+    tls: Option<tls::FeedTls>,
     pub metrics: FeedMetrics,
 }
 
@@ -144,6 +156,19 @@ fn medium_of(m: i32) -> Medium {
     } else {
         Medium::from_vllm(Some("offloaded"))
     }
+}
+
+/// Why the feed server stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum FeedServeError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("feed server failed: {0}")]
+    Grpc(#[source] tonic::transport::Error),
 }
 
 /// A delta out of sequence: the stream must restart from snapshots.
@@ -157,8 +182,15 @@ impl FeedService {
             state: Arc::default(),
             stop: Arc::new(tokio::sync::watch::channel(false).0),
             expected: Arc::default(),
+            tls: None,
             metrics: FeedMetrics::default(),
         }
+    }
+
+    /// Serves TLS (mutual TLS when `tls` has a client CA) instead of plain text.
+    pub fn with_tls(mut self, tls: Option<tls::FeedTls>) -> Self {
+        self.tls = tls;
+        self
     }
 
     /// Checks each engine's reported hash settings against the router's for its model.
@@ -211,29 +243,38 @@ impl FeedService {
     }
 
     /// Serves the feed on `addr` until the server fails; also runs the reaper.
-    pub async fn serve(self, addr: SocketAddr) -> Result<(), tonic::transport::Error> {
-        let reaper = tokio::spawn(self.clone().reap_forever());
-        let result = tonic::transport::Server::builder()
-            .add_service(FeedServer::new(self))
-            .serve(addr)
-            .await;
-        reaper.abort();
-        result
+    pub async fn serve(self, addr: SocketAddr) -> Result<(), FeedServeError> {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| FeedServeError::Bind { addr, source })?;
+        self.serve_with_listener(listener).await
     }
 
-    /// Serves on an already-bound listener (tests bind 127.0.0.1:0).
+    /// Serves on an already-bound listener (tests bind 127.0.0.1:0), with TLS when configured.
     pub async fn serve_with_listener(
         self,
         listener: tokio::net::TcpListener,
-    ) -> Result<(), tonic::transport::Error> {
+    ) -> Result<(), FeedServeError> {
         let reaper = tokio::spawn(self.clone().reap_forever());
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-        let result = tonic::transport::Server::builder()
-            .add_service(FeedServer::new(self))
-            .serve_with_incoming(incoming)
-            .await;
+        let tls = self.tls.clone();
+        let refused = self.metrics.tls_refused.clone();
+        let server = tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .add_service(FeedServer::new(self));
+        let result = match tls {
+            Some(tls) => {
+                server
+                    .serve_with_incoming(tls::TlsIncoming::new(listener, tls, refused))
+                    .await
+            }
+            None => {
+                server
+                    .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+                    .await
+            }
+        };
         reaper.abort();
-        result
+        result.map_err(FeedServeError::Grpc)
     }
 
     async fn reap_forever(self) {

@@ -1,0 +1,260 @@
+//! Optional TLS (and mutual TLS) on the feed port, with rustls and ring.
+//!
+//! The router terminates TLS itself rather than through tonic's `ServerTlsConfig`, so that a
+//! refused handshake (no client certificate, one from another CA, a plain-text agent) is
+//! logged with the peer's address and counted in `llmgw_feed_tls_refused_total{reason}`;
+//! tonic would drop it at debug level. The streams handed to tonic are ordinary
+//! `tokio_rustls` server streams, so the service sees nothing different.
+//!
+//! # Concurrency model
+//! One accept task owns the listener; each handshake runs in its own task (bounded by
+//! [`HANDSHAKE_TIMEOUT`]) so a slow or silent client never holds up the others; finished
+//! streams reach tonic through a channel. Dropping the [`TlsIncoming`] stream ends both.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures::Stream;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use thiserror::Error;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio_rustls::rustls::server::WebPkiClientVerifier;
+use tokio_rustls::server::TlsStream;
+
+/// How long a client may take to complete its handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Where the feed's certificate, key and (for mutual TLS) client CA live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FeedTlsPaths {
+    /// PEM certificate chain presented to agents.
+    pub cert: PathBuf,
+    /// PEM private key of `cert`.
+    pub key: PathBuf,
+    /// PEM CA bundle: when given, every agent must present a certificate it signed.
+    pub client_ca: Option<PathBuf>,
+}
+
+/// Errors setting TLS up (all at start-up).
+#[derive(Debug, Error)]
+pub enum FeedTlsError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{what}: {why}")]
+    Pem { what: &'static str, why: String },
+    #[error("client CA: {0}")]
+    ClientCa(#[from] rustls::server::VerifierBuilderError),
+    #[error("certificate and key: {0}")]
+    Rustls(#[from] rustls::Error),
+}
+
+/// A ready TLS acceptor for the feed.
+#[derive(Clone)]
+pub struct FeedTls {
+    acceptor: TlsAcceptor,
+    client_auth: bool,
+}
+
+impl std::fmt::Debug for FeedTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FeedTls")
+            .field("client_auth", &self.client_auth)
+            .finish_non_exhaustive()
+    }
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, FeedTlsError> {
+    std::fs::read(path).map_err(|source| FeedTlsError::Read {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn certs(pem: &[u8], what: &'static str) -> Result<Vec<CertificateDer<'static>>, FeedTlsError> {
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| FeedTlsError::Pem {
+            what,
+            why: e.to_string(),
+        })?;
+    if certs.is_empty() {
+        return Err(FeedTlsError::Pem {
+            what,
+            why: "no PEM certificate found".into(),
+        });
+    }
+    Ok(certs)
+}
+
+impl FeedTls {
+    /// Reads the files named in `paths`.
+    pub fn load(paths: &FeedTlsPaths) -> Result<FeedTls, FeedTlsError> {
+        let ca = paths.client_ca.as_deref().map(read).transpose()?;
+        FeedTls::from_pem(&read(&paths.cert)?, &read(&paths.key)?, ca.as_deref())
+    }
+
+    /// From PEM text: the server's chain and key, and optionally the CA that signs agents'
+    /// certificates (then a client certificate is required).
+    pub fn from_pem(
+        cert: &[u8],
+        key: &[u8],
+        client_ca: Option<&[u8]>,
+    ) -> Result<FeedTls, FeedTlsError> {
+        let chain = certs(cert, "feed certificate")?;
+        let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| FeedTlsError::Pem {
+            what: "feed key",
+            why: e.to_string(),
+        })?;
+        let builder = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()?;
+        let builder = match client_ca {
+            None => builder.with_no_client_auth(),
+            Some(pem) => {
+                let mut roots = rustls::RootCertStore::empty();
+                for ca in certs(pem, "client CA")? {
+                    roots.add(ca)?;
+                }
+                let verifier = WebPkiClientVerifier::builder_with_provider(
+                    Arc::new(roots),
+                    Arc::new(rustls::crypto::ring::default_provider()),
+                )
+                .build()?;
+                builder.with_client_cert_verifier(verifier)
+            }
+        };
+        let mut config = builder.with_single_cert(chain, key)?;
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(FeedTls {
+            acceptor: TlsAcceptor::from(Arc::new(config)),
+            client_auth: client_ca.is_some(),
+        })
+    }
+
+    /// Whether agents must present a certificate.
+    pub fn requires_client_cert(&self) -> bool {
+        self.client_auth
+    }
+}
+
+/// Why a handshake was refused (the `reason` label).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TlsRefusal {
+    pub reason: &'static str,
+}
+
+/// Counts of refused handshakes by reason.
+pub type TlsRefusals = Family<TlsRefusal, Counter>;
+
+/// A short reason for a failed handshake, for the metric and the log line.
+pub fn refusal_reason(error: &io::Error) -> &'static str {
+    if error.kind() == io::ErrorKind::TimedOut {
+        return "timeout";
+    }
+    match error
+        .get_ref()
+        .and_then(|e| e.downcast_ref::<rustls::Error>())
+    {
+        Some(rustls::Error::NoCertificatesPresented) => "no_client_cert",
+        Some(rustls::Error::InvalidCertificate(_)) => "bad_client_cert",
+        Some(rustls::Error::InvalidMessage(_) | rustls::Error::InappropriateMessage { .. }) => {
+            "not_tls"
+        }
+        Some(rustls::Error::AlertReceived(_)) => "client_alert",
+        Some(_) => "tls_error",
+        None => "io_error",
+    }
+}
+
+/// TLS streams accepted on a listener, as tonic's `serve_with_incoming` takes them.
+pub struct TlsIncoming {
+    rx: mpsc::Receiver<TlsStream<TcpStream>>,
+    accept: JoinHandle<()>,
+}
+
+impl Drop for TlsIncoming {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+impl Stream for TlsIncoming {
+    type Item = Result<TlsStream<TcpStream>, io::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.rx.poll_recv(cx).map(|s| s.map(Ok))
+    }
+}
+
+impl TlsIncoming {
+    /// Accepts on `listener`, handshakes with `tls`, counts refusals in `refused`.
+    pub fn new(listener: TcpListener, tls: FeedTls, refused: TlsRefusals) -> TlsIncoming {
+        let (tx, rx) = mpsc::channel(64);
+        let accept = tokio::spawn(accept_loop(listener, tls, refused, tx));
+        TlsIncoming { rx, accept }
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    tls: FeedTls,
+    refused: TlsRefusals,
+    tx: mpsc::Sender<TlsStream<TcpStream>>,
+) {
+    let mut handshakes = tokio::task::JoinSet::new();
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            // Reap finished handshakes so the set does not grow.
+            Some(_) = handshakes.join_next(), if !handshakes.is_empty() => continue,
+        };
+        let (tcp, peer) = match accepted {
+            Ok(a) => a,
+            Err(error) => {
+                // Out of descriptors and the like: back off briefly rather than spin.
+                tracing::warn!(%error, "feed: accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        if tx.is_closed() {
+            return;
+        }
+        let _ = tcp.set_nodelay(true);
+        let acceptor = tls.acceptor.clone();
+        let tx = tx.clone();
+        let refused = refused.clone();
+        handshakes.spawn(async move {
+            let result = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp))
+                .await
+                .unwrap_or_else(|_| Err(io::Error::from(io::ErrorKind::TimedOut)));
+            match result {
+                Ok(stream) => {
+                    let _ = tx.send(stream).await;
+                }
+                Err(error) => {
+                    let reason = refusal_reason(&error);
+                    refused.get_or_create(&TlsRefusal { reason }).inc();
+                    tracing::warn!(%peer, reason, %error, "feed: TLS handshake refused");
+                }
+            }
+        });
+    }
+}
