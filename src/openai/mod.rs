@@ -1,22 +1,26 @@
 //! Understanding an OpenAI-style request body: only what routing (and, later, tokenization)
 //! needs.
 //!
-//! The body is parsed once into [`ParsedRequest`]. Large sub-trees the router does not inspect
-//! itself (chat `messages`, `tools`, `chat_template_kwargs`) are kept as raw JSON slices
-//! ([`RawValue`]) so that a tokenizer can forward them byte for byte without re-serializing;
-//! every other field is skipped without being materialized. A text prompt is kept the same way
-//! ([`PromptText`]) and decoded into a `String` only on first use: load-based routing never
-//! needs its characters, and decoding a megabyte of escaped JSON costs milliseconds, skipping it
-//! a fraction of that.
+//! The body is walked once by a validating skimmer ([`skim`]) that checks it is JSON and finds
+//! the top-level members without building values: a megabyte prompt is crossed sixteen bytes per
+//! step instead of being parsed. The few small fields routing reads (`model`, `cache_salt`,
+//! `stream`, ...) are then read with `serde_json`. Large values the router does not inspect
+//! itself (chat `messages`, `tools`, `chat_template_kwargs`) are kept verbatim as [`RawJson`], so
+//! that a tokenizer can forward them byte for byte. A text prompt is kept the same way
+//! ([`PromptText`]) and decoded into a `String` only on first use: load-based routing never needs
+//! its characters. Token-id prompts are read into integers in the same single pass.
 //!
 //! Pure functions, no shared state: safe to call from any task. A [`PromptText`] decodes at
 //! most once, thread-safely ([`OnceLock`]).
 
+mod skim;
+
+use std::borrow::Cow;
 use std::sync::OnceLock;
 
-use serde::Deserialize;
-use serde_json::value::RawValue;
 use thiserror::Error;
+
+pub use skim::SkimError;
 
 /// Which OpenAI endpoint a request was sent to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,11 +61,39 @@ pub enum Prompt {
     TokenIds(Vec<u32>),
 }
 
+/// A JSON value exactly as the client sent it (the parser checked it is well-formed): forwarded
+/// byte for byte, never re-encoded.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RawJson(Box<str>);
+
+impl RawJson {
+    /// The JSON text.
+    pub fn get(&self) -> &str {
+        &self.0
+    }
+
+    /// `text` must be well-formed JSON (the parser checked it).
+    fn from_checked(text: &str) -> RawJson {
+        RawJson(text.into())
+    }
+}
+
+impl std::fmt::Debug for RawJson {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Values can be megabytes: show the start only.
+        const SHOWN: usize = 64;
+        match self.0.char_indices().nth(SHOWN) {
+            Some((cut, _)) => write!(f, "RawJson({}… {} bytes)", &self.0[..cut], self.0.len()),
+            None => write!(f, "RawJson({})", self.0),
+        }
+    }
+}
+
 /// A text prompt: its JSON string literal as sent, decoded on first use. Dereferences to the
 /// decoded `str`.
 #[derive(Clone)]
 pub struct PromptText {
-    raw: Box<RawValue>,
+    raw: RawJson,
     decoded: OnceLock<String>,
 }
 
@@ -69,8 +101,8 @@ impl PromptText {
     /// A prompt from already decoded text.
     pub fn new(text: impl Into<String>) -> PromptText {
         let text = text.into();
-        let raw =
-            serde_json::value::to_raw_value(&text).unwrap_or_else(|_| RawValue::NULL.to_owned());
+        // Serializing a string cannot fail.
+        let raw = RawJson(serde_json::to_string(&text).unwrap_or_default().into());
         PromptText {
             raw,
             decoded: OnceLock::from(text),
@@ -78,7 +110,7 @@ impl PromptText {
     }
 
     /// `raw` must be a JSON string literal (the parser checked it).
-    fn from_raw(raw: Box<RawValue>) -> PromptText {
+    fn from_raw(raw: RawJson) -> PromptText {
         PromptText {
             raw,
             decoded: OnceLock::new(),
@@ -102,7 +134,7 @@ impl PromptText {
 
     /// The JSON string literal as the client sent it, quotes included: forward it (to a
     /// tokenizer) without decoding and re-encoding.
-    pub fn raw_json(&self) -> &RawValue {
+    pub fn raw_json(&self) -> &RawJson {
         &self.raw
     }
 }
@@ -135,11 +167,11 @@ impl std::fmt::Debug for PromptText {
 #[derive(Debug, Clone)]
 pub struct ChatInput {
     /// The `messages` array, verbatim.
-    pub messages: Box<RawValue>,
+    pub messages: RawJson,
     /// The `tools` array, verbatim, when present.
-    pub tools: Option<Box<RawValue>>,
+    pub tools: Option<RawJson>,
     /// `chat_template_kwargs`, verbatim, when present.
-    pub chat_template_kwargs: Option<Box<RawValue>>,
+    pub chat_template_kwargs: Option<RawJson>,
     /// vLLM's `add_generation_prompt` (its default is `true`).
     pub add_generation_prompt: Option<bool>,
     /// vLLM's `continue_final_message`.
@@ -170,7 +202,15 @@ pub struct ParsedRequest {
 #[derive(Debug, Error)]
 pub enum ParseError {
     #[error("request body is not valid JSON: {0}")]
-    InvalidJson(#[source] serde_json::Error),
+    InvalidJson(#[source] SkimError),
+    #[error("\"{field}\" is invalid: {source}")]
+    InvalidField {
+        field: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("request body has \"{0}\" more than once")]
+    DuplicateField(&'static str),
     #[error("request body has no \"model\"")]
     MissingModel,
     #[error("request body has no \"prompt\"")]
@@ -183,52 +223,134 @@ pub enum ParseError {
     InvalidMessages,
 }
 
-/// The fields routing reads; everything else is skipped by serde without allocation.
-#[derive(Deserialize)]
-struct WireRequest<'a> {
-    #[serde(default)]
-    model: Option<String>,
-    #[serde(default, borrow)]
-    prompt: Option<&'a RawValue>,
-    #[serde(default)]
-    messages: Option<Box<RawValue>>,
-    #[serde(default)]
-    tools: Option<Box<RawValue>>,
-    #[serde(default)]
-    chat_template_kwargs: Option<Box<RawValue>>,
-    #[serde(default)]
-    add_generation_prompt: Option<bool>,
-    #[serde(default)]
-    continue_final_message: Option<bool>,
-    #[serde(default)]
-    cache_salt: Option<String>,
-    #[serde(default)]
-    stream: Option<bool>,
+impl From<SkimError> for ParseError {
+    fn from(error: SkimError) -> Self {
+        ParseError::InvalidJson(error)
+    }
+}
+
+/// A `prompt` as found: token ids are read during the walk, anything else kept as text.
+enum PromptField<'a> {
+    TokenIds(Vec<u32>),
+    Json(&'a str),
+}
+
+/// The members routing reads, as raw JSON slices of the body; every other member is skipped.
+#[derive(Default)]
+struct Members<'a> {
+    model: Option<&'a str>,
+    prompt: Option<PromptField<'a>>,
+    messages: Option<&'a str>,
+    tools: Option<&'a str>,
+    chat_template_kwargs: Option<&'a str>,
+    add_generation_prompt: Option<&'a str>,
+    continue_final_message: Option<&'a str>,
+    cache_salt: Option<&'a str>,
+    stream: Option<&'a str>,
+}
+
+impl<'a> Members<'a> {
+    /// Records the member `key` whose value starts at `start`; returns where the value ends.
+    fn read(
+        &mut self,
+        body: &'a str,
+        key: Cow<'_, str>,
+        start: usize,
+    ) -> Result<usize, ParseError> {
+        let bytes = body.as_bytes();
+        let (name, slot) = match &*key {
+            "prompt" => {
+                if self.prompt.is_some() {
+                    return Err(ParseError::DuplicateField("prompt"));
+                }
+                if let Some((ids, end)) = token_id_array(bytes, start) {
+                    self.prompt = Some(PromptField::TokenIds(ids));
+                    return Ok(end);
+                }
+                let end = skim::value_end(bytes, start)?;
+                self.prompt = Some(PromptField::Json(&body[start..end]));
+                return Ok(end);
+            }
+            "model" => ("model", &mut self.model),
+            "messages" => ("messages", &mut self.messages),
+            "tools" => ("tools", &mut self.tools),
+            "chat_template_kwargs" => ("chat_template_kwargs", &mut self.chat_template_kwargs),
+            "add_generation_prompt" => ("add_generation_prompt", &mut self.add_generation_prompt),
+            "continue_final_message" => {
+                ("continue_final_message", &mut self.continue_final_message)
+            }
+            "cache_salt" => ("cache_salt", &mut self.cache_salt),
+            "stream" => ("stream", &mut self.stream),
+            _ => return Ok(skim::value_end(bytes, start)?),
+        };
+        if slot.is_some() {
+            return Err(ParseError::DuplicateField(name));
+        }
+        let end = skim::value_end(bytes, start)?;
+        *slot = Some(&body[start..end]);
+        Ok(end)
+    }
+}
+
+/// Reads a small member (`null` counts as absent) with serde.
+fn field<'de, T: serde::Deserialize<'de>>(
+    name: &'static str,
+    raw: Option<&'de str>,
+) -> Result<Option<T>, ParseError> {
+    match raw {
+        None => Ok(None),
+        Some(raw) => {
+            serde_json::from_str::<Option<T>>(raw).map_err(|source| ParseError::InvalidField {
+                field: name,
+                source,
+            })
+        }
+    }
+}
+
+/// A verbatim member, `null` counting as absent.
+fn raw_member(raw: Option<&str>) -> Option<RawJson> {
+    raw.filter(|r| *r != "null").map(RawJson::from_checked)
 }
 
 /// Parses a request body sent to `kind`'s endpoint.
 pub fn parse_request(kind: EndpointKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
-    let wire: WireRequest<'_> = serde_json::from_slice(body).map_err(ParseError::InvalidJson)?;
-    let model = wire
-        .model
+    let text = simdutf8::compat::from_utf8(body).map_err(|e| {
+        ParseError::InvalidJson(SkimError {
+            offset: e.valid_up_to(),
+            what: "invalid UTF-8",
+        })
+    })?;
+    let mut members = Members::default();
+    skim::walk_object(body, |key, start| members.read(text, key, start))?;
+
+    let model = field::<String>("model", members.model)?
         .filter(|m| !m.is_empty())
         .ok_or(ParseError::MissingModel)?;
     let input = match kind {
-        EndpointKind::Completions => {
-            let raw = wire.prompt.ok_or(ParseError::MissingPrompt)?;
-            RequestInput::Completion(parse_prompt(raw)?)
-        }
+        EndpointKind::Completions => match members.prompt {
+            None => return Err(ParseError::MissingPrompt),
+            Some(PromptField::TokenIds(ids)) => RequestInput::Completion(Prompt::TokenIds(ids)),
+            Some(PromptField::Json("null")) => return Err(ParseError::MissingPrompt),
+            Some(PromptField::Json(raw)) => RequestInput::Completion(parse_prompt(raw)?),
+        },
         EndpointKind::ChatCompletions => {
-            let messages = wire.messages.ok_or(ParseError::MissingMessages)?;
-            if !messages.get().trim_start().starts_with('[') {
+            let messages = raw_member(members.messages).ok_or(ParseError::MissingMessages)?;
+            if !messages.get().starts_with('[') {
                 return Err(ParseError::InvalidMessages);
             }
             RequestInput::Chat(ChatInput {
                 messages,
-                tools: wire.tools.filter(|t| t.get() != "null"),
-                chat_template_kwargs: wire.chat_template_kwargs.filter(|k| k.get() != "null"),
-                add_generation_prompt: wire.add_generation_prompt,
-                continue_final_message: wire.continue_final_message,
+                tools: raw_member(members.tools),
+                chat_template_kwargs: raw_member(members.chat_template_kwargs),
+                add_generation_prompt: field(
+                    "add_generation_prompt",
+                    members.add_generation_prompt,
+                )?,
+                continue_final_message: field(
+                    "continue_final_message",
+                    members.continue_final_message,
+                )?,
             })
         }
     };
@@ -236,36 +358,40 @@ pub fn parse_request(kind: EndpointKind, body: &[u8]) -> Result<ParsedRequest, P
         kind,
         model,
         input,
-        cache_salt: wire.cache_salt,
-        stream: wire.stream.unwrap_or(false),
+        cache_salt: field("cache_salt", members.cache_salt)?,
+        stream: field("stream", members.stream)?.unwrap_or(false),
     })
 }
 
-/// Decodes `prompt` by looking at its first bytes instead of trying each shape in turn (serde's
-/// untagged enums would buffer a copy of a megabyte prompt first).
-fn parse_prompt(raw: &RawValue) -> Result<Prompt, ParseError> {
-    let text = raw.get();
+/// Decodes a `prompt` that is not a plain token-id array (those are read during the walk): a
+/// string, or a batch of strings or of token-id arrays. `raw` is well-formed JSON.
+fn parse_prompt(raw: &str) -> Result<Prompt, ParseError> {
     let invalid = |_| ParseError::InvalidPrompt;
-    match first_byte(text) {
-        Some(b'"') => Ok(Prompt::Text(PromptText::from_raw(raw.to_owned()))),
-        Some(b'[') => match first_byte(&text[1..]) {
+    match raw.as_bytes().first() {
+        Some(b'"') => Ok(Prompt::Text(PromptText::from_raw(RawJson::from_checked(
+            raw,
+        )))),
+        Some(b'[') => match first_byte(&raw[1..]) {
             Some(b'"') => {
-                let batch: Vec<&RawValue> = serde_json::from_str(text).map_err(invalid)?;
+                let batch: Vec<&serde_json::value::RawValue> =
+                    serde_json::from_str(raw).map_err(invalid)?;
                 if !batch.iter().all(|item| item.get().starts_with('"')) {
                     return Err(ParseError::InvalidPrompt);
                 }
                 let first = batch.first().ok_or(ParseError::InvalidPrompt)?;
-                Ok(Prompt::Text(PromptText::from_raw((*first).to_owned())))
+                Ok(Prompt::Text(PromptText::from_raw(RawJson::from_checked(
+                    first.get(),
+                ))))
             }
             Some(b'[') => {
-                let batch: Vec<Vec<u32>> = serde_json::from_str(text).map_err(invalid)?;
+                let batch: Vec<Vec<u32>> = serde_json::from_str(raw).map_err(invalid)?;
                 batch
                     .into_iter()
                     .next()
                     .map(Prompt::TokenIds)
                     .ok_or(ParseError::InvalidPrompt)
             }
-            _ => token_ids(text)
+            _ => token_ids(raw)
                 .map(Prompt::TokenIds)
                 .ok_or(ParseError::InvalidPrompt),
         },
@@ -273,31 +399,55 @@ fn parse_prompt(raw: &RawValue) -> Result<Prompt, ParseError> {
     }
 }
 
-/// A JSON array of unsigned 32-bit integers, read in one pass (serde's generic path costs ~50 ns
-/// per id; prompts carry tens of thousands). `None` for anything else: fractions, exponents,
-/// signs, leading zeros, overflow, trailing garbage.
+/// A whole text (whitespace around it aside) that is one JSON array of unsigned 32-bit integers.
 fn token_ids(text: &str) -> Option<Vec<u32>> {
     let bytes = text.trim_ascii().as_bytes();
-    let inner = bytes.strip_prefix(b"[")?.strip_suffix(b"]")?;
-    let mut ids = Vec::with_capacity(inner.len() / 4);
-    if inner.trim_ascii().is_empty() {
-        return Some(ids);
+    token_id_array(bytes, 0)
+        .filter(|(_, end)| *end == bytes.len())
+        .map(|(ids, _)| ids)
+}
+
+/// The JSON array of unsigned 32-bit integers starting at `start`, read in one pass, and the
+/// offset just past it (serde's generic path costs ~50 ns per id; prompts carry tens of
+/// thousands). `None` for anything else: fractions, exponents, signs, leading zeros, overflow,
+/// other values; the caller falls back to the general path for those.
+fn token_id_array(body: &[u8], start: usize) -> Option<(Vec<u32>, usize)> {
+    if body.get(start) != Some(&b'[') {
+        return None;
     }
-    for item in inner.split(|&b| b == b',') {
-        let digits = item.trim_ascii();
-        if digits.is_empty()
-            || digits.len() > 10
-            || (digits.len() > 1 && digits[0] == b'0')
-            || !digits.iter().all(u8::is_ascii_digit)
-        {
+    let mut pos = skim::skip_whitespace(body, start + 1);
+    let mut ids = Vec::new();
+    if body.get(pos) == Some(&b']') {
+        return Some((ids, pos + 1));
+    }
+    if !body.get(pos).is_some_and(u8::is_ascii_digit) {
+        return None;
+    }
+    // A guess at the count from the bytes left (ids of a few digits, a comma and maybe a space)
+    // saves most regrowth.
+    ids.reserve((body.len() - pos).min(1 << 24) / 8);
+    loop {
+        let digits_start = pos;
+        let mut value: u64 = 0;
+        while let Some(&d @ b'0'..=b'9') = body.get(pos) {
+            value = value * 10 + u64::from(d - b'0');
+            pos += 1;
+            if pos - digits_start > 10 {
+                return None;
+            }
+        }
+        let len = pos - digits_start;
+        if len == 0 || (len > 1 && body[digits_start] == b'0') {
             return None;
         }
-        let value = digits
-            .iter()
-            .fold(0u64, |acc, &d| acc * 10 + u64::from(d - b'0'));
         ids.push(u32::try_from(value).ok()?);
+        pos = skim::skip_whitespace(body, pos);
+        match body.get(pos) {
+            Some(b',') => pos = skim::skip_whitespace(body, pos + 1),
+            Some(b']') => return Some((ids, pos + 1)),
+            _ => return None,
+        }
     }
-    Some(ids)
 }
 
 fn first_byte(text: &str) -> Option<u8> {

@@ -23,8 +23,7 @@ use std::time::Duration;
 
 use lru::LruCache;
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
-use serde_json::value::RawValue;
+use serde::Deserialize;
 
 use crate::openai::{ParsedRequest, Prompt, RequestInput};
 
@@ -122,24 +121,66 @@ impl TokenCache {
     }
 }
 
-/// The body of a `/tokenize` call, borrowing the request's raw JSON.
-#[derive(Serialize)]
-#[serde(untagged)]
-enum TokenizeBody<'a> {
-    Prompt {
-        model: &'a str,
-        prompt: &'a str,
-    },
-    Chat {
-        model: &'a str,
-        messages: &'a RawValue,
-        #[serde(skip_serializing_if = "Option::is_none")]
-        tools: Option<&'a RawValue>,
-        #[serde(skip_serializing_if = "Option::is_none")]
-        chat_template_kwargs: Option<&'a RawValue>,
-        add_generation_prompt: bool,
-        continue_final_message: bool,
-    },
+/// The body of a `/tokenize` call, written by hand so that the request's raw JSON (a prompt
+/// literal, chat messages, tools) is forwarded byte for byte instead of decoded and re-encoded.
+fn tokenize_body(request: &ParsedRequest) -> Vec<u8> {
+    let raw_size = match &request.input {
+        RequestInput::Completion(Prompt::Text(text)) => text.raw_json().get().len(),
+        RequestInput::Completion(Prompt::TokenIds(_)) => 0,
+        RequestInput::Chat(chat) => {
+            chat.messages.get().len()
+                + chat.tools.as_ref().map_or(0, |t| t.get().len())
+                + chat
+                    .chat_template_kwargs
+                    .as_ref()
+                    .map_or(0, |k| k.get().len())
+        }
+    };
+    let mut body = Vec::with_capacity(raw_size + request.model.len() + 160);
+    body.extend_from_slice(b"{\"model\":");
+    json_string(&mut body, &request.model);
+    match &request.input {
+        RequestInput::Completion(Prompt::Text(text)) => {
+            member(&mut body, "prompt", text.raw_json().get());
+        }
+        // Token-id prompts never reach /tokenize.
+        RequestInput::Completion(Prompt::TokenIds(_)) => {}
+        RequestInput::Chat(chat) => {
+            member(&mut body, "messages", chat.messages.get());
+            if let Some(tools) = &chat.tools {
+                member(&mut body, "tools", tools.get());
+            }
+            if let Some(kwargs) = &chat.chat_template_kwargs {
+                member(&mut body, "chat_template_kwargs", kwargs.get());
+            }
+            let flag = |on: bool| if on { "true" } else { "false" };
+            member(
+                &mut body,
+                "add_generation_prompt",
+                flag(chat.add_generation_prompt.unwrap_or(true)),
+            );
+            member(
+                &mut body,
+                "continue_final_message",
+                flag(chat.continue_final_message.unwrap_or(false)),
+            );
+        }
+    }
+    body.push(b'}');
+    body
+}
+
+/// Appends `,"name":raw`.
+fn member(body: &mut Vec<u8>, name: &str, raw: &str) {
+    body.extend_from_slice(b",\"");
+    body.extend_from_slice(name.as_bytes());
+    body.extend_from_slice(b"\":");
+    body.extend_from_slice(raw.as_bytes());
+}
+
+fn json_string(out: &mut Vec<u8>, text: &str) {
+    // Writing a string into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut *out, text);
 }
 
 #[derive(Deserialize)]
@@ -199,7 +240,7 @@ impl Tokenizer {
         request: &ParsedRequest,
         replicas: &[&str],
     ) -> Result<Tokens, TokenizeError> {
-        let body = match &request.input {
+        match &request.input {
             RequestInput::Completion(Prompt::TokenIds(ids)) => {
                 return Ok(Arc::from(ids.as_slice()));
             }
@@ -208,24 +249,10 @@ impl Tokenizer {
             {
                 return self.tokens_locally(&request.model, text);
             }
-            RequestInput::Completion(Prompt::Text(text)) => TokenizeBody::Prompt {
-                model: &request.model,
-                prompt: text,
-            },
-            RequestInput::Chat(chat) => TokenizeBody::Chat {
-                model: &request.model,
-                messages: &chat.messages,
-                tools: chat.tools.as_deref(),
-                chat_template_kwargs: chat.chat_template_kwargs.as_deref(),
-                add_generation_prompt: chat.add_generation_prompt.unwrap_or(true),
-                continue_final_message: chat.continue_final_message.unwrap_or(false),
-            },
-        };
-        // Serialising the body once gives both the cache key and the bytes to send.
-        let body = serde_json::to_vec(&body).map_err(|e| TokenizeError::Call {
-            replica: String::new(),
-            reason: e.to_string(),
-        })?;
+            _ => {}
+        }
+        // Writing the body once gives both the cache key and the bytes to send.
+        let body = tokenize_body(request);
         let key = xxhash_rust::xxh3::xxh3_128(&body);
         if let Some(tokens) = self.cache.lock().get(key) {
             self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
