@@ -226,6 +226,14 @@ pub async fn run(cli: Cli) -> Result<(), SimError> {
         }
         let _ = out.flush();
     }
+    // TCP_NODELAY, as vLLM's uvicorn (asyncio) sets it: without it a streamed response's small
+    // writes on a kept-alive connection meet the client's delayed ACK and the first token
+    // arrives ~40 ms late.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(error) = tcp.set_nodelay(true) {
+            tracing::warn!("TCP_NODELAY on an accepted connection: {error}");
+        }
+    });
     axum::serve(listener, http::router(state))
         .await
         .map_err(SimError::Serve)
