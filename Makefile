@@ -88,3 +88,19 @@ run-stack: $(ENVOY)
 bench-overhead: $(ENVOY)
 	$(CARGO) build --release --workspace --bins
 	target/release/llmgw-bench-overhead --json target/bench-overhead.json
+
+# Routing policies side by side on the same simulated replicas and workload (Envoy random and
+# round robin, llmgw least loaded / approximate prefix / precise, vllm-router round_robin /
+# cache_aware / kv_aware) at 80 % of the measured round-robin capacity; a Markdown table in
+# target/bench-routing/report.md and the TTFT distribution in target/bench-routing/ttft.png.
+# vllm-router and matplotlib are installed into .venv; without vllm-router its rows are skipped.
+# `make bench-routing BENCH_ROUTING_ARGS="--seconds 90"` for longer runs (llmgw-bench-routing --help).
+VLLM_ROUTER_VERSION := 0.1.17
+.PHONY: bench-routing
+bench-routing: $(ENVOY)
+	$(VENV)/bin/pip install --quiet "vllm-router==$(VLLM_ROUTER_VERSION)" || \
+	  echo "vllm-router could not be installed: its policies will be skipped"
+	$(VENV)/bin/pip install --quiet matplotlib
+	$(CARGO) build --release -p llmgw -p llmgw-agent -p llmgw-integration --bins
+	target/release/llmgw-bench-routing --out-dir target/bench-routing $(BENCH_ROUTING_ARGS)
+	$(PYTHON) bench/plot_routing.py target/bench-routing/ttft.json target/bench-routing/ttft.png

@@ -2,6 +2,7 @@
 //! workspace's binaries and Envoy, picking loopback ports, and child processes that never
 //! outlive a test.
 
+pub mod routing_bench;
 pub mod sim;
 pub mod system;
 pub mod workload;

@@ -47,6 +47,9 @@ pub struct Sample {
     pub ttft: Duration,
     pub status: u16,
     pub salted: bool,
+    /// When it was sent and when its stream ended, from the workload's start.
+    pub sent_at: Duration,
+    pub done_at: Duration,
 }
 
 /// Everything measured so far (shared with a progress printer).
@@ -137,6 +140,96 @@ pub async fn run(
     }
 }
 
+/// Runs the workload open loop: conversations start at random (exponential) intervals so that,
+/// with every turn answered, `requests_per_s` requests are offered on average, whatever the
+/// replies' latency. The same `seed` starts the same conversations at the same instants, so
+/// policies compared one after another see the same traffic. Conversations stop taking turns
+/// at `config.duration`; those in flight then finish (at most `drain` longer).
+pub async fn run_open_loop(
+    base_url: String,
+    config: WorkloadConfig,
+    requests_per_s: f64,
+    seed: u64,
+    drain: Duration,
+    results: Arc<Mutex<Results>>,
+) {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(256)
+        .build()
+        .unwrap_or_default();
+    let turns = config.turns_per_conversation.max(1) as f64;
+    let mut arrivals = Arrivals::new(requests_per_s / turns, seed);
+    let config = Arc::new(config);
+    let started = Instant::now();
+    let mut conversations = tokio::task::JoinSet::new();
+    for id in 0.. {
+        let at = arrivals.next_arrival();
+        if at >= config.duration {
+            break;
+        }
+        tokio::time::sleep_until((started + at).into()).await;
+        let (client, base_url, config, results) = (
+            client.clone(),
+            base_url.clone(),
+            Arc::clone(&config),
+            Arc::clone(&results),
+        );
+        conversations.spawn(async move {
+            conversation(&client, &base_url, &config, id, &results, started).await;
+        });
+    }
+    let drained = tokio::time::timeout(drain, async {
+        while conversations.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        results.lock().errors.push(format!(
+            "{} conversations still running after the drain",
+            conversations.len()
+        ));
+        conversations.abort_all();
+    }
+}
+
+/// A Poisson arrival process from a fixed seed (SplitMix64 → exponential gaps): the same seed
+/// gives the same instants on every run.
+#[derive(Debug, Clone)]
+pub struct Arrivals {
+    state: u64,
+    rate_per_s: f64,
+    now: Duration,
+}
+
+impl Arrivals {
+    pub fn new(rate_per_s: f64, seed: u64) -> Arrivals {
+        Arrivals {
+            state: seed,
+            rate_per_s,
+            now: Duration::ZERO,
+        }
+    }
+
+    /// The next arrival, from the process's start; never (`Duration::MAX`) at a rate ≤ 0.
+    pub fn next_arrival(&mut self) -> Duration {
+        if self.rate_per_s.is_nan() || self.rate_per_s <= 0.0 {
+            return Duration::MAX;
+        }
+        // Uniform in (0, 1]: never 0, so the logarithm stays finite.
+        let uniform = ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64;
+        let gap = -uniform.ln() / self.rate_per_s;
+        self.now = self.now.saturating_add(Duration::from_secs_f64(gap));
+        self.now
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
 /// One conversation; false when the request limit was reached.
 async fn conversation(
     client: &reqwest::Client,
@@ -170,11 +263,14 @@ async fn conversation(
         if let Some(salt) = &salt {
             body["cache_salt"] = json!(salt);
         }
+        let sent_at = started.elapsed();
         match streamed_chat(client, base_url, &body).await {
             Ok((sample, reply)) => {
                 let ok = sample.status == 200;
                 results.lock().samples.push(Sample {
                     salted: salt.is_some(),
+                    sent_at,
+                    done_at: started.elapsed(),
                     ..sample
                 });
                 if !ok {
@@ -245,6 +341,8 @@ async fn streamed_chat(
             ttft: ttft.unwrap_or_else(|| sent.elapsed()),
             status,
             salted: false,
+            sent_at: Duration::ZERO,
+            done_at: Duration::ZERO,
         },
         text,
     ))
@@ -306,6 +404,21 @@ mod tests {
     }
 
     #[test]
+    fn arrivals_are_reproducible_and_average_the_rate() {
+        let mut a = Arrivals::new(20.0, 7);
+        let mut b = Arrivals::new(20.0, 7);
+        let first: Vec<Duration> = (0..2000).map(|_| a.next_arrival()).collect();
+        let second: Vec<Duration> = (0..2000).map(|_| b.next_arrival()).collect();
+        assert_eq!(first, second);
+        assert!(first.windows(2).all(|w| w[0] <= w[1]));
+        // 2000 arrivals at 20/s: about 100 s (± 10 % is many standard deviations).
+        let span = first[1999].as_secs_f64();
+        assert!((90.0..110.0).contains(&span), "span {span}");
+        assert_ne!(Arrivals::new(20.0, 8).next_arrival(), first[0]);
+        assert_eq!(Arrivals::new(0.0, 7).next_arrival(), Duration::MAX);
+    }
+
+    #[test]
     fn percentiles_of_successful_requests() {
         let results = Results {
             samples: (1..=10)
@@ -314,6 +427,8 @@ mod tests {
                     ttft: Duration::from_millis(ms),
                     status: if ms == 10 { 500 } else { 200 },
                     salted: false,
+                    sent_at: Duration::ZERO,
+                    done_at: Duration::from_millis(ms),
                 })
                 .collect(),
             errors: Vec::new(),

@@ -1,0 +1,698 @@
+//! `make bench-routing`: routing policies side by side on the same simulated replicas and the
+//! same workload, one after another in one run.
+//!
+//! The `llmgw-sim` replicas (latency model on, small KV caches) start once and serve every
+//! policy; their prefix caches are reset before each. Policies: Envoy's own `RANDOM` and
+//! `ROUND_ROBIN`; llmgw with load scorers only, with the approximate prefix tree only, and
+//! precise (KV index fed by llmgw-agent); and the `vllm-router` peer (its own HTTP proxy) with
+//! `round_robin`, `cache_aware` and `kv_aware` (subscribed to the sims' KV events).
+//!
+//! Load: unless `--rate` is given, the capacity is measured first as the request rate the sims
+//! complete under round robin with many conversations in flight (closed loop), and every policy
+//! is then offered `--load` (0.8) of it, open loop: conversations start at exponential intervals
+//! from a fixed seed, so every policy sees the same conversations at the same instants.
+//!
+//! Per policy: TTFT percentiles of the requests sent after the warm-up, the sims' own prefix
+//! cache hit rate (`vllm:prefix_cache_*` deltas) over the same span, throughput, and the
+//! router's (and Envoy's) CPU per request from `/proc/PID/stat`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use clap::Parser;
+use llmgw_integration::routing_bench::{
+    Policy, PolicyReport, markdown_table, offered_rate, percentile, plain_envoy_config,
+    proc_stat_cpu_seconds, rate_in_window,
+};
+use llmgw_integration::system::envoy_config;
+use llmgw_integration::workload::{self, Results, WorkloadConfig};
+use llmgw_integration::{
+    ChildGuard, SimHandle, bin_path, envoy_bin, free_addr, free_port, repo_root, spawn_sim_with_env,
+};
+use parking_lot::Mutex;
+
+const MODEL: &str = "tiny";
+const BLOCK_SIZE: usize = 16;
+const SEED: &str = "1729";
+const NODE: &str = "node-a";
+
+#[derive(Parser)]
+#[command(
+    name = "llmgw-bench-routing",
+    about = "Routing policies side by side on the same simulated replicas"
+)]
+struct Args {
+    /// Policies to run, in order (default: all). Names: random, round_robin, least_loaded,
+    /// approx_prefix, llmgw_precise, vllm-router:round_robin, vllm-router:cache_aware,
+    /// vllm-router:kv_aware.
+    #[arg(long, value_delimiter = ',')]
+    policies: Vec<Policy>,
+    /// Seconds of traffic per policy (the first --warmup-seconds are not measured).
+    #[arg(long, default_value_t = 30)]
+    seconds: u64,
+    /// Seconds at the start of each run left out of every number.
+    #[arg(long, default_value_t = 5)]
+    warmup_seconds: u64,
+    /// Offered load as a share of the round-robin capacity.
+    #[arg(long, default_value_t = 0.8)]
+    load: f64,
+    /// Offered requests per second (skips the capacity measurement; --load is then ignored).
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Seconds of the closed-loop capacity measurement under round robin.
+    #[arg(long, default_value_t = 20)]
+    calibrate_seconds: u64,
+    /// Conversations in flight during the capacity measurement.
+    #[arg(long, default_value_t = 48)]
+    calibrate_concurrency: usize,
+    /// Simulated vLLM replicas.
+    #[arg(long, default_value_t = 4)]
+    replicas: usize,
+    /// KV-cache blocks per replica (16 tokens each): small, so that routing matters.
+    #[arg(long, default_value_t = 160)]
+    blocks_per_replica: usize,
+    /// Tenants, each with its own long system prompt (the last one salts its requests).
+    #[arg(long, default_value_t = 4)]
+    tenants: usize,
+    /// Turns per conversation.
+    #[arg(long, default_value_t = 5)]
+    turns: usize,
+    /// Seed of the arrival process.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// llmgw's tokenization deadline (the sims answer /tokenize on the same two cores as
+    /// everything else).
+    #[arg(long, default_value = "300ms")]
+    tokenize_deadline: String,
+    /// Extra `llmgw-sim` flags (e.g. `--sim-arg=--sim-prefill-us-per-token=100`).
+    #[arg(long = "sim-arg", allow_hyphen_values = true)]
+    sim_args: Vec<String>,
+    /// The vllm-router executable (`pip install vllm-router`).
+    #[arg(long)]
+    vllm_router: Option<PathBuf>,
+    /// Where the report, the TTFT samples and Envoy configs go.
+    #[arg(long, default_value = "target/bench-routing")]
+    out_dir: PathBuf,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("tokio runtime")?;
+    runtime.block_on(run(args))
+}
+
+async fn run(mut args: Args) -> anyhow::Result<()> {
+    if args.policies.is_empty() {
+        args.policies = Policy::ALL.to_vec();
+    }
+    if args.warmup_seconds >= args.seconds {
+        bail!("--warmup-seconds must be below --seconds");
+    }
+    std::fs::create_dir_all(&args.out_dir)
+        .with_context(|| format!("create {}", args.out_dir.display()))?;
+    let vllm_router = args
+        .vllm_router
+        .clone()
+        .unwrap_or_else(|| repo_root().join(".venv/bin/vllm-router"));
+    let machine_before = machine_state();
+
+    println!(
+        "starting {} llmgw-sim replicas ({} blocks of {BLOCK_SIZE} tokens each) …",
+        args.replicas, args.blocks_per_replica
+    );
+    let sims = start_sims(&args);
+    let http = reqwest::Client::new();
+
+    let (rate, calibration) = match args.rate {
+        Some(rate) => (
+            rate,
+            format!("offered rate {rate:.1} req/s, given by --rate"),
+        ),
+        None => {
+            let capacity = measure_capacity(&args, &sims, &http).await?;
+            let rate = offered_rate(capacity, args.load);
+            (
+                rate,
+                format!(
+                    "round-robin capacity {capacity:.1} req/s (closed loop, {} conversations in \
+                     flight, {} s, first {} s left out); offered {:.0} % of it: {rate:.1} req/s",
+                    args.calibrate_concurrency,
+                    args.calibrate_seconds,
+                    args.warmup_seconds.min(args.calibrate_seconds / 2),
+                    args.load * 100.0
+                ),
+            )
+        }
+    };
+    println!("{calibration}");
+
+    let mut reports = Vec::new();
+    // In run order, for the plot's legend.
+    let mut ttfts: Vec<serde_json::Value> = Vec::new();
+    let mut notes = Vec::new();
+    for &policy in &args.policies {
+        if matches!(policy, Policy::VllmRouter(_)) && !vllm_router.exists() {
+            let note = format!(
+                "{policy}: skipped, {} not found (pip install vllm-router)",
+                vllm_router.display()
+            );
+            println!("{note}");
+            notes.push(note);
+            continue;
+        }
+        reset_caches(&http, &sims).await;
+        println!("\n== {policy}: {} ==", policy.setup());
+        let stack = match start_stack(policy, &args, &sims, &vllm_router, &http).await {
+            Ok(stack) => stack,
+            Err(error) => {
+                let note = format!("{policy}: did not start: {error:#}");
+                println!("{note}");
+                notes.push(note);
+                continue;
+            }
+        };
+        let (report, samples, extra) = measure_policy(policy, &stack, &args, rate, &sims, &http)
+            .await
+            .with_context(|| format!("measuring {policy}"))?;
+        println!("{}", markdown_table(std::slice::from_ref(&report)));
+        if let Some(extra) = extra {
+            println!("{extra}");
+            notes.push(format!("{policy}: {extra}"));
+        }
+        ttfts.push(serde_json::json!({"policy": policy.to_string(), "ttft_ms": samples}));
+        reports.push(report);
+        drop(stack);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    let table = markdown_table(&reports);
+    let machine_after = machine_state();
+    let report = format!(
+        "{table}\n{calibration}; {} replicas × {} blocks; {} tenants, {} turns per \
+         conversation; {} s per policy, first {} s not measured; seed {}.\n\
+         machine before: {machine_before}\nmachine after: {machine_after}\n{}",
+        args.replicas,
+        args.blocks_per_replica,
+        args.tenants,
+        args.turns,
+        args.seconds,
+        args.warmup_seconds,
+        args.seed,
+        notes.iter().map(|n| format!("- {n}\n")).collect::<String>()
+    );
+    println!("\n{report}");
+    write(&args.out_dir.join("report.md"), &report)?;
+    write(
+        &args.out_dir.join("report.json"),
+        &serde_json::to_string_pretty(&reports)?,
+    )?;
+    write(
+        &args.out_dir.join("ttft.json"),
+        &serde_json::to_string(&ttfts)?,
+    )?;
+    println!(
+        "wrote {0}/report.md, {0}/report.json and {0}/ttft.json",
+        args.out_dir.display()
+    );
+    Ok(())
+}
+
+fn write(path: &Path, text: &str) -> anyhow::Result<()> {
+    std::fs::write(path, text).with_context(|| format!("write {}", path.display()))
+}
+
+/// The sims, once for every policy. Events on vLLM's default topic (empty), which every
+/// subscriber here accepts.
+fn start_sims(args: &Args) -> Vec<SimHandle> {
+    let events =
+        r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:*"}"#;
+    let blocks = args.blocks_per_replica.to_string();
+    let block_size = BLOCK_SIZE.to_string();
+    let max_model_len = ((args.blocks_per_replica.saturating_sub(1)) * BLOCK_SIZE)
+        .min(8192)
+        .to_string();
+    (0..args.replicas)
+        .map(|_| {
+            let mut sim_args: Vec<&str> = vec![
+                "--served-model-name",
+                MODEL,
+                "--block-size",
+                &block_size,
+                "--num-gpu-blocks-override",
+                &blocks,
+                "--max-model-len",
+                &max_model_len,
+                "--kv-events-config",
+                events,
+            ];
+            sim_args.extend(args.sim_args.iter().map(String::as_str));
+            spawn_sim_with_env(sim_args, [("PYTHONHASHSEED", SEED)])
+        })
+        .collect()
+}
+
+/// Requests per second the sims complete under Envoy round robin with many conversations in
+/// flight: the capacity the offered load is a share of.
+async fn measure_capacity(
+    args: &Args,
+    sims: &[SimHandle],
+    http: &reqwest::Client,
+) -> anyhow::Result<f64> {
+    reset_caches(http, sims).await;
+    println!(
+        "measuring the round-robin capacity: {} conversations in flight for {} s …",
+        args.calibrate_concurrency, args.calibrate_seconds
+    );
+    let vllm_router = PathBuf::new();
+    let stack = start_stack(Policy::RoundRobin, args, sims, &vllm_router, http).await?;
+    let results = Arc::new(Mutex::new(Results::default()));
+    let duration = Duration::from_secs(args.calibrate_seconds);
+    let config = WorkloadConfig {
+        tenants: args.tenants,
+        turns_per_conversation: args.turns,
+        concurrency: args.calibrate_concurrency,
+        duration,
+        ..WorkloadConfig::default()
+    };
+    workload::run(
+        stack.url.clone(),
+        config,
+        Arc::clone(&results),
+        std::future::pending(),
+    )
+    .await;
+    drop(stack);
+    let warmup = Duration::from_secs(args.warmup_seconds.min(args.calibrate_seconds / 2));
+    let results = results.lock();
+    let completed = results
+        .samples
+        .iter()
+        .filter(|s| s.status == 200 && s.done_at >= warmup && s.done_at <= duration)
+        .count();
+    if completed == 0 {
+        bail!(
+            "no request completed during the capacity measurement ({} errors; first: {:?})",
+            results.errors.len(),
+            results.errors.first()
+        );
+    }
+    Ok(rate_in_window(completed, (duration - warmup).as_secs_f64()))
+}
+
+/// What serves one policy; dropping it stops every process.
+struct Stack {
+    /// Where clients send requests.
+    url: String,
+    /// llmgw-router's admin address.
+    llmgw_admin: Option<SocketAddr>,
+    /// Processes whose CPU counts as the router's (llmgw-router + agent, or vllm-router).
+    router_pids: Vec<u32>,
+    envoy_pid: Option<u32>,
+    // Dropped in order: the proxy first.
+    _guards: Vec<ChildGuard>,
+}
+
+async fn start_stack(
+    policy: Policy,
+    args: &Args,
+    sims: &[SimHandle],
+    vllm_router: &Path,
+    http: &reqwest::Client,
+) -> anyhow::Result<Stack> {
+    let replicas: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
+    match policy {
+        Policy::Random | Policy::RoundRobin => {
+            let lb = if policy == Policy::Random {
+                "RANDOM"
+            } else {
+                "ROUND_ROBIN"
+            };
+            let (listen, admin) = (free_port(), free_port());
+            let envoy = start_envoy(
+                &args.out_dir,
+                policy,
+                &plain_envoy_config(lb, listen, admin, &replicas),
+            )?;
+            wait_envoy(http, admin).await?;
+            Ok(Stack {
+                url: format!("http://127.0.0.1:{listen}"),
+                llmgw_admin: None,
+                router_pids: Vec::new(),
+                envoy_pid: Some(envoy.id()),
+                _guards: vec![envoy],
+            })
+        }
+        Policy::LeastLoaded | Policy::ApproxPrefix | Policy::LlmgwPrecise => {
+            let (grpc, admin, feed) = (free_addr(), free_addr(), free_addr());
+            let mut cmd = Command::new(bin_path("llmgw-router"));
+            cmd.arg("serve")
+                .args(["--grpc-addr", &grpc.to_string()])
+                .args(["--admin-addr", &admin.to_string()])
+                .args(["--feed-addr", &feed.to_string()])
+                .args(["--tokenize-deadline", &args.tokenize_deadline]);
+            for r in &replicas {
+                cmd.arg("--replica").arg(format!("{MODEL}={r}@{NODE}"));
+            }
+            match policy {
+                Policy::LeastLoaded => {
+                    cmd.args(["--weight-prefix", "0"]);
+                }
+                Policy::LlmgwPrecise => {
+                    cmd.arg("--model")
+                        .arg(format!("{MODEL}=block_size={BLOCK_SIZE},seed={SEED}"));
+                }
+                // No hash settings: the affinity slot can only use the prefix tree.
+                _ => {}
+            }
+            let router = spawn(cmd, "llmgw-router")?;
+            let mut router_pids = vec![router.id()];
+            let mut guards = Vec::new();
+            let agent = if policy == Policy::LlmgwPrecise {
+                let mut cmd = Command::new(bin_path("llmgw-agent"));
+                cmd.arg("serve")
+                    .args(["--node", NODE, "--router", &feed.to_string()])
+                    .args(["--model", MODEL, "--hash-seed", SEED])
+                    .args(["--block-size", &BLOCK_SIZE.to_string()])
+                    .args(["--admin-addr", "127.0.0.1:0"]);
+                for sim in sims {
+                    let events = sim.events.as_deref().context("a sim publishes no events")?;
+                    cmd.arg("--engine").arg(format!("{}={events}", sim.addr));
+                }
+                let agent = spawn(cmd, "llmgw-agent")?;
+                router_pids.push(agent.id());
+                Some(agent)
+            } else {
+                None
+            };
+            let (listen, envoy_admin) = (free_port(), free_port());
+            let envoy = start_envoy(
+                &args.out_dir,
+                policy,
+                &envoy_config(grpc, listen, envoy_admin, &replicas),
+            )?;
+            let envoy_pid = envoy.id();
+            guards.push(envoy);
+            guards.extend(agent);
+            guards.push(router);
+            wait_envoy(http, envoy_admin).await?;
+            wait_llmgw(http, admin, replicas.len(), policy == Policy::LlmgwPrecise).await?;
+            Ok(Stack {
+                url: format!("http://127.0.0.1:{listen}"),
+                llmgw_admin: Some(admin),
+                router_pids,
+                envoy_pid: Some(envoy_pid),
+                _guards: guards,
+            })
+        }
+        Policy::VllmRouter(vllm_policy) => {
+            let (port, metrics_port) = (free_port(), free_port());
+            let mut cmd = Command::new(vllm_router);
+            cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
+                .args(["--prometheus-port", &metrics_port.to_string()])
+                .args(["--policy", vllm_policy.flag(), "--log-level", "warning"])
+                .arg("--worker-urls")
+                .args(sims.iter().map(SimHandle::url));
+            if vllm_policy == llmgw_integration::routing_bench::VllmRouterPolicy::KvAware {
+                cmd.args(["--kv-event-model", MODEL])
+                    .args(["--kv-event-block-size", &BLOCK_SIZE.to_string()]);
+                for sim in sims {
+                    let events = sim.events.as_deref().context("a sim publishes no events")?;
+                    cmd.arg("--kv-event-source")
+                        .arg(format!("{}={events}", sim.url()));
+                }
+            }
+            let router = spawn(cmd, "vllm-router")?;
+            let url = format!("http://127.0.0.1:{port}");
+            wait_http_ok(http, &format!("{url}/health"), "vllm-router").await?;
+            Ok(Stack {
+                url,
+                llmgw_admin: None,
+                router_pids: vec![router.id()],
+                envoy_pid: None,
+                _guards: vec![router],
+            })
+        }
+    }
+}
+
+fn spawn(mut cmd: Command, name: &str) -> anyhow::Result<ChildGuard> {
+    let child = cmd
+        .env("RUST_LOG", "warn")
+        .env("LLMGW_AGENT_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("spawn {name}"))?;
+    Ok(ChildGuard::new(name, child))
+}
+
+fn start_envoy(out_dir: &Path, policy: Policy, config: &str) -> anyhow::Result<ChildGuard> {
+    let path = out_dir.join(format!(
+        "envoy-{}.yaml",
+        policy.to_string().replace(':', "-")
+    ));
+    write(&path, config)?;
+    let mut cmd = Command::new(envoy_bin());
+    cmd.arg("-c")
+        .arg(&path)
+        .args(["--use-dynamic-base-id", "--concurrency", "1"])
+        .args(["--log-level", "error"]);
+    spawn(cmd, "envoy")
+}
+
+async fn wait_envoy(http: &reqwest::Client, admin: u16) -> anyhow::Result<()> {
+    wait_http_ok(http, &format!("http://127.0.0.1:{admin}/ready"), "envoy").await
+}
+
+async fn wait_http_ok(http: &reqwest::Client, url: &str, what: &str) -> anyhow::Result<()> {
+    for _ in 0..600 {
+        if http
+            .get(url)
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success())
+        {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("{what} not ready within 30 s ({url})")
+}
+
+/// Until the router sees every replica healthy and, with an agent, the agent's stream is up.
+async fn wait_llmgw(
+    http: &reqwest::Client,
+    admin: SocketAddr,
+    replicas: usize,
+    agent: bool,
+) -> anyhow::Result<()> {
+    let mut status = String::new();
+    for _ in 0..600 {
+        let metrics = get_text(http, &format!("http://{admin}/metrics")).await;
+        let healthy = metrics
+            .lines()
+            .filter(|l| l.starts_with("llmgw_replica_healthy{") && l.ends_with(" 1"))
+            .count();
+        let stream_up = !agent
+            || metrics
+                .lines()
+                .any(|l| l.starts_with("llmgw_feed_streams ") && !l.ends_with(" 0"));
+        if healthy == replicas && stream_up {
+            return Ok(());
+        }
+        status = format!("healthy replicas {healthy}/{replicas}, agent stream up: {stream_up}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("llmgw-router not ready within 30 s ({status})")
+}
+
+async fn get_text(http: &reqwest::Client, url: &str) -> String {
+    match http.get(url).send().await {
+        Ok(r) => r.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    }
+}
+
+/// Every policy starts cold: the sims are idle between runs, so the reset is not refused.
+async fn reset_caches(http: &reqwest::Client, sims: &[SimHandle]) {
+    for sim in sims {
+        let url = format!("{}/reset_prefix_cache", sim.url());
+        if let Err(error) = http.post(&url).send().await {
+            println!("warning: {url}: {error}");
+        }
+    }
+    // The reset's AllBlocksCleared event goes out with the next engine step; let it settle.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+}
+
+/// The sims' summed (hits, queries) prefix-cache counters, in tokens.
+async fn cache_counters(http: &reqwest::Client, sims: &[SimHandle]) -> (f64, f64) {
+    let mut total = (0.0, 0.0);
+    for sim in sims {
+        let (hits, queries) =
+            workload::prefix_cache_counts(&get_text(http, &format!("{}/metrics", sim.url())).await);
+        total.0 += hits;
+        total.1 += queries;
+    }
+    total
+}
+
+/// CPU seconds of some processes together.
+fn cpu_seconds(pids: &[u32]) -> anyhow::Result<f64> {
+    let mut total = 0.0;
+    for pid in pids {
+        let path = format!("/proc/{pid}/stat");
+        let text = std::fs::read_to_string(&path).with_context(|| format!("read {path}"))?;
+        total += proc_stat_cpu_seconds(&text).with_context(|| path.clone())?;
+    }
+    Ok(total)
+}
+
+struct Snapshot {
+    router_cpu: f64,
+    envoy_cpu: f64,
+    cache: (f64, f64),
+}
+
+async fn snapshot(
+    stack: &Stack,
+    http: &reqwest::Client,
+    sims: &[SimHandle],
+) -> anyhow::Result<Snapshot> {
+    Ok(Snapshot {
+        router_cpu: cpu_seconds(&stack.router_pids)?,
+        envoy_cpu: cpu_seconds(stack.envoy_pid.as_slice())?,
+        cache: cache_counters(http, sims).await,
+    })
+}
+
+/// Runs the open-loop workload through `stack` and measures it. Returns the report, the
+/// measured TTFTs (ms) and, for llmgw, which tier decided.
+async fn measure_policy(
+    policy: Policy,
+    stack: &Stack,
+    args: &Args,
+    rate: f64,
+    sims: &[SimHandle],
+    http: &reqwest::Client,
+) -> anyhow::Result<(PolicyReport, Vec<f64>, Option<String>)> {
+    let duration = Duration::from_secs(args.seconds);
+    let warmup = Duration::from_secs(args.warmup_seconds);
+    let results = Arc::new(Mutex::new(Results::default()));
+    let config = WorkloadConfig {
+        tenants: args.tenants,
+        turns_per_conversation: args.turns,
+        duration,
+        ..WorkloadConfig::default()
+    };
+    let started = Instant::now();
+    let traffic = tokio::spawn(workload::run_open_loop(
+        stack.url.clone(),
+        config,
+        rate,
+        args.seed,
+        Duration::from_secs(60),
+        Arc::clone(&results),
+    ));
+    tokio::time::sleep_until((started + warmup).into()).await;
+    let before = snapshot(stack, http, sims).await?;
+    traffic.await.context("workload task")?;
+    let after = snapshot(stack, http, sims).await?;
+
+    let results = std::mem::take(&mut *results.lock());
+    let measured: Vec<&workload::Sample> = results
+        .samples
+        .iter()
+        .filter(|s| s.sent_at >= warmup)
+        .collect();
+    let mut ttft_ms: Vec<f64> = measured
+        .iter()
+        .filter(|s| s.status == 200)
+        .map(|s| s.ttft.as_secs_f64() * 1e3)
+        .collect();
+    ttft_ms.sort_by(f64::total_cmp);
+    let completed_in_window = results
+        .samples
+        .iter()
+        .filter(|s| s.status == 200 && s.done_at >= warmup && s.done_at <= duration)
+        .count();
+    let per_request =
+        |seconds: f64| (!measured.is_empty()).then(|| seconds / measured.len() as f64 * 1e6);
+    let (hits, queries) = (
+        after.cache.0 - before.cache.0,
+        after.cache.1 - before.cache.1,
+    );
+    let report = PolicyReport {
+        policy: policy.to_string(),
+        requests: ttft_ms.len(),
+        errors: measured.iter().filter(|s| s.status != 200).count() + results.errors.len(),
+        hit_rate: (queries > 0.0).then(|| hits / queries),
+        ttft_p50_ms: percentile(&ttft_ms, 50.0),
+        ttft_p90_ms: percentile(&ttft_ms, 90.0),
+        ttft_p99_ms: percentile(&ttft_ms, 99.0),
+        throughput_rps: rate_in_window(completed_in_window, (duration - warmup).as_secs_f64()),
+        router_cpu_us: (!stack.router_pids.is_empty())
+            .then(|| per_request(after.router_cpu - before.router_cpu))
+            .flatten(),
+        envoy_cpu_us: stack
+            .envoy_pid
+            .and_then(|_| per_request(after.envoy_cpu - before.envoy_cpu)),
+    };
+    if let Some(first) = results.errors.first() {
+        println!("{} client errors, first: {first}", results.errors.len());
+    }
+    let tiers = match stack.llmgw_admin {
+        Some(admin) => Some(decided_by(http, admin).await),
+        None => None,
+    };
+    Ok((report, ttft_ms, tiers))
+}
+
+/// llmgw's own decision counters: which tier decided, over the whole run.
+async fn decided_by(http: &reqwest::Client, admin: SocketAddr) -> String {
+    let metrics = get_text(http, &format!("http://{admin}/metrics")).await;
+    let mut parts = Vec::new();
+    for (family, tier) in [
+        ("llmgw_kv_decisions_total", "KV index"),
+        ("llmgw_prefix_decisions_total", "prefix tree"),
+    ] {
+        let counts = workload::counters_by_label(&metrics, family);
+        if !counts.is_empty() {
+            let text: Vec<String> = counts.iter().map(|(k, v)| format!("{k} {v:.0}")).collect();
+            parts.push(format!("{tier}: {}", text.join(", ")));
+        }
+    }
+    if parts.is_empty() {
+        "decisions: no prefix-slot decisions counted".to_owned()
+    } else {
+        format!("decisions: {}", parts.join("; "))
+    }
+}
+
+/// Cores, CPU model and load average, for the report.
+fn machine_state() -> String {
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, m)| m.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown CPU".to_owned());
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default();
+    format!("{cores} cores ({model}), load average {load}")
+}

@@ -1,0 +1,365 @@
+//! The pure parts of `make bench-routing` (`llmgw-bench-routing`): the policies compared, the
+//! round-robin Envoy configuration, reading a process's CPU time from `/proc`, the offered rate,
+//! percentiles and the Markdown table. The binary starts the processes and drives the workload.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::str::FromStr;
+
+use thiserror::Error;
+
+/// One routing policy of the comparison.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// Envoy alone, `lb_policy: RANDOM`.
+    Random,
+    /// Envoy alone, `lb_policy: ROUND_ROBIN`.
+    RoundRobin,
+    /// llmgw with the prefix slot's weight at 0: load scorers only.
+    LeastLoaded,
+    /// llmgw without engine hash settings or agent: the approximate prefix tree and load.
+    ApproxPrefix,
+    /// llmgw with hash settings and an agent mirroring the engines' KV events.
+    LlmgwPrecise,
+    /// The `vllm-router` peer (an HTTP proxy, no Envoy) with one of its policies.
+    VllmRouter(VllmRouterPolicy),
+}
+
+/// `vllm-router --policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VllmRouterPolicy {
+    RoundRobin,
+    CacheAware,
+    KvAware,
+}
+
+impl VllmRouterPolicy {
+    pub fn flag(self) -> &'static str {
+        match self {
+            VllmRouterPolicy::RoundRobin => "round_robin",
+            VllmRouterPolicy::CacheAware => "cache_aware",
+            VllmRouterPolicy::KvAware => "kv_aware",
+        }
+    }
+}
+
+impl Policy {
+    /// Every policy, in the order they run.
+    pub const ALL: [Policy; 8] = [
+        Policy::Random,
+        Policy::RoundRobin,
+        Policy::LeastLoaded,
+        Policy::ApproxPrefix,
+        Policy::LlmgwPrecise,
+        Policy::VllmRouter(VllmRouterPolicy::RoundRobin),
+        Policy::VllmRouter(VllmRouterPolicy::CacheAware),
+        Policy::VllmRouter(VllmRouterPolicy::KvAware),
+    ];
+
+    /// Whether requests go through Envoy (the vLLM router is its own proxy).
+    pub fn uses_envoy(self) -> bool {
+        !matches!(self, Policy::VllmRouter(_))
+    }
+
+    /// Whether an llmgw-router decides.
+    pub fn uses_llmgw(self) -> bool {
+        matches!(
+            self,
+            Policy::LeastLoaded | Policy::ApproxPrefix | Policy::LlmgwPrecise
+        )
+    }
+
+    /// How the policy is set up, for the report.
+    pub fn setup(self) -> &'static str {
+        match self {
+            Policy::Random => "Envoy `RANDOM`, no ext_proc",
+            Policy::RoundRobin => "Envoy `ROUND_ROBIN`, no ext_proc",
+            Policy::LeastLoaded => "llmgw, `--weight-prefix 0`, no agent",
+            Policy::ApproxPrefix => "llmgw without `--model` hash settings or agent (prefix tree)",
+            Policy::LlmgwPrecise => "llmgw + llmgw-agent (KV index from the sims' events)",
+            Policy::VllmRouter(VllmRouterPolicy::RoundRobin) => "vllm-router `round_robin`",
+            Policy::VllmRouter(VllmRouterPolicy::CacheAware) => "vllm-router `cache_aware`",
+            Policy::VllmRouter(VllmRouterPolicy::KvAware) => {
+                "vllm-router `kv_aware`, `--kv-event-source` per sim"
+            }
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Policy::Random => f.write_str("random"),
+            Policy::RoundRobin => f.write_str("round_robin"),
+            Policy::LeastLoaded => f.write_str("least_loaded"),
+            Policy::ApproxPrefix => f.write_str("approx_prefix"),
+            Policy::LlmgwPrecise => f.write_str("llmgw_precise"),
+            Policy::VllmRouter(p) => write!(f, "vllm-router:{}", p.flag()),
+        }
+    }
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error(
+    "unknown policy {0:?}: expected random, round_robin, least_loaded, approx_prefix, \
+     llmgw_precise, vllm-router:round_robin, vllm-router:cache_aware or vllm-router:kv_aware"
+)]
+pub struct UnknownPolicy(pub String);
+
+impl FromStr for Policy {
+    type Err = UnknownPolicy;
+
+    fn from_str(s: &str) -> Result<Policy, UnknownPolicy> {
+        Policy::ALL
+            .into_iter()
+            .find(|p| p.to_string() == s)
+            .ok_or_else(|| UnknownPolicy(s.to_owned()))
+    }
+}
+
+/// The offered request rate: `load` (0.8 for 80 %) of the measured capacity.
+pub fn offered_rate(capacity_per_s: f64, load: f64) -> f64 {
+    capacity_per_s * load
+}
+
+/// Requests per second completed within a window.
+pub fn rate_in_window(completed: usize, window_s: f64) -> f64 {
+    if window_s > 0.0 {
+        completed as f64 / window_s
+    } else {
+        0.0
+    }
+}
+
+/// Envoy in front of `replicas` with one of its own load-balancing policies and nothing else:
+/// the same listener and cluster settings as `envoy/envoy.yaml`, without ext_proc.
+pub fn plain_envoy_config(
+    lb_policy: &str,
+    listen: u16,
+    admin: u16,
+    replicas: &[SocketAddr],
+) -> String {
+    let endpoints: String = replicas
+        .iter()
+        .map(|r| {
+            format!(
+                "        - endpoint:\n            address:\n              socket_address: {{address: {}, port_value: {}}}\n",
+                r.ip(),
+                r.port()
+            )
+        })
+        .collect();
+    format!(
+        r#"admin:
+  address:
+    socket_address: {{address: 127.0.0.1, port_value: {admin}}}
+static_resources:
+  listeners:
+  - name: llm
+    address:
+      socket_address: {{address: 127.0.0.1, port_value: {listen}}}
+    per_connection_buffer_limit_bytes: 33554432
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: llm
+          codec_type: AUTO
+          stream_idle_timeout: 300s
+          route_config:
+            name: llm
+            virtual_hosts:
+            - name: llm
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route: {{cluster: vllm_replicas, timeout: 0s}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: vllm_replicas
+    type: STATIC
+    connect_timeout: 1s
+    lb_policy: {lb_policy}
+    per_connection_buffer_limit_bytes: 33554432
+    load_assignment:
+      cluster_name: vllm_replicas
+      endpoints:
+      - lb_endpoints:
+{endpoints}"#
+    )
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error("unreadable /proc/PID/stat line: {0}")]
+pub struct ProcStatError(pub &'static str);
+
+/// Linux reports utime and stime in USER_HZ ticks, 100 per second on every architecture's
+/// userspace ABI.
+const USER_HZ: f64 = 100.0;
+
+/// A process's CPU time (utime + stime, all threads, in seconds) from its `/proc/PID/stat`
+/// line. The command name is in parentheses and may itself hold spaces or parentheses, so the
+/// fields are counted from the last `)`.
+pub fn proc_stat_cpu_seconds(stat: &str) -> Result<f64, ProcStatError> {
+    let (_, after_name) = stat
+        .rsplit_once(')')
+        .ok_or(ProcStatError("no command name"))?;
+    // After the name: state (field 3) … utime is field 14, stime field 15.
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    let tick = |index: usize| -> Result<u64, ProcStatError> {
+        fields
+            .get(index)
+            .ok_or(ProcStatError("too few fields"))?
+            .parse::<u64>()
+            .map_err(|_| ProcStatError("utime or stime is not a number"))
+    };
+    Ok((tick(11)? + tick(12)?) as f64 / USER_HZ)
+}
+
+/// Percentile `p` (0–100) of sorted values, nearest rank.
+pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted.get(rank.min(sorted.len() - 1)).copied()
+}
+
+/// One policy's measured row.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct PolicyReport {
+    pub policy: String,
+    /// Successful requests sent within the measured window.
+    pub requests: usize,
+    pub errors: usize,
+    /// The sims' own prefix-cache hit rate (tokens), 0–1.
+    pub hit_rate: Option<f64>,
+    pub ttft_p50_ms: Option<f64>,
+    pub ttft_p90_ms: Option<f64>,
+    pub ttft_p99_ms: Option<f64>,
+    /// Requests completed per second within the window.
+    pub throughput_rps: f64,
+    /// The router process's CPU per request (llmgw: router + agent; vllm-router: the proxy).
+    pub router_cpu_us: Option<f64>,
+    /// Envoy's CPU per request, where Envoy proxies.
+    pub envoy_cpu_us: Option<f64>,
+}
+
+/// The reports as a Markdown table.
+pub fn markdown_table(reports: &[PolicyReport]) -> String {
+    let ms = |v: Option<f64>| v.map_or("–".to_owned(), |v| format!("{v:.1}"));
+    let us = |v: Option<f64>| v.map_or("–".to_owned(), |v| format!("{v:.0}"));
+    let mut out = String::from(
+        "| policy | requests | errors | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | \
+         throughput req/s | router CPU µs/req | Envoy CPU µs/req |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in reports {
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} |\n",
+            r.policy,
+            r.requests,
+            r.errors,
+            r.hit_rate
+                .map_or("–".to_owned(), |h| format!("{:.1} %", h * 100.0)),
+            ms(r.ttft_p50_ms),
+            ms(r.ttft_p90_ms),
+            ms(r.ttft_p99_ms),
+            r.throughput_rps,
+            us(r.router_cpu_us),
+            us(r.envoy_cpu_us),
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policies_round_trip_through_their_names() {
+        for policy in Policy::ALL {
+            assert_eq!(policy.to_string().parse::<Policy>(), Ok(policy));
+        }
+        assert!("sticky".parse::<Policy>().is_err());
+        assert!(!Policy::VllmRouter(VllmRouterPolicy::KvAware).uses_envoy());
+        assert!(Policy::LlmgwPrecise.uses_llmgw() && !Policy::RoundRobin.uses_llmgw());
+    }
+
+    #[test]
+    fn reads_cpu_time_past_a_command_name_with_spaces_and_parentheses() {
+        let stat = "4242 (vllm (router) x) S 1 4242 4242 0 -1 4194560 1234 0 0 0 250 37 0 0 20 0 \
+                    9 0 123456 1000000 2000 18446744073709551615";
+        assert_eq!(proc_stat_cpu_seconds(stat), Ok(2.87));
+        assert!(proc_stat_cpu_seconds("4242 no name").is_err());
+        assert!(proc_stat_cpu_seconds("1 (x) S 1 2").is_err());
+    }
+
+    #[test]
+    fn rates_and_percentiles() {
+        assert_eq!(offered_rate(50.0, 0.8), 40.0);
+        assert_eq!(rate_in_window(300, 20.0), 15.0);
+        assert_eq!(rate_in_window(3, 0.0), 0.0);
+        let sorted: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&sorted, 50.0), Some(51.0));
+        assert_eq!(percentile(&sorted, 90.0), Some(90.0));
+        assert_eq!(percentile(&sorted, 100.0), Some(100.0));
+        assert_eq!(percentile(&[], 50.0), None);
+    }
+
+    #[test]
+    fn plain_envoy_lists_every_replica_with_the_policy() {
+        let replicas: Vec<SocketAddr> = vec![
+            "127.0.0.1:4001".parse().unwrap_or_else(|_| unreachable!()),
+            "127.0.0.1:4002".parse().unwrap_or_else(|_| unreachable!()),
+            "127.0.0.1:4003".parse().unwrap_or_else(|_| unreachable!()),
+        ];
+        let yaml = plain_envoy_config("RANDOM", 10123, 9123, &replicas);
+        assert!(yaml.contains("lb_policy: RANDOM"));
+        assert!(yaml.contains("port_value: 10123") && yaml.contains("port_value: 9123"));
+        for r in &replicas {
+            assert!(yaml.contains(&format!("port_value: {}}}", r.port())));
+        }
+        assert!(!yaml.contains("ext_proc"));
+    }
+
+    #[test]
+    fn table_has_a_row_per_policy_and_dashes_for_unmeasured_cells() {
+        let rows = vec![
+            PolicyReport {
+                policy: "round_robin".into(),
+                requests: 500,
+                hit_rate: Some(0.4567),
+                ttft_p50_ms: Some(12.34),
+                ttft_p90_ms: Some(99.0),
+                ttft_p99_ms: Some(250.0),
+                throughput_rps: 20.04,
+                envoy_cpu_us: Some(310.4),
+                ..PolicyReport::default()
+            },
+            PolicyReport {
+                policy: "llmgw_precise".into(),
+                requests: 501,
+                errors: 2,
+                router_cpu_us: Some(812.6),
+                ..PolicyReport::default()
+            },
+        ];
+        let table = markdown_table(&rows);
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 4);
+        assert_eq!(
+            lines[2],
+            "| round_robin | 500 | 0 | 45.7 % | 12.3 | 99.0 | 250.0 | 20.0 | – | 310 |"
+        );
+        assert_eq!(
+            lines[3],
+            "| llmgw_precise | 501 | 2 | – | – | – | – | 0.0 | 813 | – |"
+        );
+    }
+}
