@@ -186,14 +186,16 @@ pub async fn serve(
 
     // BUFFERED bodies arrive as one message: with h2's default 64 KiB stream window a 200 KB
     // prompt would wait for several WINDOW_UPDATE round trips. Envoy's own windows are large.
+    // TCP_NODELAY must be set on the accepted sockets here: tonic ignores `Server::tcp_nodelay`
+    // for a caller-supplied listener, and with Nagle on, an answer written while an earlier small
+    // write (a WINDOW_UPDATE, the header answer) is unacknowledged waits for Envoy's delayed ACK.
     let grpc = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
         .initial_stream_window_size(Some(GRPC_STREAM_WINDOW))
         .initial_connection_window_size(Some(GRPC_CONNECTION_WINDOW))
         .add_service(health_service)
         .add_service(ext_proc.into_server())
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(grpc_listener),
+            tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
             async move {
                 let _ = grpc_stop.wait_for(|stop| *stop).await;
             },
