@@ -1,6 +1,8 @@
 //! The router's request-path costs: parsing a request body (1 MB text prompt, 1 MB chat, 200 KB
-//! token ids) and one scheduling decision over 8 and 64 replicas (filters, three load scorers,
-//! picker, in-flight guard). `cargo bench -p llmgw --bench router`.
+//! token ids), one scheduling decision over 8 and 64 replicas (filters, three load scorers,
+//! picker, in-flight guard), and decoding Envoy's BUFFERED body message (the ext_proc wire type
+//! that keeps the body a slice of the receive buffer, beside `envoy-types`' generated message,
+//! which copies it). `cargo bench -p llmgw --bench router`.
 
 use std::hint::black_box;
 use std::net::SocketAddr;
@@ -141,5 +143,49 @@ fn decision(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, parsing, decision);
+/// One `ProcessingRequest{request_body}` message as tonic hands it to the decoder: encoded bytes
+/// in a shared buffer.
+fn extproc_decode(c: &mut Criterion) {
+    use bytes::Bytes;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, ProcessingRequest};
+    use llmgw::extproc::wire::{Inbound, InboundPart};
+    use prost::Message;
+
+    let mut group = c.benchmark_group("extproc_decode_body");
+    for (name, bytes) in [("8KB", 8usize << 10), ("200KB", 200 << 10)] {
+        let message = ProcessingRequest {
+            request: Some(Request::RequestBody(HttpBody {
+                body: text_body(bytes).into_bytes(),
+                end_of_stream: true,
+                ..HttpBody::default()
+            })),
+            ..ProcessingRequest::default()
+        };
+        let encoded = Bytes::from(message.encode_to_vec());
+        group.throughput(Throughput::Bytes(encoded.len() as u64));
+        group.bench_function(format!("envoy_types_{name}"), |b| {
+            b.iter(|| {
+                let decoded =
+                    ProcessingRequest::decode(black_box(encoded.clone())).expect("decodes");
+                match decoded.request {
+                    Some(Request::RequestBody(body)) => black_box(body.body.len()),
+                    _ => unreachable!(),
+                }
+            })
+        });
+        group.bench_function(format!("wire_inbound_{name}"), |b| {
+            b.iter(|| {
+                let decoded = Inbound::decode(black_box(encoded.clone())).expect("decodes");
+                match decoded.request {
+                    Some(InboundPart::RequestBody(body)) => black_box(body.body.len()),
+                    _ => unreachable!(),
+                }
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, parsing, decision, extproc_decode);
 criterion_main!(benches);

@@ -23,22 +23,30 @@
 //! One gRPC stream per HTTP request; each stream's state ([`state::StreamState`]) is owned by the
 //! stream's own response future and polled inline by tonic, with no task spawned per request.
 //! The picker is shared (`Arc`) and must be `Sync`.
+//!
+//! # Copies
+//! Inbound messages are decoded as [`wire::Inbound`], whose bodies are slices of tonic's receive
+//! buffer: a BUFFERED body reaches the picker without being copied by this module.
 
 mod response;
 pub mod state;
+pub mod wire;
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
-use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
+use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse;
 use futures::Stream;
+use futures::future::BoxFuture;
 use thiserror::Error;
+use tonic::body::Body as GrpcBody;
+use tonic::codegen::{Body, StdError, http};
 use tonic::{Request, Response, Status, Streaming};
 
-pub use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 pub use response::error_body;
+use wire::Inbound;
 
 /// The largest body chunk echoed back in FULL_DUPLEX_STREAMED mode (Envoy's 64 KiB guidance).
 pub const MAX_CHUNK: usize = 64 * 1024;
@@ -143,27 +151,79 @@ impl<P: Picker> ExtProcService<P> {
         }
     }
 
-    /// The tonic server wrapper for this service.
-    pub fn into_server(self) -> ExternalProcessorServer<Self> {
-        ExternalProcessorServer::new(self)
-            .max_decoding_message_size(usize::MAX)
-            .max_encoding_message_size(usize::MAX)
+    /// The tonic service for this processor (add it to a `tonic::transport::Server`).
+    pub fn into_server(self) -> ExtProcServer<P> {
+        ExtProcServer {
+            inner: Arc::new(self),
+        }
     }
 }
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
 
-#[tonic::async_trait]
-impl<P: Picker> ExternalProcessor for ExtProcService<P> {
-    type ProcessStream = ResponseStream;
+/// `envoy.service.ext_proc.v3.ExternalProcessor` as a tonic service. Written out instead of the
+/// `envoy-types` generated server so that requests decode as [`wire::Inbound`] (bodies not
+/// copied); answers are the generated `ProcessingResponse`. No message size limit (the state
+/// machine enforces `max_body_bytes`), no compression.
+#[derive(Debug)]
+pub struct ExtProcServer<P> {
+    inner: Arc<ExtProcService<P>>,
+}
 
-    async fn process(
-        &self,
-        request: Request<Streaming<ProcessingRequest>>,
-    ) -> Result<Response<Self::ProcessStream>, Status> {
-        let inbound = request.into_inner();
-        let state = state::StreamState::new(Arc::clone(&self.picker), Arc::clone(&self.settings));
-        Ok(Response::new(Box::pin(state::drive(inbound, state))))
+impl<P> Clone for ExtProcServer<P> {
+    fn clone(&self) -> Self {
+        ExtProcServer {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<P> tonic::server::NamedService for ExtProcServer<P> {
+    const NAME: &'static str = "envoy.service.ext_proc.v3.ExternalProcessor";
+}
+
+/// The one method, `Process`, for tonic's streaming handler.
+struct ProcessMethod<P>(Arc<ExtProcService<P>>);
+
+impl<P: Picker> tonic::server::StreamingService<Inbound> for ProcessMethod<P> {
+    type Response = ProcessingResponse;
+    type ResponseStream = ResponseStream;
+    type Future = std::future::Ready<Result<Response<ResponseStream>, Status>>;
+
+    fn call(&mut self, request: Request<Streaming<Inbound>>) -> Self::Future {
+        let service = &self.0;
+        let state =
+            state::StreamState::new(Arc::clone(&service.picker), Arc::clone(&service.settings));
+        let answers: ResponseStream = Box::pin(state::drive(request.into_inner(), state));
+        std::future::ready(Ok(Response::new(answers)))
+    }
+}
+
+impl<P, B> tonic::codegen::Service<http::Request<B>> for ExtProcServer<P>
+where
+    P: Picker,
+    B: Body + Send + 'static,
+    B::Error: Into<StdError> + Send + 'static,
+{
+    type Response = http::Response<GrpcBody>;
+    type Error = std::convert::Infallible;
+    type Future = BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        if request.uri().path() != "/envoy.service.ext_proc.v3.ExternalProcessor/Process" {
+            return Box::pin(async { Ok(Status::unimplemented("").into_http()) });
+        }
+        let method = ProcessMethod(Arc::clone(&self.inner));
+        Box::pin(async move {
+            let codec = tonic_prost::ProstCodec::<ProcessingResponse, Inbound>::default();
+            let mut grpc = tonic::server::Grpc::new(codec)
+                .apply_max_message_size_config(Some(usize::MAX), Some(usize::MAX));
+            Ok(grpc.streaming(method, request).await)
+        })
     }
 }
 

@@ -1,5 +1,6 @@
 //! Building the `ProcessingResponse` messages the state machine sends.
 
+use bytes::Bytes;
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
 use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
@@ -121,11 +122,13 @@ pub(super) fn response_headers() -> ProcessingResponse {
     }
 }
 
-pub(super) fn response_body(echo: Option<(Vec<u8>, bool)>) -> ProcessingResponse {
+/// The answer to a response-body message; `echo` sends the chunk back unchanged (full duplex).
+pub(super) fn response_body(echo: Option<(Bytes, bool)>) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Response::ResponseBody(BodyResponse {
             response: Some(CommonResponse {
-                body_mutation: echo.map(streamed),
+                body_mutation: echo
+                    .map(|(body, end_of_stream)| streamed((body.into(), end_of_stream))),
                 ..CommonResponse::default()
             }),
         })),

@@ -15,15 +15,13 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Message;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
-};
+use envoy_types::pb::envoy::service::ext_proc::v3::{HttpHeaders, ProcessingResponse};
 use envoy_types::pb::google::protobuf::value::Kind;
 use futures::Stream;
 use tonic::{Status, Streaming};
 
 use super::response;
+use super::wire::{Inbound, InboundBody, InboundPart as Message};
 use super::{
     ExtProcSettings, Picker, ProtocolError, Rejection, RoutingRequest, SUBSET_HINT_KEY,
     TEST_SELECTION_HEADER,
@@ -58,7 +56,7 @@ enum Phase {
     AwaitingHeaders,
     CollectingBody {
         request: RoutingRequest,
-        body: BytesMut,
+        body: BodyChunks,
     },
     Routed,
     Finished,
@@ -96,11 +94,13 @@ impl<P: Picker> StreamState<P> {
         self.hold.is_some()
     }
 
-    /// Handles one message from Envoy and returns the answers to send, in order.
+    /// Handles one message from Envoy and returns the answers to send, in order. Takes the wire
+    /// form ([`Inbound`]) or the generated `ProcessingRequest`.
     pub async fn on_message(
         &mut self,
-        message: ProcessingRequest,
+        message: impl Into<Inbound>,
     ) -> Result<Vec<ProcessingResponse>, ProtocolError> {
+        let message: Inbound = message.into();
         if let Some(config) = &message.protocol_config {
             self.request_mode = RequestBodyMode::from_wire(config.request_body_mode);
             self.echo_response_body = matches!(
@@ -139,7 +139,7 @@ impl<P: Picker> StreamState<P> {
         }
         self.phase = Phase::CollectingBody {
             request,
-            body: BytesMut::new(),
+            body: BodyChunks::default(),
         };
         match self.request_mode {
             RequestBodyMode::FullDuplex => Ok(Vec::new()),
@@ -152,7 +152,7 @@ impl<P: Picker> StreamState<P> {
 
     async fn on_request_body(
         &mut self,
-        chunk: HttpBody,
+        chunk: InboundBody,
     ) -> Result<Vec<ProcessingResponse>, ProtocolError> {
         let Phase::CollectingBody { body, .. } = &mut self.phase else {
             return match self.phase {
@@ -174,12 +174,7 @@ impl<P: Picker> StreamState<P> {
             return Ok(self.reject(rejection));
         }
         let complete = chunk.end_of_stream || self.request_mode == RequestBodyMode::Buffered;
-        if body.is_empty() && complete {
-            // The usual BUFFERED case: take the message's buffer without copying.
-            *body = BytesMut::from(Bytes::from(chunk.body));
-        } else {
-            body.extend_from_slice(&chunk.body);
-        }
+        body.push(chunk.body);
         if complete {
             return Ok(self.finish_body(true).await);
         }
@@ -210,7 +205,7 @@ impl<P: Picker> StreamState<P> {
         else {
             return Vec::new();
         };
-        let body = body.freeze();
+        let body = body.into_bytes();
         request.body = Some(body.clone());
         let answer = match self.request_mode {
             RequestBodyMode::FullDuplex => Answer::HeadersThenEcho {
@@ -257,6 +252,43 @@ impl<P: Picker> StreamState<P> {
     fn reject(&mut self, rejection: Rejection) -> Vec<ProcessingResponse> {
         self.phase = Phase::Finished;
         vec![response::immediate(&rejection)]
+    }
+}
+
+/// A request body as it arrives: the chunks are kept as received (slices of the gRPC receive
+/// buffer) and joined once, when the body is complete. A body sent in one message (BUFFERED) is
+/// never copied.
+#[derive(Default)]
+struct BodyChunks {
+    chunks: Vec<Bytes>,
+    len: usize,
+}
+
+impl BodyChunks {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn push(&mut self, chunk: Bytes) {
+        if !chunk.is_empty() {
+            self.len += chunk.len();
+            self.chunks.push(chunk);
+        }
+    }
+
+    /// The whole body: the only chunk as it is, or all chunks copied once into one buffer.
+    fn into_bytes(mut self) -> Bytes {
+        match self.chunks.len() {
+            0 => Bytes::new(),
+            1 => self.chunks.swap_remove(0),
+            _ => {
+                let mut joined = BytesMut::with_capacity(self.len);
+                for chunk in &self.chunks {
+                    joined.extend_from_slice(chunk);
+                }
+                joined.freeze()
+            }
+        }
     }
 }
 
@@ -323,7 +355,7 @@ fn subset_hint(metadata: Option<&Metadata>) -> Option<Vec<String>> {
 /// (the request is over) or after an immediate response. The state, and with it the picker's
 /// hold, is dropped when the returned stream is.
 pub fn drive<P: Picker>(
-    inbound: Streaming<ProcessingRequest>,
+    inbound: Streaming<Inbound>,
     state: StreamState<P>,
 ) -> impl Stream<Item = Result<ProcessingResponse, Status>> + Send {
     let queue = std::collections::VecDeque::new();

@@ -479,3 +479,67 @@ async fn grpc_stream_keeps_the_hold_until_the_stream_ends() {
     assert_eq!(picker.live_holds.load(Ordering::SeqCst), 0);
     server.abort();
 }
+
+/// What Envoy sends, encoded by the generated types (with fields the wire type leaves out), decodes
+/// as [`wire::Inbound`] with the same content, and the body is a slice of the receive buffer.
+#[test]
+fn wire_type_decodes_envoys_message_and_borrows_the_body() {
+    use bytes::Bytes;
+    use prost::Message as _;
+
+    let body: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    let mut original = body_msg(&body, true);
+    original.metadata_context = Some(Metadata {
+        filter_metadata: [(
+            "envoy.lb".to_string(),
+            Struct {
+                fields: [(
+                    SUBSET_HINT_KEY.to_string(),
+                    Value {
+                        kind: Some(Kind::StringValue("10.0.0.1:8000".to_string())),
+                    },
+                )]
+                .into_iter()
+                .collect(),
+            },
+        )]
+        .into_iter()
+        .collect(),
+        ..Metadata::default()
+    });
+    original.observability_mode = true;
+    original.attributes = [("k".to_string(), Struct::default())].into_iter().collect();
+    original.protocol_config = Some(ProtocolConfiguration {
+        request_body_mode: BodySendMode::FullDuplexStreamed as i32,
+        ..ProtocolConfiguration::default()
+    });
+    let encoded = Bytes::from(original.encode_to_vec());
+    let decoded = wire::Inbound::decode(encoded.clone()).unwrap();
+    let Some(wire::InboundPart::RequestBody(got)) = &decoded.request else {
+        panic!("expected a request body, got {decoded:?}")
+    };
+    assert_eq!(got.body, body);
+    assert!(got.end_of_stream);
+    let range = encoded.as_ptr_range();
+    assert!(range.contains(&got.body.as_ptr()), "the body was copied");
+    assert_eq!(decoded.metadata_context, original.metadata_context);
+    assert_eq!(decoded.protocol_config, original.protocol_config);
+    // The in-process conversion carries the same content.
+    assert_eq!(wire::Inbound::from(original), decoded);
+}
+
+/// A method other than `Process` is answered `UNIMPLEMENTED`, as generated servers do.
+#[tokio::test]
+async fn unknown_method_is_unimplemented() {
+    use tonic::codegen::Service as _;
+
+    let picker = Arc::new(FakePicker::default());
+    let mut server = ExtProcService::new(picker, settings()).into_server();
+    let request = tonic::codegen::http::Request::builder()
+        .uri("/envoy.service.ext_proc.v3.ExternalProcessor/Other")
+        .body(tonic::body::Body::default())
+        .unwrap();
+    let response = server.call(request).await.unwrap();
+    let status = response.headers().get("grpc-status").unwrap();
+    assert_eq!(status, &(tonic::Code::Unimplemented as i32).to_string());
+}
