@@ -44,6 +44,23 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome, in the order of [`Outcome::index`].
+    pub const ALL: [Outcome; 8] = [
+        Outcome::Routed,
+        Outcome::RoutedAny,
+        Outcome::RoutedTestSelection,
+        Outcome::BadRequest,
+        Outcome::UnknownModel,
+        Outcome::BodyTooLarge,
+        Outcome::NoReadyReplica,
+        Outcome::Saturated,
+    ];
+
+    /// This outcome's position in [`Outcome::ALL`].
+    fn index(self) -> usize {
+        self as usize
+    }
+
     /// The `outcome` label value.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -68,7 +85,10 @@ struct OutcomeLabels {
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
-    decisions: Family<OutcomeLabels, Counter>,
+    /// One counter per [`Outcome`] (by [`Outcome::index`]), each a member of the
+    /// `llmgw_decisions` family, made at start-up so that counting is one atomic add (no label
+    /// hashing or lock on the request path) and every outcome is exported from the start.
+    decisions: [Counter; Outcome::ALL.len()],
     pick_duration: Histogram,
     imbalance_guard: Counter,
     prefix_unavailable: Counter,
@@ -84,6 +104,13 @@ impl Metrics {
             "Routing decisions by outcome",
             decisions.clone(),
         );
+        let decisions = Outcome::ALL.map(|outcome| {
+            decisions
+                .get_or_create(&OutcomeLabels {
+                    outcome: outcome.as_str(),
+                })
+                .clone()
+        });
         // 10 µs … ~0.33 s.
         let pick_duration = Histogram::new(exponential_buckets(10e-6, 2.0, 16));
         registry.register(
@@ -119,11 +146,7 @@ impl Metrics {
     }
 
     pub fn record(&self, outcome: Outcome) {
-        self.decisions
-            .get_or_create(&OutcomeLabels {
-                outcome: outcome.as_str(),
-            })
-            .inc();
+        self.decisions[outcome.index()].inc();
     }
 
     pub fn observe_pick(&self, started: Instant) {
@@ -268,5 +291,26 @@ mod tests {
             assert!(text.contains(expected), "missing {expected:?} in\n{text}");
         }
         assert!(!text.contains("llmgw_replica_running{"));
+    }
+
+    #[test]
+    fn every_outcome_is_exported_and_counted_under_its_own_label() {
+        let pool = Arc::new(Pool::new(Vec::new(), Duration::from_secs(60)));
+        let metrics = Metrics::new(pool);
+        for (i, outcome) in Outcome::ALL.into_iter().enumerate() {
+            assert_eq!(outcome.index(), i);
+            for _ in 0..=i {
+                metrics.record(outcome);
+            }
+        }
+        let text = metrics.encode().unwrap();
+        for (i, outcome) in Outcome::ALL.into_iter().enumerate() {
+            let line = format!(
+                "llmgw_decisions_total{{outcome=\"{}\"}} {}",
+                outcome.as_str(),
+                i + 1
+            );
+            assert!(text.contains(&line), "missing {line:?} in\n{text}");
+        }
     }
 }
