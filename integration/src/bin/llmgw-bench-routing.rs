@@ -88,6 +88,10 @@ struct Args {
     /// everything else).
     #[arg(long, default_value = "300ms")]
     tokenize_deadline: String,
+    /// Extra `llmgw-router serve` flags for every llmgw policy (e.g.
+    /// `--router-arg=--imbalance-threshold=16`); they come last, so they override this bench's.
+    #[arg(long = "router-arg", allow_hyphen_values = true)]
+    router_args: Vec<String>,
     /// Extra `llmgw-sim` flags (e.g. `--sim-arg=--sim-prefill-us-per-token=100`).
     #[arg(long = "sim-arg", allow_hyphen_values = true)]
     sim_args: Vec<String>,
@@ -197,7 +201,8 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     let machine_after = machine_state();
     let report = format!(
         "{table}\n{calibration}; {} replicas × {} blocks; {} tenants, {} turns per \
-         conversation; {} s per policy, first {} s not measured; seed {}.\n\
+         conversation; {} s per policy, first {} s not measured; seed {}; llmgw-router extra \
+         flags {:?}.\n\
          machine before: {machine_before}\nmachine after: {machine_after}\n{}",
         args.replicas,
         args.blocks_per_replica,
@@ -206,6 +211,7 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
         args.seconds,
         args.warmup_seconds,
         args.seed,
+        args.router_args,
         notes.iter().map(|n| format!("- {n}\n")).collect::<String>()
     );
     println!("\n{report}");
@@ -372,6 +378,7 @@ async fn start_stack(
                 // No hash settings: the affinity slot can only use the prefix tree.
                 _ => {}
             }
+            cmd.args(&args.router_args);
             let router = spawn(cmd, "llmgw-router")?;
             let mut router_pids = vec![router.id()];
             let mut guards = Vec::new();
