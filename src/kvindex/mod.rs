@@ -16,8 +16,8 @@
 //! is held across an `.await` (there are none here).
 //!
 //! # Memory
-//! One 12-byte bucket per block hash held by one replica (see `shard`); blocks held by several
-//! keep their holders in a side map. Each replica has a cap on held blocks; going over it drops
+//! One 12-byte bucket per block hash with its first holder (see `shard`); up to three more
+//! holders share one 20-byte bucket of a second map, and more than that are boxed. Each replica has a cap on held blocks; going over it drops
 //! that replica's oldest blocks (dated in sixteenths of the cap), found with one scan.
 
 mod shard;

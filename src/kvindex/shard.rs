@@ -1,6 +1,9 @@
-//! One shard of the block map, laid out for memory: a block held by one replica (the common
-//! case) costs one 12-byte bucket (4-byte-aligned key, packed holder) plus hashbrown's control
-//! byte; a block held by several moves its holders to a side map, leaving a marker behind.
+//! One shard of the block map, laid out for memory. A block's first holder lives in the main
+//! map's 12-byte bucket (4-byte-aligned key, packed holder) plus hashbrown's control byte; two
+//! bits of that holder say where the others are: a second holder in another 12-byte bucket, two
+//! or three in a 20-byte one, more in a vector with masks of their slots. So a (block, replica)
+//! entry costs 13 bytes of table with one or two holders and 8.5 with four, before the tables'
+//! spare room, and a lookup probes one map per extra tier, never a map that misses.
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -30,34 +33,60 @@ impl Hash for Key {
     }
 }
 
-/// One replica's hold on one block, packed in 32 bits: slot (16) | GPU references (4) |
-/// offloaded references (4) | epoch of the latest store (8). Reference counts saturate at 15:
-/// vLLM reports a block stored again only while an earlier copy is still cached, rarely more
-/// than twice.
+/// One replica's hold on one block, packed in 32 bits: where the block's other holders are (2,
+/// on the main map's holder only) | slot (14) | GPU references (4) | offloaded references (4) |
+/// epoch of the latest store (8). Reference counts saturate at 15: vLLM reports a block stored
+/// again only while an earlier copy is still cached, rarely more than twice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Holder(u32);
 
-/// The slot value that marks "holders in the side map".
-const MANY: u16 = u16::MAX;
+/// Where a block's holders besides the first are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Others {
+    None,
+    /// One, in [`Shard::pair`].
+    Pair,
+    /// Two or three, in [`Shard::few`].
+    Few,
+    /// Four or more, in [`Shard::lots`].
+    Lots,
+}
 
-/// The first slot the index cannot give out.
-pub(super) const MAX_SLOTS: usize = MANY as usize;
+const OTHERS_SHIFT: u32 = 30;
+const SLOT_MASK: u32 = 0x3fff;
+
+/// The first slot the index cannot give out; as a slot, it marks a vacant place.
+pub(super) const MAX_SLOTS: usize = SLOT_MASK as usize;
 
 impl Holder {
-    fn new(slot: ReplicaSlot, medium: Medium, epoch: u8) -> Holder {
-        Holder((u32::from(slot.0) << 16) | u32::from(epoch)).with_refs(medium, 1)
-    }
+    /// A vacant place in [`Shard::few`].
+    const VACANT: Holder = Holder(SLOT_MASK << 16);
 
-    fn many_marker() -> Holder {
-        Holder(u32::from(MANY) << 16)
+    fn new(slot: ReplicaSlot, medium: Medium, epoch: u8) -> Holder {
+        Holder(((u32::from(slot.0) & SLOT_MASK) << 16) | u32::from(epoch)).with_refs(medium, 1)
     }
 
     pub(super) fn slot(self) -> ReplicaSlot {
-        ReplicaSlot((self.0 >> 16) as u16)
+        ReplicaSlot(((self.0 >> 16) & SLOT_MASK) as u16)
     }
 
-    fn is_marker(self) -> bool {
-        self.slot().0 == MANY
+    fn others(self) -> Others {
+        match self.0 >> OTHERS_SHIFT {
+            0 => Others::None,
+            1 => Others::Pair,
+            2 => Others::Few,
+            _ => Others::Lots,
+        }
+    }
+
+    fn with_others(self, others: Others) -> Holder {
+        let bits = match others {
+            Others::None => 0,
+            Others::Pair => 1,
+            Others::Few => 2,
+            Others::Lots => 3,
+        };
+        Holder((self.0 & !(3 << OTHERS_SHIFT)) | (bits << OTHERS_SHIFT))
     }
 
     fn shift(medium: Medium) -> u32 {
@@ -91,34 +120,30 @@ impl Holder {
     fn with_epoch(self, epoch: u8) -> Holder {
         Holder((self.0 & !0xff) | u32::from(epoch))
     }
+
+    /// One more reference on `medium`, dated `epoch`.
+    fn stored_again(self, medium: Medium, epoch: u8) -> Holder {
+        self.with_refs(medium, self.refs(medium).saturating_add(1))
+            .with_epoch(epoch)
+    }
+
+    fn removed_once(self, medium: Medium) -> Holder {
+        self.with_refs(medium, self.refs(medium).saturating_sub(1))
+    }
+}
+
+/// Halves a map's table once it is less than a quarter full: amortized O(1) per removal, since
+/// a shrink to twice the length needs that many removals again before the next.
+fn shrink_if_sparse<V>(map: &mut HashMap<Key, V, State>) {
+    if map.capacity() > 1024 && map.len() < map.capacity() / 4 {
+        map.shrink_to(map.len() * 2);
+    }
 }
 
 /// Bit of a slot in the 64-bit holder masks; slots from 64 on have none (lookups over them
 /// take the general path).
 pub(super) fn slot_bit(slot: ReplicaSlot) -> u64 {
     if slot.0 < 64 { 1 << slot.0 } else { 0 }
-}
-
-/// Many holders of one block, with masks of the first 64 slots so that a lookup over up to 64
-/// replicas intersects candidate sets in one instruction per block however many hold it.
-#[derive(Debug, Clone)]
-struct ManyHolders {
-    /// Slots holding the block on any tier.
-    any: u64,
-    /// Slots holding it in GPU memory.
-    gpu: u64,
-    list: Vec<Holder>,
-}
-
-/// Most holders kept inline in a shared entry.
-const FEW: usize = 3;
-
-/// The holders of a block held by two or more replicas: up to [`FEW`] inline (16 bytes, no
-/// allocation: the common case of a prompt cached on two or three replicas), more boxed.
-#[derive(Debug, Clone)]
-enum Shared {
-    Few { len: u8, list: [Holder; FEW] },
-    Lots(Box<ManyHolders>),
 }
 
 fn masks_of(list: &[Holder]) -> (u64, u64) {
@@ -128,107 +153,166 @@ fn masks_of(list: &[Holder]) -> (u64, u64) {
     })
 }
 
-impl Shared {
-    fn from_list(list: Vec<Holder>) -> Shared {
-        if list.len() <= FEW {
-            let mut few = [Holder(0); FEW];
-            few[..list.len()].copy_from_slice(&list);
-            Shared::Few {
-                len: list.len() as u8,
-                list: few,
-            }
-        } else {
-            let (any, gpu) = masks_of(&list);
-            Shared::Lots(Box::new(ManyHolders { any, gpu, list }))
-        }
-    }
+/// Most other holders kept in [`Shard::few`].
+const FEW: usize = 3;
 
-    fn list(&self) -> &[Holder] {
-        match self {
-            Shared::Few { len, list } => &list[..usize::from(*len)],
-            Shared::Lots(many) => &many.list,
-        }
-    }
-
-    fn masks(&self) -> (u64, u64) {
-        match self {
-            Shared::Few { .. } => masks_of(self.list()),
-            Shared::Lots(many) => (many.any, many.gpu),
-        }
-    }
-
-    /// Applies `change` to the holder list; shapes the entry anew for its new length.
-    fn change<R>(&mut self, change: impl FnOnce(&mut Vec<Holder>) -> R) -> R {
-        match self {
-            Shared::Lots(many) if many.list.len() > FEW + 1 => {
-                // Stays large: change in place, no reallocation.
-                let result = change(&mut many.list);
-                let (any, gpu) = masks_of(&many.list);
-                many.any = any;
-                many.gpu = gpu;
-                if many.list.len() <= FEW {
-                    *self = Shared::from_list(std::mem::take(&mut many.list));
-                }
-                result
-            }
-            _ => {
-                let mut list = self.list().to_vec();
-                let result = change(&mut list);
-                *self = Shared::from_list(list);
-                result
-            }
-        }
-    }
+/// A block's other holders when it has more than [`FEW`] besides the first, with masks of their slots so that a
+/// lookup over up to 64 replicas intersects candidate sets in one instruction per block however
+/// many hold it.
+#[derive(Debug, Clone)]
+pub(super) struct Lots {
+    any: u64,
+    gpu: u64,
+    list: Vec<Holder>,
 }
 
 /// The holders of one block, as a lookup sees them.
 pub(super) enum HoldersRef<'a> {
     One(Holder),
-    Many(&'a [Holder], u64, u64),
+    Two(Holder, Holder),
+    Few(Holder, [Holder; FEW]),
+    Lots(Holder, &'a Lots),
 }
 
 impl HoldersRef<'_> {
     /// (slots holding on any tier, slots holding in GPU memory), over the first 64 slots.
     pub(super) fn masks(&self) -> (u64, u64) {
-        match *self {
-            HoldersRef::One(h) => {
-                let bit = slot_bit(h.slot());
-                (bit, if h.on_gpu() { bit } else { 0 })
+        match self {
+            HoldersRef::One(h) => masks_of(std::slice::from_ref(h)),
+            HoldersRef::Two(first, second) => masks_of(&[*first, *second]),
+            HoldersRef::Few(first, extra) => {
+                let (any, gpu) = masks_of(extra);
+                let (first_any, first_gpu) = masks_of(std::slice::from_ref(first));
+                (any | first_any, gpu | first_gpu)
             }
-            HoldersRef::Many(_, any, gpu) => (any, gpu),
+            HoldersRef::Lots(first, lots) => {
+                let (first_any, first_gpu) = masks_of(std::slice::from_ref(first));
+                (lots.any | first_any, lots.gpu | first_gpu)
+            }
         }
     }
 
     pub(super) fn find(&self, slot: ReplicaSlot) -> Option<Holder> {
-        match *self {
-            HoldersRef::One(h) => (h.slot() == slot).then_some(h),
-            HoldersRef::Many(list, _, _) => list.iter().copied().find(|h| h.slot() == slot),
-        }
+        let (first, extra): (Holder, &[Holder]) = match self {
+            HoldersRef::One(h) => (*h, &[]),
+            HoldersRef::Two(h, second) => (*h, std::slice::from_ref(second)),
+            HoldersRef::Few(h, extra) => (*h, extra),
+            HoldersRef::Lots(h, lots) => (*h, &lots.list),
+        };
+        std::iter::once(first)
+            .chain(extra.iter().copied())
+            .find(|h| h.slot() == slot)
     }
 }
 
 #[derive(Default)]
 pub(super) struct Shard {
+    /// Every held block, with its first holder.
     one: HashMap<Key, Holder, State>,
-    many: HashMap<Key, Shared, State>,
+    /// The second holder of blocks held by exactly two replicas.
+    pair: HashMap<Key, Holder, State>,
+    /// The other holders of blocks held by three or four, [`Holder::VACANT`] where unused.
+    few: HashMap<Key, [Holder; FEW], State>,
+    /// The other holders of blocks held by five or more.
+    lots: HashMap<Key, Lots, State>,
 }
 
 impl Shard {
     pub(super) fn get(&self, hash: ExternalHash) -> Option<HoldersRef<'_>> {
         let key = Key::new(hash);
-        let holder = *self.one.get(&key)?;
-        if !holder.is_marker() {
-            return Some(HoldersRef::One(holder));
-        }
-        self.many.get(&key).map(|m| {
-            let (any, gpu) = m.masks();
-            HoldersRef::Many(m.list(), any, gpu)
+        let first = *self.one.get(&key)?;
+        let others = first.others();
+        let first = first.with_others(Others::None);
+        // A tier without its entry cannot happen; read the block as held by the first only.
+        Some(match others {
+            Others::None => HoldersRef::One(first),
+            Others::Pair => match self.pair.get(&key) {
+                Some(second) => HoldersRef::Two(first, *second),
+                None => HoldersRef::One(first),
+            },
+            Others::Few => match self.few.get(&key) {
+                Some(few) => HoldersRef::Few(first, *few),
+                None => HoldersRef::One(first),
+            },
+            Others::Lots => match self.lots.get(&key) {
+                Some(lots) => HoldersRef::Lots(first, lots),
+                None => HoldersRef::One(first),
+            },
         })
     }
 
     /// Distinct blocks held by anyone.
     pub(super) fn len(&self) -> usize {
         self.one.len()
+    }
+
+    /// Every holder of a block, taken out of the side maps (the first without its tier bits).
+    fn gather(&mut self, key: Key, first: Holder) -> Vec<Holder> {
+        let mut list = vec![first.with_others(Others::None)];
+        match first.others() {
+            Others::None => {}
+            Others::Pair => list.extend(self.pair.remove(&key)),
+            Others::Few => list.extend(
+                self.few
+                    .remove(&key)
+                    .into_iter()
+                    .flatten()
+                    .filter(|h| *h != Holder::VACANT),
+            ),
+            Others::Lots => list.extend(self.lots.remove(&key).into_iter().flat_map(|l| l.list)),
+        }
+        list
+    }
+
+    /// Gives back the room of maps that emptied (tables never shrink by themselves: a block
+    /// moving up a tier, or a replica's blocks dropped at a restart, would leave it unused).
+    fn shrink_sparse_maps(&mut self) {
+        shrink_if_sparse(&mut self.one);
+        shrink_if_sparse(&mut self.pair);
+        shrink_if_sparse(&mut self.few);
+        shrink_if_sparse(&mut self.lots);
+    }
+
+    /// Stores `list` as the block's holders, in the tier its length calls for.
+    fn scatter(&mut self, key: Key, mut list: Vec<Holder>) {
+        let Some(&first) = list.first() else {
+            self.one.remove(&key);
+            return;
+        };
+        let others = match list.len() - 1 {
+            0 => Others::None,
+            1 => {
+                self.pair.insert(key, list[1]);
+                Others::Pair
+            }
+            n if n <= FEW => {
+                let mut few = [Holder::VACANT; FEW];
+                few[..n].copy_from_slice(&list[1..]);
+                self.few.insert(key, few);
+                Others::Few
+            }
+            _ => {
+                list.remove(0);
+                let (any, gpu) = masks_of(&list);
+                self.lots.insert(key, Lots { any, gpu, list });
+                Others::Lots
+            }
+        };
+        self.one.insert(key, first.with_others(others));
+    }
+
+    /// Applies `change` to the holder list of a block; files the holders anew.
+    fn change_holders<R>(
+        &mut self,
+        key: Key,
+        first: Holder,
+        change: impl FnOnce(&mut Vec<Holder>) -> R,
+    ) -> R {
+        let mut list = self.gather(key, first);
+        let result = change(&mut list);
+        self.scatter(key, list);
+        self.shrink_sparse_maps();
+        result
     }
 
     /// Records one store; true when `slot` did not hold the block before.
@@ -245,33 +329,66 @@ impl Shard {
             self.one.insert(key, fresh);
             return true;
         };
-        if !entry.is_marker() {
-            if entry.slot() == slot {
-                *entry = entry
-                    .with_refs(medium, entry.refs(medium).saturating_add(1))
-                    .with_epoch(epoch);
-                return false;
-            }
-            self.many
-                .insert(key, Shared::from_list(vec![*entry, fresh]));
-            *entry = Holder::many_marker();
-            return true;
+        if entry.slot() == slot {
+            *entry = entry.stored_again(medium, epoch);
+            return false;
         }
-        let Some(many) = self.many.get_mut(&key) else {
-            // A marker without holders cannot happen; repair by taking the block over.
-            *entry = fresh;
-            return true;
-        };
-        many.change(|list| match list.iter_mut().find(|h| h.slot() == slot) {
-            Some(h) => {
-                *h = h
-                    .with_refs(medium, h.refs(medium).saturating_add(1))
-                    .with_epoch(epoch);
-                false
+        // The common cases in place: a second holder arrives, or one already there stores again.
+        match entry.others() {
+            Others::None => {
+                *entry = entry.with_others(Others::Pair);
+                self.pair.insert(key, fresh);
+                return true;
             }
-            None => {
-                list.push(fresh);
-                true
+            Others::Pair => {
+                if let Some(second) = self.pair.get_mut(&key)
+                    && second.slot() == slot
+                {
+                    *second = second.stored_again(medium, epoch);
+                    return false;
+                }
+            }
+            Others::Few => {
+                if let Some(few) = self.few.get_mut(&key) {
+                    if let Some(h) = few.iter_mut().find(|h| h.slot() == slot) {
+                        *h = h.stored_again(medium, epoch);
+                        return false;
+                    }
+                    if let Some(vacant) = few.iter_mut().find(|h| **h == Holder::VACANT) {
+                        *vacant = fresh;
+                        return true;
+                    }
+                }
+            }
+            Others::Lots => {
+                if let Some(lots) = self.lots.get_mut(&key) {
+                    let fresh_holder = match lots.list.iter_mut().find(|h| h.slot() == slot) {
+                        Some(h) => {
+                            *h = h.stored_again(medium, epoch);
+                            false
+                        }
+                        None => {
+                            lots.list.push(fresh);
+                            true
+                        }
+                    };
+                    (lots.any, lots.gpu) = masks_of(&lots.list);
+                    return fresh_holder;
+                }
+            }
+        }
+        // A new holder that moves the block to a larger tier (or a repair): file anew.
+        let first = *entry;
+        self.change_holders(key, first, |list| {
+            match list.iter_mut().find(|h| h.slot() == slot) {
+                Some(h) => {
+                    *h = h.stored_again(medium, epoch);
+                    false
+                }
+                None => {
+                    list.push(fresh);
+                    true
+                }
             }
         })
     }
@@ -282,103 +399,111 @@ impl Shard {
         let Some(entry) = self.one.get_mut(&key) else {
             return false;
         };
-        if !entry.is_marker() {
+        if entry.others() == Others::None {
             if entry.slot() != slot {
                 return false;
             }
-            *entry = entry.with_refs(medium, entry.refs(medium).saturating_sub(1));
+            *entry = entry.removed_once(medium);
             if entry.is_empty() {
                 self.one.remove(&key);
+                shrink_if_sparse(&mut self.one);
                 return true;
             }
             return false;
         }
-        let Some(many) = self.many.get_mut(&key) else {
-            return false;
-        };
-        let gone = many.change(|list| {
+        let first = *entry;
+        self.change_holders(key, first, |list| {
             let Some(pos) = list.iter().position(|h| h.slot() == slot) else {
                 return false;
             };
-            let h = list[pos].with_refs(medium, list[pos].refs(medium).saturating_sub(1));
+            let h = list[pos].removed_once(medium);
             if h.is_empty() {
-                list.swap_remove(pos);
+                list.remove(pos);
                 true
             } else {
                 list[pos] = h;
                 false
             }
-        });
-        match many.list() {
-            [] => {
-                self.many.remove(&key);
-                self.one.remove(&key);
-            }
-            [only] => {
-                *entry = *only;
-                self.many.remove(&key);
-            }
-            _ => {}
-        }
-        gone
+        })
     }
 
     /// Drops every holder `drop` selects; returns how many.
     pub(super) fn drop_holders(&mut self, mut drop: impl FnMut(Holder) -> bool) -> usize {
         let mut dropped = 0;
-        let mut collapsed: Vec<(Key, Option<Holder>)> = Vec::new();
-        self.many.retain(|key, many| {
-            let before = many.list().len();
-            let after = many.change(|list| {
+        let shared: Vec<(Key, Holder)> = self
+            .one
+            .iter()
+            .filter(|(_, h)| h.others() != Others::None)
+            .map(|(k, h)| (*k, *h))
+            .collect();
+        for (key, first) in shared {
+            dropped += self.change_holders(key, first, |list| {
+                let before = list.len();
                 list.retain(|h| !drop(*h));
-                list.len()
+                before - list.len()
             });
-            dropped += before - after;
-            match many.list() {
-                [] => {
-                    collapsed.push((*key, None));
-                    false
-                }
-                [only] => {
-                    collapsed.push((*key, Some(*only)));
-                    false
-                }
-                _ => true,
-            }
-        });
-        for (key, last) in collapsed {
-            match last {
-                Some(h) => {
-                    self.one.insert(key, h);
-                }
-                None => {
-                    self.one.remove(&key);
-                }
-            }
         }
         self.one.retain(|_, h| {
-            if h.is_marker() || !drop(*h) {
+            if h.others() != Others::None || !drop(*h) {
                 return true;
             }
             dropped += 1;
             false
         });
+        self.shrink_sparse_maps();
         dropped
     }
 
     /// Every block `slot` holds.
     pub(super) fn blocks_of(&self, slot: ReplicaSlot, out: &mut Vec<ExternalHash>) {
-        out.extend(
-            self.one
-                .iter()
-                .filter(|(_, h)| h.slot() == slot)
-                .map(|(k, _)| k.block()),
-        );
-        out.extend(
-            self.many
-                .iter()
-                .filter(|(_, m)| m.list().iter().any(|h| h.slot() == slot))
-                .map(|(k, _)| k.block()),
-        );
+        out.extend(self.one.keys().filter_map(|key| {
+            let holders = self.get(key.block())?;
+            holders.find(slot).map(|_| key.block())
+        }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store_all(shard: &mut Shard, blocks: u64, slot: u16) {
+        for b in 0..blocks {
+            shard.store(ExternalHash(b), ReplicaSlot(slot), Medium::Gpu, 0);
+        }
+    }
+
+    #[test]
+    fn blocks_move_up_the_tiers_and_emptied_tables_shrink() {
+        let mut shard = Shard::default();
+        store_all(&mut shard, 10_000, 0);
+        store_all(&mut shard, 10_000, 1);
+        assert_eq!((shard.pair.len(), shard.few.len()), (10_000, 0));
+        store_all(&mut shard, 10_000, 2);
+        // Every block moved from `pair` to `few`; `pair`'s table went with them.
+        assert_eq!((shard.pair.len(), shard.few.len()), (0, 10_000));
+        assert!(shard.pair.capacity() <= 1024, "{}", shard.pair.capacity());
+        for slot in 3..6 {
+            store_all(&mut shard, 10_000, slot);
+        }
+        assert_eq!((shard.few.len(), shard.lots.len()), (0, 10_000));
+        assert!(shard.few.capacity() <= 1024, "{}", shard.few.capacity());
+        let Some(HoldersRef::Lots(first, lots)) = shard.get(ExternalHash(7)) else {
+            panic!("six holders are in `lots`");
+        };
+        assert_eq!(first.slot(), ReplicaSlot(0));
+        assert_eq!(lots.list.len(), 5);
+        assert_eq!(lots.any, 0b111110);
+        // Dropping all but one holder brings every block back to the main map alone.
+        let dropped = shard.drop_holders(|h| h.slot() != ReplicaSlot(4));
+        assert_eq!(dropped, 50_000);
+        assert_eq!((shard.one.len(), shard.lots.len()), (10_000, 0));
+        assert!(shard.lots.capacity() <= 1024, "{}", shard.lots.capacity());
+        assert!(matches!(
+            shard.get(ExternalHash(7)),
+            Some(HoldersRef::One(h)) if h.slot() == ReplicaSlot(4)
+        ));
+        shard.drop_holders(|_| true);
+        assert!(shard.one.capacity() <= 1024, "{}", shard.one.capacity());
     }
 }
