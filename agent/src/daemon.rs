@@ -89,17 +89,28 @@ impl Agent {
                 replay: ec.replay.clone(),
                 topic: ec.topic.clone(),
             };
-            let (sock, bound) =
-                crate::zmq::open(&endpoint)
-                    .await
-                    .map_err(|source| DaemonError::Zmq {
-                        engine: ec.name.clone(),
-                        source,
-                    })?;
+            // A bound SUB is opened now, so that a bad address fails start-up. A connecting one
+            // is opened by the intake task: the engine may not listen yet (`run` starts vLLM
+            // only once the agent is up, and vLLM takes a minute or more to bind).
+            let bound_sock = if ec.bind {
+                let (sock, bound) =
+                    crate::zmq::open(&endpoint)
+                        .await
+                        .map_err(|source| DaemonError::Zmq {
+                            engine: ec.name.clone(),
+                            source,
+                        })?;
+                Some((sock, bound))
+            } else {
+                None
+            };
             tracing::info!(
                 engine = ec.name,
                 replica = ec.replica,
-                endpoint = bound.as_deref().unwrap_or(&ec.endpoint),
+                endpoint = bound_sock
+                    .as_ref()
+                    .and_then(|(_, b)| b.as_deref())
+                    .unwrap_or(&ec.endpoint),
                 bind = ec.bind,
                 replay = ec.replay.as_deref().unwrap_or("none"),
                 "engine intake started"
@@ -122,6 +133,16 @@ impl Agent {
             agent.tasks.push(tokio::spawn(mirror.run(rx)));
             let name = ec.name.clone();
             agent.tasks.push(tokio::spawn(async move {
+                let sock = match bound_sock {
+                    Some((sock, _)) => sock,
+                    None => match crate::zmq::open_when_ready(&intake.endpoint).await {
+                        Ok((sock, _)) => sock,
+                        Err(e) => {
+                            tracing::error!(engine = name, error = %e, "intake not started");
+                            return;
+                        }
+                    },
+                };
                 if let Err(e) = intake.run(sock).await {
                     tracing::error!(engine = name, error = %e, "intake stopped");
                 }
@@ -232,4 +253,67 @@ async fn blocks(State(agent): State<Arc<Agent>>, Path(name): Path<String>) -> Re
     hashes.sort_unstable();
     hashes.dedup();
     axum::Json(hashes).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::config::AgentArgs;
+    use crate::wire::{BlockStored, EventBatch, EventForm, ExternalHash, KvEvent, encode_batch};
+    use crate::zmq::{Publisher, ReplyShape};
+
+    /// Found against real vLLM (`make e2e-vllm`): `llmgw-agent run` starts vLLM only once the
+    /// agent is up, and vLLM binds its PUB a minute or more later. Start-up used to wait for
+    /// the connection and fail after zeromq's 30 s, so vLLM was never started.
+    #[tokio::test]
+    async fn starts_before_a_connecting_engine_listens_and_mirrors_it_once_it_binds() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port();
+        let endpoint = format!("tcp://127.0.0.1:{port}");
+        let args = AgentArgs {
+            engines: vec![format!("127.0.0.1:1={endpoint}").parse().expect("spec")],
+            stale_after_ms: Some(0),
+            ..AgentArgs::default()
+        };
+        let agent = tokio::time::timeout(
+            Duration::from_secs(5),
+            Agent::start(args.resolve().expect("config")),
+        )
+        .await
+        .expect("start-up does not wait for the engine")
+        .expect("agent starts");
+
+        // The engine binds late.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let mut publisher = Publisher::start(&endpoint, false, None, "", ReplyShape::WithTopic, 16)
+            .await
+            .expect("engine binds");
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored(BlockStored {
+                block_hashes: vec![ExternalHash(7)],
+                ..BlockStored::default()
+            })],
+            dp_rank: Some(0),
+        };
+        let payload = encode_batch(&batch, EventForm::TaggedMap);
+        // PUB drops messages until the SUB has connected and subscribed: keep publishing.
+        for seq in 0..100 {
+            if !agent.engines[0].block_set().is_empty() {
+                break;
+            }
+            publisher.publish(seq, &payload).await.expect("publish");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let hashes: Vec<u64> = agent.engines[0]
+            .block_set()
+            .into_iter()
+            .map(|k| k.hash.0)
+            .collect();
+        assert!(hashes.contains(&7), "mirrored: {hashes:?}");
+    }
 }

@@ -25,8 +25,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::StreamExt as _;
+use futures::channel::mpsc as mpsc_futures;
 use tokio::sync::mpsc;
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 pub use publisher::{Publisher, ReplyShape};
 pub use seq::{SeqTracker, SeqVerdict};
@@ -72,10 +74,52 @@ pub struct EngineEndpoint {
     pub topic: String,
 }
 
+/// How long one attempt to reach a connect-mode engine may take before the next.
+const CONNECT_ATTEMPT: Duration = Duration::from_secs(1);
+
 /// Opens the SUB socket; returns it with the endpoint actually bound (port 0 resolved) when
-/// binding.
+/// binding. Connecting waits for the engine to accept, at most zeromq's default 30 s: use
+/// [`open_when_ready`] for an engine that may not be listening yet.
 pub async fn open(ep: &EngineEndpoint) -> Result<(SubSocket, Option<String>), ZmqError> {
-    let mut sock = SubSocket::new();
+    open_with(ep, SubSocket::new()).await
+}
+
+/// [`open`] for an engine that may not listen yet (vLLM takes a minute or more to start, and
+/// `llmgw-agent run` starts it only after the agent is up): connecting retries, briefly and
+/// forever, until the engine's PUB accepts. Binding fails at once, as with [`open`].
+pub async fn open_when_ready(ep: &EngineEndpoint) -> Result<(SubSocket, Option<String>), ZmqError> {
+    if ep.bind {
+        return open(ep).await;
+    }
+    let started = tokio::time::Instant::now();
+    let mut announced = false;
+    loop {
+        // zeromq's own connect backs off up to 30 s between attempts; short attempts of our
+        // own catch the engine within about a second of it binding.
+        let mut options = zeromq::SocketOptions::default();
+        options.connect_timeout(CONNECT_ATTEMPT);
+        match open_with(ep, SubSocket::with_options(options)).await {
+            Ok(opened) => {
+                if announced {
+                    tracing::info!(endpoint = ep.endpoint, waited = ?started.elapsed(), "engine's PUB reached");
+                }
+                return Ok(opened);
+            }
+            Err(e) => {
+                if !announced {
+                    tracing::info!(endpoint = ep.endpoint, error = %e, "engine's PUB not reachable yet (starting?): retrying");
+                    announced = true;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn open_with(
+    ep: &EngineEndpoint,
+    mut sock: SubSocket,
+) -> Result<(SubSocket, Option<String>), ZmqError> {
     let bound = if ep.bind {
         let at = sock
             .bind(&ep.endpoint)
@@ -115,6 +159,16 @@ pub struct Intake {
     pub replay_timeout: Duration,
 }
 
+/// The next event of a socket monitor; never, without one.
+pub(crate) async fn next_event(
+    events: &mut Option<mpsc_futures::Receiver<SocketEvent>>,
+) -> Option<SocketEvent> {
+    match events {
+        Some(rx) => rx.next().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// One message split into its seq and payload.
 struct Message {
     seq: u64,
@@ -125,11 +179,37 @@ impl Intake {
     /// Receives until the socket fails or the mirror task stops.
     pub async fn run(self, mut sock: SubSocket) -> Result<(), ZmqError> {
         let mut tracker = SeqTracker::default();
+        // zeromq re-dials a lost connect-mode peer with a backoff that grows to 30 s, so a
+        // restarted vLLM's first batches went by unheard (seen with `make e2e-vllm`). On a
+        // disconnect the intake dials afresh instead. A bound SUB waits for vLLM, which
+        // re-dials every 100 ms.
+        let mut socket_events = (!self.endpoint.bind).then(|| sock.monitor());
         loop {
-            let msg = match sock.recv().await {
-                Ok(m) => m,
-                Err(e) => {
+            let received = tokio::select! {
+                r = sock.recv() => Some(r),
+                Some(event) = next_event(&mut socket_events) => {
+                    if !matches!(event, SocketEvent::Disconnected(_)) {
+                        continue;
+                    }
+                    None
+                }
+            };
+            let msg = match received {
+                Some(Ok(m)) => m,
+                Some(Err(e)) => {
                     tracing::warn!(engine = &*self.engine, error = %e, "SUB receive failed");
+                    continue;
+                }
+                None => {
+                    tracing::info!(
+                        engine = &*self.engine,
+                        endpoint = self.endpoint.endpoint,
+                        "engine's PUB disconnected: dialling afresh"
+                    );
+                    // Dropping the old socket stops its own slow re-dialling.
+                    drop(sock);
+                    (sock, _) = open_when_ready(&self.endpoint).await?;
+                    socket_events = Some(sock.monitor());
                     continue;
                 }
             };

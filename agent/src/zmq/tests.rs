@@ -332,6 +332,39 @@ async fn a_restarted_engine_resets_and_reconverges() {
     assert_eq!(rig.hashes(), expected_blocks(&frames[14..]));
 }
 
+/// Found with `make e2e-vllm`: a killed vLLM restarted by the supervisor binds its PUB again a
+/// minute later, and zeromq's own re-dialling had backed off to tens of seconds by then, so the
+/// new engine's first batches were lost. The intake now dials afresh on a disconnect.
+#[tokio::test]
+async fn a_restarted_engine_is_heard_within_seconds_of_binding_again() {
+    let frames = frames();
+    let (mut publisher, rig) = connected(None, 10).await;
+    let endpoint = publisher.endpoint.clone();
+    for f in &frames[..3] {
+        publisher.publish(f.seq, &f.payload).await.expect("publish");
+    }
+    rig.wait_for("first life", |r| r.batches() == 3).await;
+    drop(publisher);
+    // Down long enough for zeromq's own re-dialling (0.1 s, doubling) to have backed off:
+    // its attempts fall near 5 s, 10.5 s and 21 s, so it would hear the engine ~9 s late.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let mut publisher = Publisher::start(&endpoint, false, None, "kv", ReplyShape::WithTopic, 10)
+        .await
+        .expect("the engine binds again");
+    let rebound = tokio::time::Instant::now();
+    // PUB drops messages until the SUB is back: publish the new life's batch 0 until heard.
+    let f = &frames[0];
+    while rig.resets("restart") == 0 && rebound.elapsed() < Duration::from_secs(4) {
+        publisher.publish(0, &f.payload).await.expect("publish");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        rig.resets("restart"),
+        1,
+        "the new engine was not heard within 4 s of binding"
+    );
+}
+
 #[tokio::test]
 async fn messages_that_are_not_three_frames_are_counted_and_dropped() {
     let frames = frames();
