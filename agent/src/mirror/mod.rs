@@ -14,13 +14,16 @@
 //! Plain data, no interior locking: one engine task owns it (behind the engine's
 //! `parking_lot::Mutex`, taken briefly per batch, per flush and per snapshot).
 
-use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::time::Duration;
 
 use llmgw::kvindex::Medium as Tier;
 
 use crate::wire::{ExternalHash, KvEvent, Medium};
+
+/// The mirror's maps hash with foldhash: block keys are engine-chosen 64-bit hashes already,
+/// and SipHash cost about a tenth of decode + mirror time.
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 /// Pending-map capacity kept between windows (see [`Mirror::take_delta`]).
 const PENDING_KEEP: usize = 4096;

@@ -1,5 +1,7 @@
 //! The single-pass decoder: payload bytes → [`EventBatch`].
 
+use std::borrow::Cow;
+
 use super::reader::{Int, Kind, Reader};
 use super::{
     AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, ExternalHash, KvEvent, Medium, Value,
@@ -39,35 +41,35 @@ pub(super) const REMOVED_FIELDS: [&str; 5] = [
 
 /// A BlockStored map key's position in [`STORED_FIELDS`] (a `match` compiles to a length
 /// switch plus one comparison, far cheaper than scanning the list per key).
-pub(super) fn stored_pos(key: &str) -> Option<usize> {
+pub(super) fn stored_pos(key: &[u8]) -> Option<usize> {
     Some(match key {
-        "block_hashes" => 0,
-        "parent_block_hash" => 1,
-        "token_ids" => 2,
-        "block_size" => 3,
-        "lora_id" => 4,
-        "medium" => 5,
-        "lora_name" => 6,
-        "extra_keys" => 7,
-        "group_idx" => 8,
-        "kv_cache_spec_kind" => 9,
-        "kv_cache_spec_sliding_window" => 10,
-        "locality" => 11,
-        "ownership" => 12,
-        "session_id" => 13,
-        "lookahead_token_ids" => 14,
+        b"block_hashes" => 0,
+        b"parent_block_hash" => 1,
+        b"token_ids" => 2,
+        b"block_size" => 3,
+        b"lora_id" => 4,
+        b"medium" => 5,
+        b"lora_name" => 6,
+        b"extra_keys" => 7,
+        b"group_idx" => 8,
+        b"kv_cache_spec_kind" => 9,
+        b"kv_cache_spec_sliding_window" => 10,
+        b"locality" => 11,
+        b"ownership" => 12,
+        b"session_id" => 13,
+        b"lookahead_token_ids" => 14,
         _ => return None,
     })
 }
 
 /// A BlockRemoved map key's position in [`REMOVED_FIELDS`].
-pub(super) fn removed_pos(key: &str) -> Option<usize> {
+pub(super) fn removed_pos(key: &[u8]) -> Option<usize> {
     Some(match key {
-        "block_hashes" => 0,
-        "medium" => 1,
-        "group_idx" => 2,
-        "locality" => 3,
-        "ownership" => 4,
+        b"block_hashes" => 0,
+        b"medium" => 1,
+        b"group_idx" => 2,
+        b"locality" => 3,
+        b"ownership" => 4,
         _ => return None,
     })
 }
@@ -129,10 +131,10 @@ fn map_batch(r: &mut Reader<'_>) -> Result<EventBatch, WireError> {
             r.skip()?;
             continue;
         }
-        match r.str()? {
-            "ts" => ts = Some(r.f64()?),
-            "events" => events_seen = Some(events(r)?),
-            "data_parallel_rank" => dp_rank = opt_i64(r, "dp_rank")?,
+        match r.str_bytes()? {
+            b"ts" => ts = Some(r.f64()?),
+            b"events" => events_seen = Some(events(r)?),
+            b"data_parallel_rank" => dp_rank = opt_i64(r, "dp_rank")?,
             _ => r.skip()?,
         }
     }
@@ -262,7 +264,7 @@ fn map_event(r: &mut Reader<'_>, index: usize) -> Result<KvEvent, WireError> {
             r.skip()?;
             continue;
         }
-        let key = r.str()?;
+        let key = r.str_bytes()?;
         match tag {
             Tag::Stored => match stored_pos(key) {
                 Some(pos) => stored_field(r, &mut stored, pos)
@@ -292,7 +294,7 @@ fn find_type<'a>(r: &mut Reader<'a>) -> Result<Option<&'a str>, WireError> {
     let len = r.map_len()?;
     for _ in 0..len {
         if r.peek_kind() == Some(Kind::Str) {
-            if r.str()? == "type" {
+            if r.str_bytes()? == b"type" {
                 return r.str().map(Some);
             }
         } else {
@@ -353,7 +355,7 @@ fn stored_field(r: &mut Reader<'_>, ev: &mut BlockStored, pos: usize) -> Result<
             }
         }
         8 => ev.group_idx = opt_i64(r, "group_idx")?,
-        9 => ev.kv_cache_spec_kind = opt_string(r)?,
+        9 => ev.kv_cache_spec_kind = opt_spec_kind(r)?,
         10 => ev.kv_cache_spec_sliding_window = opt_i64(r, "kv_cache_spec_sliding_window")?,
         11 => ev.locality = opt_string(r)?,
         12 => ev.ownership = opt_string(r)?,
@@ -379,6 +381,9 @@ fn removed_field(r: &mut Reader<'_>, ev: &mut BlockRemoved, pos: usize) -> Resul
 
 /// A block hash: u64, i64 reinterpreted, or digest bytes (last 8, big-endian).
 fn hash(r: &mut Reader<'_>) -> Result<ExternalHash, WireError> {
+    if let Some(u) = r.u64_exact() {
+        return Ok(ExternalHash(u));
+    }
     match r.peek_kind() {
         Some(Kind::Bin) => Ok(ExternalHash::from_digest_bytes(r.bin()?)),
         _ => Ok(ExternalHash(match r.int()? {
@@ -411,12 +416,17 @@ fn tokens(r: &mut Reader<'_>) -> Result<Vec<u32>, WireError> {
     let n = r.array_len()?;
     let mut out = Vec::with_capacity(n.min(r.remaining()));
     for _ in 0..n {
+        if let Some(t) = r.small_uint() {
+            out.push(t);
+            continue;
+        }
+        // Anything else (a signed or 64-bit form, or not an integer): the general path.
         let offset = r.pos();
         let t = match r.int()? {
             Int::U(u) => u32::try_from(u).ok(),
             Int::I(_) => None,
         };
-        out.push(t.ok_or(WireError::OutOfRange {
+        out.push(t.ok_or_else(|| WireError::OutOfRange {
             offset,
             what: "token id",
         })?);
@@ -443,12 +453,48 @@ fn opt_string(r: &mut Reader<'_>) -> Result<Option<String>, WireError> {
     }
 }
 
+/// vLLM's `kv_cache_spec_kind` values (0.33), shared rather than allocated per event.
+const SPEC_KINDS: [&str; 10] = [
+    "full_attention",
+    "mla_attention",
+    "sliding_window",
+    "sliding_window_mla",
+    "mamba",
+    "chunked_local_attention",
+    "sink_full_attention",
+    "encoder_only_attention",
+    "cross_attention",
+    "unknown",
+];
+
+fn opt_spec_kind(r: &mut Reader<'_>) -> Result<Option<Cow<'static, str>>, WireError> {
+    if r.nil() {
+        return Ok(None);
+    }
+    let start = r.pos();
+    let bytes = r.str_bytes()?;
+    if let Some(known) = SPEC_KINDS.iter().find(|k| k.as_bytes() == bytes) {
+        return Ok(Some(Cow::Borrowed(known)));
+    }
+    std::str::from_utf8(bytes)
+        .map(|s| Some(Cow::Owned(s.to_owned())))
+        .map_err(|_| WireError::InvalidUtf8 { offset: start })
+}
+
 fn opt_medium(r: &mut Reader<'_>) -> Result<Option<Medium>, WireError> {
     if r.nil() {
-        Ok(None)
-    } else {
-        r.str().map(|s| Some(Medium::from_wire(s)))
+        return Ok(None);
     }
+    let start = r.pos();
+    Ok(Some(match r.str_bytes()? {
+        b"GPU" => Medium::Gpu,
+        b"CPU" => Medium::Cpu,
+        other => Medium::Other(
+            std::str::from_utf8(other)
+                .map_err(|_| WireError::InvalidUtf8 { offset: start })?
+                .to_owned(),
+        ),
+    }))
 }
 
 /// Any value, recursively, to a bounded depth.

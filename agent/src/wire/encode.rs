@@ -82,7 +82,11 @@ fn stored_fields(e: &BlockStored) -> Vec<(&'static str, Mp, bool)> {
             true,
         ),
         ("group_idx", opt(&e.group_idx, |&i| Mp::from(i)), true),
-        ("kv_cache_spec_kind", opt_str(&e.kv_cache_spec_kind), true),
+        (
+            "kv_cache_spec_kind",
+            e.kv_cache_spec_kind.as_deref().map_or(Mp::Nil, Mp::from),
+            true,
+        ),
         (
             "kv_cache_spec_sliding_window",
             opt(&e.kv_cache_spec_sliding_window, |&i| Mp::from(i)),

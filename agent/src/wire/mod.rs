@@ -18,6 +18,8 @@
 //! [`encode_batch`] writes the same shapes back (used by tests, the replay benchmark and the
 //! simulator).
 
+use std::borrow::Cow;
+
 mod decode;
 mod encode;
 mod reader;
@@ -118,7 +120,8 @@ pub struct BlockStored {
     /// One entry per block: nil or the block's (untagged) extra-key tuple.
     pub extra_keys: Option<Vec<Value>>,
     pub group_idx: Option<i64>,
-    pub kv_cache_spec_kind: Option<String>,
+    /// vLLM's known kinds are borrowed (no allocation per event); others are owned.
+    pub kv_cache_spec_kind: Option<Cow<'static, str>>,
     pub kv_cache_spec_sliding_window: Option<i64>,
     pub locality: Option<String>,
     pub ownership: Option<String>,

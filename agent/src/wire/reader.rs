@@ -240,8 +240,45 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// An unsigned integer that fits in u32, in the forms token ids take (fixint, u8, u16,
+    /// u32), consumed only when it is one; `None` leaves the cursor for [`Reader::int`]'s
+    /// general path and its errors. The hot loop of `token_ids`.
+    #[inline]
+    pub(crate) fn small_uint(&mut self) -> Option<u32> {
+        let rest = self.buf.get(self.pos..)?;
+        let (value, width) = match *rest {
+            [m @ 0x00..=0x7f, ..] => (u32::from(m), 1),
+            [0xcc, b, ..] => (u32::from(b), 2),
+            [0xcd, a, b, ..] => (u32::from(u16::from_be_bytes([a, b])), 3),
+            [0xce, a, b, c, d, ..] => (u32::from_be_bytes([a, b, c, d]), 5),
+            _ => return None,
+        };
+        self.pos += width;
+        Some(value)
+    }
+
+    /// A u64 in its 8-byte form (how vLLM writes block hashes), consumed only when it is one.
+    #[inline]
+    pub(crate) fn u64_exact(&mut self) -> Option<u64> {
+        let rest = self.buf.get(self.pos..)?;
+        match *rest {
+            [0xcf, a, b, c, d, e, f, g, h, ..] => {
+                self.pos += 9;
+                Some(u64::from_be_bytes([a, b, c, d, e, f, g, h]))
+            }
+            _ => None,
+        }
+    }
+
     pub(crate) fn str(&mut self) -> Result<&'a str, WireError> {
         let start = self.pos;
+        let bytes = self.str_bytes()?;
+        std::str::from_utf8(bytes).map_err(|_| WireError::InvalidUtf8 { offset: start })
+    }
+
+    /// A string's bytes, not checked for UTF-8: for comparing against known keys and tags,
+    /// where a string that is not UTF-8 simply matches none of them.
+    pub(crate) fn str_bytes(&mut self) -> Result<&'a [u8], WireError> {
         let len = match self.buf.get(self.pos) {
             Some(&m @ 0xa0..=0xbf) => {
                 self.pos += 1;
@@ -261,8 +298,7 @@ impl<'a> Reader<'a> {
             }
             _ => return Err(self.unexpected("string")),
         };
-        let bytes = self.take(len)?;
-        std::str::from_utf8(bytes).map_err(|_| WireError::InvalidUtf8 { offset: start })
+        self.take(len)
     }
 
     pub(crate) fn bin(&mut self) -> Result<&'a [u8], WireError> {
@@ -353,30 +389,6 @@ impl<'a> Reader<'a> {
             }
         }
         Ok(())
-    }
-
-    /// A string's bytes without the UTF-8 check (for skipping).
-    fn str_bytes(&mut self) -> Result<&'a [u8], WireError> {
-        let len = match self.buf.get(self.pos) {
-            Some(&m @ 0xa0..=0xbf) => {
-                self.pos += 1;
-                usize::from(m & 0x1f)
-            }
-            Some(0xd9) => {
-                self.pos += 1;
-                self.u8()?
-            }
-            Some(0xda) => {
-                self.pos += 1;
-                self.u16()?
-            }
-            Some(0xdb) => {
-                self.pos += 1;
-                self.u32()?
-            }
-            _ => return Err(self.unexpected("string")),
-        };
-        self.take(len)
     }
 }
 

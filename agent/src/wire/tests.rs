@@ -54,7 +54,7 @@ fn expected_fixture_batch(version: (u32, u32, u32), raw_digests: bool) -> EventB
     let at_least = |v: (u32, u32, u32)| version >= v;
     let medium = at_least((0, 10, 2)).then_some(Medium::Gpu);
     let group_idx = at_least((0, 20, 0)).then_some(0);
-    let kind = at_least((0, 22, 0)).then(|| "full_attention".to_owned());
+    let kind = at_least((0, 22, 0)).then(|| "full_attention".into());
     if raw_digests {
         return EventBatch {
             ts: 1_700_000_000.5,
@@ -225,12 +225,20 @@ fn every_capture_frame_decodes_and_every_hash_recomputes() {
 #[test]
 fn map_key_positions_match_the_declared_field_order() {
     for (i, name) in super::decode::STORED_FIELDS.iter().enumerate() {
-        assert_eq!(super::decode::stored_pos(name), Some(i), "{name}");
+        assert_eq!(
+            super::decode::stored_pos(name.as_bytes()),
+            Some(i),
+            "{name}"
+        );
     }
     for (i, name) in super::decode::REMOVED_FIELDS.iter().enumerate() {
-        assert_eq!(super::decode::removed_pos(name), Some(i), "{name}");
+        assert_eq!(
+            super::decode::removed_pos(name.as_bytes()),
+            Some(i),
+            "{name}"
+        );
     }
-    assert_eq!(super::decode::stored_pos("type"), None);
+    assert_eq!(super::decode::stored_pos(b"type"), None);
 }
 
 #[test]
@@ -522,7 +530,7 @@ fn arb_event() -> impl Strategy<Value = KvEvent> {
                     lora_name: ln,
                     extra_keys: ek,
                     group_idx: g,
-                    kv_cache_spec_kind: k,
+                    kv_cache_spec_kind: k.map(Into::into),
                     kv_cache_spec_sliding_window: sw,
                     locality: loc,
                     ownership: own,
