@@ -2,12 +2,12 @@
 //! [`Settings`], and runs them until shutdown.
 //!
 //! # Concurrency model
-//! Background tasks: the health checker, the scraper, the configuration watcher (with a file)
+//! Background tasks: the health checker, the scraper, the configuration watcher (with a file;
+//! it updates the pool's replicas and the feed's node map)
 //! and the readiness reporter; each owns nothing but `Arc`s to shared immutable or lock-free
 //! state. The gRPC server (ext_proc + health) and the admin server run side by side and stop
 //! together on the shutdown signal; the background tasks are aborted when [`serve`] returns.
 
-use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -92,15 +92,6 @@ pub async fn serve(
         probe,
     ));
     background.spawn(monitor::run_scrapes(Arc::clone(&pool), prober, probe));
-    if let Some(path) = &settings.config_path {
-        background.spawn(config::watch_replicas(
-            path.clone(),
-            settings.config_poll_interval,
-            settings.flag_replicas.clone(),
-            Arc::clone(&pool),
-        ));
-    }
-
     // The prefix slot: precise index (fed by agents) first, the prefix tree where it can't answer.
     let index = Arc::new(KvIndex::new(settings.index));
     let tokenizer =
@@ -114,15 +105,7 @@ pub async fn serve(
     ));
 
     // Agents feed the index; each node may only speak for its own replicas.
-    let mut nodes: HashMap<String, HashSet<String>> = HashMap::new();
-    for replica in &settings.replicas {
-        if let Some(node) = &replica.node {
-            nodes
-                .entry(node.clone())
-                .or_default()
-                .insert(replica.address.to_string());
-        }
-    }
+    let nodes = crate::feed::node_map(&settings.replicas);
     let feed = FeedService::new(
         Arc::clone(&index) as Arc<dyn KvEventSink>,
         FeedConfig {
@@ -139,6 +122,22 @@ pub async fn serve(
             .map(crate::feed::tls::FeedTls::load)
             .transpose()?,
     );
+
+    // A reloaded file changes the pool's replicas and the feed's node map together.
+    if let Some(path) = &settings.config_path {
+        let feed = feed.clone();
+        background.spawn(config::watch_replicas(
+            path.clone(),
+            settings.config_poll_interval,
+            settings.flag_replicas.clone(),
+            Arc::clone(&pool),
+            move |replicas| {
+                if feed.set_nodes(crate::feed::node_map(replicas)) {
+                    tracing::info!("agent feed's node map reloaded");
+                }
+            },
+        ));
+    }
 
     let mut metrics = Metrics::new(Arc::clone(&pool));
     affinity.register_metrics(metrics.registry_mut());

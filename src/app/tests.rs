@@ -141,3 +141,174 @@ async fn serves_grpc_health_admin_endpoints_and_stops_on_shutdown() {
         .unwrap()
         .unwrap();
 }
+
+/// One hand-driven agent stream on the feed port.
+struct FeedStream {
+    tx: tokio::sync::mpsc::Sender<llmgw_feed_proto::v1::AgentMessage>,
+    rx: tonic::Streaming<llmgw_feed_proto::v1::RouterMessage>,
+}
+
+impl FeedStream {
+    /// Connects as node `n1` with one engine on `replica`, holding `blocks`.
+    async fn open(feed: SocketAddr, replica: &str, blocks: &[u64]) -> FeedStream {
+        use llmgw_feed_proto::v1 as pb;
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{feed}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let hello = pb::agent_message::Body::Hello(pb::Hello {
+            node: "n1".into(),
+            agent_version: "test".into(),
+            engines: vec![pb::EngineInfo {
+                engine: "e".into(),
+                replica: replica.into(),
+                ..pb::EngineInfo::default()
+            }],
+        });
+        let snapshot = pb::agent_message::Body::Snapshot(pb::Snapshot {
+            engine: "e".into(),
+            epoch: 0,
+            seq: 0,
+            blocks: blocks
+                .iter()
+                .map(|&hash| pb::Block {
+                    hash,
+                    group: 0,
+                    medium: pb::Medium::Gpu as i32,
+                    count: 1,
+                })
+                .collect(),
+            hash_status: 0,
+        });
+        for (id, body) in [(1, hello), (2, snapshot)] {
+            tx.send(pb::AgentMessage {
+                id,
+                body: Some(body),
+            })
+            .await
+            .unwrap();
+        }
+        let rx = pb::feed_client::FeedClient::new(channel)
+            .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        FeedStream { tx, rx }
+    }
+
+    /// Reads until the snapshot's acknowledgement; says whether the engine was refused.
+    async fn refused(&mut self) -> bool {
+        use llmgw_feed_proto::v1::router_message::Body;
+        let mut refused = false;
+        loop {
+            match self.rx.message().await.unwrap().and_then(|m| m.body) {
+                Some(Body::Refused(_)) => refused = true,
+                Some(Body::Ack(ack)) if ack.id == 2 => return refused,
+                Some(_) => {}
+                None => panic!("stream ended before the snapshot's ack"),
+            }
+        }
+    }
+
+    /// The status the router ends the stream with.
+    async fn ended(mut self) -> tonic::Status {
+        let _keep_open = &self.tx;
+        loop {
+            match tokio::time::timeout(Duration::from_secs(5), self.rx.message()).await {
+                Ok(Ok(Some(_))) => {}
+                Ok(Ok(None)) => panic!("stream closed without a status"),
+                Ok(Err(status)) => return status,
+                Err(_) => panic!("the router never ended the stream"),
+            }
+        }
+    }
+}
+
+async fn blocks_of(admin: SocketAddr, replica: &str) -> Vec<u64> {
+    let body: serde_json::Value =
+        reqwest::get(format!("http://{admin}/debug/replicas/{replica}/blocks"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+    let mut hashes: Vec<u64> = body["block_hashes"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{body}"))
+        .iter()
+        .filter_map(serde_json::Value::as_u64)
+        .collect();
+    hashes.sort_unstable();
+    hashes
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_feeds_node_map_follows_configuration_reloads() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("llmgw.yaml");
+    let write = |nodes: (&str, &str)| {
+        let text = format!(
+            "replicas:\n  - address: 127.0.0.1:8001\n    models: [tiny]\n    node: {}\n  \
+             - address: 127.0.0.1:8002\n    models: [tiny]\n    node: {}\n",
+            nodes.0, nodes.1
+        );
+        std::fs::write(&path, text).unwrap();
+    };
+    write(("n1", "n2"));
+    let settings = Settings::resolve(&ServeArgs {
+        config: Some(path.clone()),
+        grpc_addr: Some("127.0.0.1:0".parse().unwrap()),
+        admin_addr: Some("127.0.0.1:0".parse().unwrap()),
+        feed_addr: Some("127.0.0.1:0".parse().unwrap()),
+        config_poll_interval: Some(Duration::from_millis(20)),
+        ..ServeArgs::default()
+    })
+    .unwrap();
+    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve(
+        settings,
+        async move {
+            let _ = stop_rx.await;
+        },
+        move |bound| {
+            let _ = bound_tx.send(bound);
+        },
+    ));
+    let bound = bound_rx.await.unwrap();
+
+    // 127.0.0.1:8002 belongs to n2: n1's agent is refused.
+    let mut stream = FeedStream::open(bound.feed, "127.0.0.1:8002", &[7, 8]).await;
+    assert!(stream.refused().await, "8002 is not n1's yet");
+    assert!(blocks_of(bound.admin, "127.0.0.1:8002").await.is_empty());
+
+    // The file moves 8002 to n1: n1's stream is ended so its agent resends Hello and snapshots,
+    // which are now accepted.
+    write(("n1", "n1"));
+    let status = stream.ended().await;
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status}");
+    let mut stream = FeedStream::open(bound.feed, "127.0.0.1:8002", &[7, 8]).await;
+    assert!(!stream.refused().await, "8002 is n1's now");
+    assert_eq!(blocks_of(bound.admin, "127.0.0.1:8002").await, [7, 8]);
+
+    // And back to n2: n1's blocks for it leave the index at once.
+    write(("n1", "n2"));
+    let status = stream.ended().await;
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status}");
+    assert!(blocks_of(bound.admin, "127.0.0.1:8002").await.is_empty());
+    let metrics = reqwest::get(format!("http://{}/metrics", bound.admin))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("llmgw_feed_node_map_reloads_total 2"),
+        "{metrics}"
+    );
+
+    let _ = stop_tx.send(());
+    server.await.unwrap().unwrap();
+}

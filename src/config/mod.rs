@@ -29,7 +29,7 @@
 //! ```
 //!
 //! The file is polled for changes ([`watch_replicas`]); a change re-reads the replica list and
-//! swaps it into the pool. Other settings need a restart.
+//! swaps it into the pool and the agent feed's node map. Other settings need a restart.
 //!
 //! Replica addresses are `IP:PORT` (or `localhost:PORT`): Envoy's `override_host` policy matches
 //! the destination against the cluster's host addresses, so names would never match.
@@ -571,17 +571,19 @@ fn opt_duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Dur
         .transpose()
 }
 
-/// Polls the configuration file every `interval` and swaps a changed replica list into the pool.
-/// A file that fails to parse is reported and the pool kept as it is. The file's contents at the
-/// time of the call are the baseline; the returned future runs until dropped.
+/// Polls the configuration file every `interval` and swaps a changed replica list into the pool,
+/// then hands the new list to `on_reload` (the feed's node map follows it). A file that fails
+/// to parse is reported and the pool kept as it is. The file's contents at the time of the call
+/// are the baseline; the returned future runs until dropped.
 pub fn watch_replicas(
     path: PathBuf,
     interval: Duration,
     flag_replicas: Vec<ReplicaSpec>,
     pool: Arc<Pool>,
+    on_reload: impl Fn(&[ReplicaSpec]) + Send + 'static,
 ) -> impl Future<Output = ()> + Send {
     let baseline = std::fs::read(&path).ok();
-    watch_from(path, interval, flag_replicas, pool, baseline)
+    watch_from(path, interval, flag_replicas, pool, on_reload, baseline)
 }
 
 async fn watch_from(
@@ -589,6 +591,7 @@ async fn watch_from(
     interval: Duration,
     flag_replicas: Vec<ReplicaSpec>,
     pool: Arc<Pool>,
+    on_reload: impl Fn(&[ReplicaSpec]) + Send + 'static,
     mut last: Option<Vec<u8>>,
 ) {
     let mut ticker = tokio::time::interval(interval);
@@ -604,9 +607,11 @@ async fn watch_from(
         match replicas {
             Ok(mut replicas) => {
                 replicas.extend(flag_replicas.iter().cloned());
-                if pool.set_replicas(replicas) {
+                if pool.set_replicas(replicas.clone()) {
                     tracing::info!(path = %path.display(), "replica list reloaded");
                 }
+                // Node names can change while the pool's endpoints do not.
+                on_reload(&replicas);
             }
             Err(error) => {
                 tracing::warn!(%error, "configuration reload failed; keeping the replicas")

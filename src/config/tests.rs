@@ -101,6 +101,7 @@ async fn changed_file_swaps_the_replicas() {
         Duration::from_millis(20),
         vec![flag],
         Arc::clone(&pool),
+        |_| {},
     ));
     write_file(
         &dir,

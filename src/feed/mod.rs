@@ -13,7 +13,11 @@
 //!   the stream with `DATA_LOSS`, so the agent reconnects and resends snapshots;
 //! * only KV-cache group 0 (the full-attention group) reaches the index;
 //! * a node whose streams have all been gone longer than [`FeedConfig::grace`] is dropped:
-//!   its replicas are cleared from the index.
+//!   its replicas are cleared from the index;
+//! * the node → replica map follows configuration reloads ([`FeedService::set_nodes`]): an
+//!   engine whose replica left its node is dropped from the index at once, and the streams of
+//!   every node whose replicas changed are ended with `UNAVAILABLE`, so its agent reconnects
+//!   and resends Hello and snapshots, judged against the new map.
 //!
 //! # Concurrency model
 //! One tonic task per stream. All feed state (per node, per engine: epoch, seq and the blocks
@@ -55,13 +59,30 @@ pub use pb::feed_server::FeedServer;
 /// The default address of the feed service.
 pub const DEFAULT_FEED_ADDR: &str = "127.0.0.1:9003";
 
+/// Node name → the replicas (`host:port`) configured on that node.
+pub type NodeMap = HashMap<String, HashSet<String>>;
+
+/// The node map of a replica list (replicas without a node are not fed by any agent).
+pub fn node_map(replicas: &[crate::pool::ReplicaSpec]) -> NodeMap {
+    let mut nodes = NodeMap::new();
+    for replica in replicas {
+        if let Some(node) = &replica.node {
+            nodes
+                .entry(node.clone())
+                .or_default()
+                .insert(replica.address.to_string());
+        }
+    }
+    nodes
+}
+
 /// Who may report what.
 #[derive(Debug, Clone)]
 pub struct FeedConfig {
     /// The shared token agents must present; `None` accepts any agent (tests, loopback).
     pub token: Option<String>,
-    /// Node name → the replicas (`host:port`) configured on that node.
-    pub nodes: HashMap<String, HashSet<String>>,
+    /// The node map at start; [`FeedService::set_nodes`] replaces it.
+    pub nodes: NodeMap,
     /// How long a node's state survives after its last stream ended.
     pub grace: Duration,
 }
@@ -75,6 +96,8 @@ pub struct FeedMetrics {
     pub refused: Counter,
     pub out_of_order: Counter,
     pub nodes_expired: Counter,
+    /// Node maps applied after a configuration reload changed them.
+    pub node_map_reloads: Counter,
     /// TLS handshakes refused, by reason (no client certificate, bad certificate, not TLS…).
     pub tls_refused: tls::TlsRefusals,
 }
@@ -105,6 +128,11 @@ impl FeedMetrics {
             self.nodes_expired.clone(),
         );
         r.register(
+            "node_map_reloads",
+            "Configuration reloads that changed the node to replica map",
+            self.node_map_reloads.clone(),
+        );
+        r.register(
             "tls_refused",
             "TLS handshakes refused on the feed port, by reason",
             self.tls_refused.clone(),
@@ -132,6 +160,8 @@ struct NodeState {
 #[derive(Default)]
 struct State {
     nodes: HashMap<String, NodeState>,
+    /// Which replicas each node may report (the configuration, swapped on reloads).
+    configured: NodeMap,
 }
 
 /// The feed service; clone-cheap (shares its state).
@@ -142,6 +172,8 @@ pub struct FeedService {
     state: Arc<Mutex<State>>,
     /// Flipped by [`FeedService::shutdown`]: every open stream then ends with `UNAVAILABLE`.
     stop: Arc<tokio::sync::watch::Sender<bool>>,
+    /// Names of nodes whose streams must end (their replicas changed): they reconnect.
+    kick: Arc<tokio::sync::broadcast::Sender<String>>,
     /// The router's own hash settings per model: an engine reporting others is refused, since
     /// its blocks could never match the hashes the router computes.
     expected: Arc<HashMap<String, HashSettings>>,
@@ -176,11 +208,16 @@ struct OutOfOrder(String);
 
 impl FeedService {
     pub fn new(sink: Arc<dyn KvEventSink>, config: FeedConfig) -> Self {
+        let state = State {
+            nodes: HashMap::new(),
+            configured: config.nodes.clone(),
+        };
         FeedService {
             sink,
             config: Arc::new(config),
-            state: Arc::default(),
+            state: Arc::new(Mutex::new(state)),
             stop: Arc::new(tokio::sync::watch::channel(false).0),
+            kick: Arc::new(tokio::sync::broadcast::channel(64).0),
             expected: Arc::default(),
             tls: None,
             metrics: FeedMetrics::default(),
@@ -329,11 +366,80 @@ impl FeedService {
         out
     }
 
-    fn allowed(&self, node: &str, replica: &str) -> bool {
-        self.config
-            .nodes
+    fn allowed(st: &State, node: &str, replica: &str) -> bool {
+        st.configured
             .get(node)
             .is_some_and(|rs| rs.contains(replica))
+    }
+
+    /// Applies a reloaded node map. Engines whose replica is no longer configured on their
+    /// node are dropped (their replica cleared from the index and rebuilt from any other node
+    /// still reporting it); every connected node whose replica set changed has its streams
+    /// ended, so its agent reconnects and resends Hello and snapshots under the new map (an
+    /// engine refused before may now be accepted). Returns whether the map changed.
+    pub fn set_nodes(&self, nodes: NodeMap) -> bool {
+        let mut kick = Vec::new();
+        {
+            let mut st = self.state.lock();
+            if st.configured == nodes {
+                return false;
+            }
+            let changed: HashSet<String> = st
+                .configured
+                .keys()
+                .chain(nodes.keys())
+                .filter(|n| st.configured.get(*n) != nodes.get(*n))
+                .cloned()
+                .collect();
+            st.configured = nodes;
+            let mut cleared: HashSet<String> = HashSet::new();
+            for name in changed {
+                let State { nodes, configured } = &mut *st;
+                let Some(node) = nodes.get_mut(&name) else {
+                    continue;
+                };
+                let allowed = configured.get(&name);
+                let gone: Vec<String> = node
+                    .engines
+                    .iter()
+                    .filter(|(_, e)| !allowed.is_some_and(|rs| rs.contains(&e.replica)))
+                    .map(|(engine, _)| engine.clone())
+                    .collect();
+                for engine in gone {
+                    if let Some(view) = node.engines.remove(&engine) {
+                        tracing::warn!(
+                            node = name,
+                            engine,
+                            replica = view.replica,
+                            "replica no longer configured on the node: its blocks are dropped"
+                        );
+                        self.metrics.refused.inc();
+                        node.refused.insert(engine);
+                        cleared.insert(view.replica);
+                    }
+                }
+                if node.streams > 0 {
+                    kick.push(name);
+                }
+            }
+            for replica in &cleared {
+                self.sink.cleared(replica);
+                for node in st.nodes.values() {
+                    for e in node.engines.values().filter(|e| &e.replica == replica) {
+                        self.store_all(replica, &e.blocks);
+                    }
+                }
+            }
+        }
+        self.metrics.node_map_reloads.inc();
+        for name in kick {
+            tracing::info!(
+                node = name,
+                "node's replicas changed: asking its agent to resync"
+            );
+            let _ = self.kick.send(name);
+        }
+        true
     }
 
     /// Applies one agent message; returns what to send back.
@@ -358,9 +464,14 @@ impl FeedService {
                     n.gone_since = None;
                     *node = Some(hello.node.clone());
                 }
+                let allowed: Vec<bool> = hello
+                    .engines
+                    .iter()
+                    .map(|e| Self::allowed(&st, &hello.node, &e.replica))
+                    .collect();
                 let n = st.nodes.entry(hello.node.clone()).or_default();
-                for e in hello.engines {
-                    let refusal = if !self.allowed(&hello.node, &e.replica) {
+                for (e, allowed) in hello.engines.into_iter().zip(allowed) {
+                    let refusal = if !allowed {
                         Some(format!("replica not configured on node {:?}", hello.node))
                     } else {
                         self.settings_mismatch(&e)
@@ -566,6 +677,7 @@ impl pb::feed_server::Feed for FeedService {
         let (tx, rx) = mpsc::channel::<Result<pb::RouterMessage, Status>>(256);
         let svc = self.clone();
         let stopped = stopped(self.stop.subscribe());
+        let mut kicks = self.kick.subscribe();
         tokio::spawn(async move {
             tokio::pin!(stopped);
             svc.metrics.streams.inc();
@@ -576,6 +688,21 @@ impl pb::feed_server::Feed for FeedService {
                     () = &mut stopped => {
                         let _ = tx.send(Err(Status::unavailable("router shutting down"))).await;
                         break;
+                    }
+                    kicked = kicks.recv() => {
+                        // Lagged: a burst of reloads; any kick for this node is among the
+                        // newest, which the next receive returns.
+                        if let Ok(name) = kicked
+                            && node.as_deref() == Some(name.as_str())
+                        {
+                            let _ = tx
+                                .send(Err(Status::unavailable(
+                                    "this node's replicas changed: reconnect and resend snapshots",
+                                )))
+                                .await;
+                            break;
+                        }
+                        continue;
                     }
                 };
                 let Some(msg) = next else { break };

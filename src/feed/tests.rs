@@ -302,3 +302,63 @@ fn an_engine_hashing_differently_from_the_router_is_refused() {
     );
     assert_eq!(rec.hashes("r1:8000"), HashSet::from([7]));
 }
+
+#[test]
+fn a_reloaded_node_map_drops_engines_whose_replica_left_and_admits_new_ones() {
+    let (svc, rec) = service(Duration::from_secs(30));
+    let mut node = None;
+    let replies = ok(
+        &svc,
+        &mut node,
+        msg(1, hello(&[("a", "r1:8000"), ("b", "r2:8000")])),
+    );
+    assert!(
+        replies
+            .iter()
+            .any(|r| matches!(r.body, Some(pb::router_message::Body::Refused(_)))),
+        "r2 is not n1's"
+    );
+    for (id, engine, h) in [(2, "a", 1), (3, "b", 2)] {
+        let snap = pb::agent_message::Body::Snapshot(pb::Snapshot {
+            engine: engine.into(),
+            epoch: 0,
+            seq: 0,
+            blocks: vec![block(h)],
+            hash_status: 0,
+        });
+        ok(&svc, &mut node, msg(id, snap));
+    }
+    assert_eq!(rec.hashes("r1:8000"), [1].into());
+    assert!(rec.hashes("r2:8000").is_empty());
+
+    let same: NodeMap = [("n1".to_owned(), ["r1:8000".to_owned()].into())].into();
+    assert!(!svc.set_nodes(same), "an unchanged map is no reload");
+    let moved: NodeMap = [("n1".to_owned(), ["r2:8000".to_owned()].into())].into();
+    assert!(svc.set_nodes(moved));
+    assert!(
+        rec.hashes("r1:8000").is_empty(),
+        "r1 left n1: its blocks go"
+    );
+    assert_eq!(svc.metrics.node_map_reloads.get(), 1);
+    // Deltas for the dropped engine are ignored.
+    ok(&svc, &mut node, msg(4, delta("a", 0, 1, false, &[5], &[])));
+    assert!(rec.hashes("r1:8000").is_empty());
+
+    // The agent reconnects (its stream was ended) and is judged by the new map.
+    let mut node = None;
+    ok(
+        &svc,
+        &mut node,
+        msg(1, hello(&[("a", "r1:8000"), ("b", "r2:8000")])),
+    );
+    let snap = pb::agent_message::Body::Snapshot(pb::Snapshot {
+        engine: "b".into(),
+        epoch: 0,
+        seq: 0,
+        blocks: vec![block(2)],
+        hash_status: 0,
+    });
+    ok(&svc, &mut node, msg(2, snap));
+    assert_eq!(rec.hashes("r2:8000"), [2].into());
+    assert!(rec.hashes("r1:8000").is_empty());
+}
