@@ -212,11 +212,13 @@ async fn run(opts: Options) -> anyhow::Result<()> {
     }
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
-        let arrived = sink.arrived.lock();
-        if sent.iter().all(|(h, _)| arrived.contains_key(h)) {
+        let all_arrived = {
+            let arrived = sink.arrived.lock();
+            sent.iter().all(|(h, _)| arrived.contains_key(h))
+        };
+        if all_arrived {
             break;
         }
-        drop(arrived);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let arrived = sink.arrived.lock().clone();

@@ -426,7 +426,7 @@ fn tokens(r: &mut Reader<'_>) -> Result<Vec<u32>, WireError> {
             Int::U(u) => u32::try_from(u).ok(),
             Int::I(_) => None,
         };
-        out.push(t.ok_or_else(|| WireError::OutOfRange {
+        out.push(t.ok_or(WireError::OutOfRange {
             offset,
             what: "token id",
         })?);
