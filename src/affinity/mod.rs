@@ -130,7 +130,7 @@ impl AffinityMetrics {
 /// What `score` hands to `after_pick`.
 struct Memo {
     branch: Branch,
-    /// The prompt's external block hashes (precise branch only).
+    /// The prompt's external block hashes, when it was tokenized and hashed.
     hashes: Option<Arc<[ExternalHash]>>,
     /// The candidates in scoring order, with how much each matched (blocks, or tree share).
     matched: Vec<(Arc<Replica>, f64)>,
@@ -474,6 +474,22 @@ impl PrefixScorer for PrefixAffinity {
     ) -> BoxFuture<'a, Result<PrefixScores, PrefixUnavailable>> {
         Box::pin(async move {
             let (per_candidate, memo) = match self.score_precise(request, candidates).await {
+                Ok((scores, memo)) if scores.iter().all(|s| *s <= 0.0) => {
+                    // No candidate holds the prompt's leading blocks (evicted everywhere, or
+                    // never cached). The tree still remembers where this prefix was sent: going
+                    // back there keeps one replica warm for it instead of scattering it by load.
+                    let (tree_scores, tree_memo) =
+                        self.score_tree(request, candidates, "index_miss");
+                    if tree_scores.iter().any(|s| *s > 0.0) {
+                        let memo = Memo {
+                            hashes: memo.hashes,
+                            ..tree_memo
+                        };
+                        (tree_scores, memo)
+                    } else {
+                        (scores, memo)
+                    }
+                }
                 Ok(scored) => scored,
                 Err(reason) => self.score_tree(request, candidates, reason),
             };
@@ -495,19 +511,19 @@ impl PrefixScorer for PrefixAffinity {
         );
         let decision = classify(&memo.matched, chosen);
         match memo.branch {
-            Branch::Index => {
-                self.metrics.kv(decision);
-                if let Some(hashes) = &memo.hashes
-                    && let Ok(slot) = self.index.slot_or_insert(chosen.replica.endpoint())
-                {
-                    self.speculative
-                        .insert(slot, Arc::clone(hashes), Instant::now());
-                }
-            }
+            Branch::Index => self.metrics.kv(decision),
             Branch::Tree(reason) => {
                 self.metrics.kv(reason);
                 self.metrics.tree(decision);
             }
+        }
+        // The chosen replica is about to cache the prompt's blocks: count them as its own
+        // until its engine's events arrive.
+        if let Some(hashes) = &memo.hashes
+            && let Ok(slot) = self.index.slot_or_insert(chosen.replica.endpoint())
+        {
+            self.speculative
+                .insert(slot, Arc::clone(hashes), Instant::now());
         }
     }
 }

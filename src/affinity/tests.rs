@@ -186,6 +186,29 @@ async fn a_pick_is_followed_before_the_engine_reports() {
 }
 
 #[tokio::test]
+async fn an_index_miss_goes_where_the_tree_sent_the_prefix_before() {
+    let f = fixture(2000).await;
+    let request = completion("m", "abcdefgh", None);
+    // The prompt went to replica 2 once; its engine has since evicted the blocks (the index
+    // knows other blocks only).
+    f.index
+        .stored(f.endpoint(1), &hashes_of("zzzz", None), Medium::Gpu);
+    f.affinity
+        .tree
+        .record("m", &prompt_text(&request), f.endpoint(2));
+    let scores = f.score(&request).await;
+    assert_eq!(Fixture::branch(&scores), Branch::Tree("index_miss"));
+    assert_eq!(scores.per_candidate, vec![0.0, 0.0, 1.0]);
+    f.affinity.after_pick(&request, &f.candidates[2], &scores);
+    assert_eq!(f.affinity.metrics().kv_count("index_miss"), 1);
+    assert_eq!(f.affinity.metrics().tree_count("hit"), 1);
+    // The pick is followed through the index too, before the engine reports.
+    let again = f.score(&request).await;
+    assert_eq!(Fixture::branch(&again), Branch::Index);
+    assert_eq!(again.per_candidate, vec![0.0, 0.0, 1.0]);
+}
+
+#[tokio::test]
 async fn unknown_settings_and_no_events_fall_back_to_the_tree() {
     let f = fixture(2000).await;
     let request = completion("m", "abcdefgh", None);

@@ -9,7 +9,8 @@ pub trait Scorer: Send + Sync + 'static {
     fn score(&self, context: &ScoringContext<'_>, candidates: &[Candidate], scores: &mut [f64]);
 }
 
-/// Fewer requests waiting in the engine's queue is better (min-max normalized over candidates).
+/// Fewer requests waiting in the engine's queue is better (relative to the longest queue, and to
+/// at least [`QUEUE_SCALE`] requests).
 #[derive(Debug, Default)]
 pub struct QueueScorer;
 
@@ -19,15 +20,16 @@ impl Scorer for QueueScorer {
     }
 
     fn score(&self, _: &ScoringContext<'_>, candidates: &[Candidate], scores: &mut [f64]) {
-        min_max_lower_is_better(
+        relative_lower_is_better(
             candidates.iter().map(|c| c.engine.and_then(|e| e.waiting)),
+            QUEUE_SCALE,
             scores,
         );
     }
 }
 
-/// Fewer requests llmgw itself has in flight to the replica is better. Always known, and fresher
-/// than any scrape.
+/// Fewer requests llmgw itself has in flight to the replica is better (relative to the busiest,
+/// and to at least [`IN_FLIGHT_SCALE`] requests). Always known, and fresher than any scrape.
 #[derive(Debug, Default)]
 pub struct InFlightScorer;
 
@@ -37,8 +39,9 @@ impl Scorer for InFlightScorer {
     }
 
     fn score(&self, _: &ScoringContext<'_>, candidates: &[Candidate], scores: &mut [f64]) {
-        min_max_lower_is_better(
+        relative_lower_is_better(
             candidates.iter().map(|c| Some(f64::from(c.in_flight))),
+            IN_FLIGHT_SCALE,
             scores,
         );
     }
@@ -63,20 +66,26 @@ impl Scorer for KvCacheScorer {
     }
 }
 
-/// `(max - v) / (max - min)` over the known values; all equal → 1; unknown → 0.
-fn min_max_lower_is_better(values: impl Iterator<Item = Option<f64>> + Clone, scores: &mut [f64]) {
-    let (min, max) = values
-        .clone()
-        .flatten()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
-            (lo.min(v), hi.max(v))
-        });
+/// The smallest queue length that scores 0: below it, a queue's score is its share of this.
+pub const QUEUE_SCALE: f64 = 4.0;
+
+/// The smallest in-flight count that scores 0.
+pub const IN_FLIGHT_SCALE: f64 = 8.0;
+
+/// `1 - v / max(largest known v, scale)`; unknown → 0.
+///
+/// Not min-max: stretching the spread of the candidates' loads to [0, 1] would make one request
+/// more in flight (3 against 4) weigh as much as the whole scale, and outvote a replica holding
+/// the request's whole prompt for one holding a fraction of it. Scores stay proportional to load,
+/// and `scale` keeps an almost idle pool from looking lopsided.
+fn relative_lower_is_better(
+    values: impl Iterator<Item = Option<f64>> + Clone,
+    scale: f64,
+    scores: &mut [f64],
+) {
+    let max = values.clone().flatten().fold(scale, f64::max);
     for (value, score) in values.zip(scores.iter_mut()) {
-        *score = match value {
-            None => 0.0,
-            Some(_) if max <= min => 1.0,
-            Some(v) => (max - v) / (max - min),
-        };
+        *score = value.map_or(0.0, |v| (1.0 - v.max(0.0) / max).clamp(0.0, 1.0));
     }
 }
 
@@ -85,18 +94,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn min_max_normalizes_and_scores_unknown_zero() {
+    fn loads_score_relative_to_the_busiest_and_unknown_zero() {
         let values = [Some(0.0), Some(10.0), None, Some(5.0)];
         let mut scores = [9.0; 4];
-        min_max_lower_is_better(values.iter().copied(), &mut scores);
+        relative_lower_is_better(values.iter().copied(), 8.0, &mut scores);
         assert_eq!(scores, [1.0, 0.0, 0.0, 0.5]);
     }
 
     #[test]
-    fn all_equal_known_values_score_one() {
-        let values = [Some(3.0), Some(3.0), None];
+    fn small_differences_stay_small() {
+        // 3 against 4 in flight is not "idle against busy".
+        let values = [Some(3.0), Some(4.0)];
+        let mut scores = [9.0; 2];
+        relative_lower_is_better(values.iter().copied(), 8.0, &mut scores);
+        assert_eq!(scores, [0.625, 0.5]);
+        let equal = [Some(3.0), Some(3.0), None];
         let mut scores = [9.0; 3];
-        min_max_lower_is_better(values.iter().copied(), &mut scores);
-        assert_eq!(scores, [1.0, 1.0, 0.0]);
+        relative_lower_is_better(equal.iter().copied(), 8.0, &mut scores);
+        assert_eq!(scores, [0.625, 0.625, 0.0]);
     }
 }
