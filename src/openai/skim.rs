@@ -4,9 +4,9 @@
 //! Routing reads a handful of short fields from bodies that can be megabytes of prompt. A full
 //! parser spends most of its time inside that prompt, stopping at every escape; here a string is
 //! crossed sixty-four bytes per step with bit masks (SSE2 on x86_64, part of its baseline, so no
-//! run-time detection; plain loops elsewhere), escapes included. It accepts exactly what `serde_json` accepts for values it
-//! skips (the property tests in `tests.rs` hold it to that), given that the caller has checked
-//! the whole body is UTF-8. Like `serde_json`'s skipping, it walks nested values with an explicit
+//! run-time detection; plain loops elsewhere), escapes included. It accepts exactly what
+//! `serde_json` accepts for values it skips (property tests in `../tests.rs` hold it to that),
+//! given that the caller has checked the whole body is UTF-8. Like `serde_json`'s skipping, it walks nested values with an explicit
 //! stack, not recursion, so no nesting depth can overflow the thread's stack.
 //!
 //! Pure functions over a byte slice; no state, and no allocation below 64 levels of nesting.
