@@ -298,7 +298,7 @@ impl PrefixAffinity {
         let endpoints: Vec<&str> = candidates.iter().map(|c| c.replica.endpoint()).collect();
         let mut shares = Vec::with_capacity(candidates.len());
         self.tree.match_shares(
-            &request.model,
+            &tree_scope(request),
             &prompt_text(request),
             &endpoints,
             &mut shares,
@@ -431,6 +431,17 @@ fn tokens_key(model: &str, salt: Option<&str>, tokens: &[u32]) -> u128 {
     hash.digest128()
 }
 
+/// The prefix tree's scope for a request: its model, and its `cache_salt` when it has one, since
+/// requests with different salts never share cached blocks however alike their text.
+fn tree_scope(request: &ParsedRequest) -> std::borrow::Cow<'_, str> {
+    match &request.cache_salt {
+        None => request.model.as_str().into(),
+        // NUL cannot appear in a model name taken from JSON text unescaped, and the tree only
+        // compares scopes for equality.
+        Some(salt) => format!("{}\0{salt}", request.model).into(),
+    }
+}
+
 /// The bytes the prefix tree keys a request by: the prompt text, the token ids, or the chat
 /// messages' JSON (which grows by appending as a conversation goes on).
 fn prompt_text(request: &ParsedRequest) -> std::borrow::Cow<'_, [u8]> {
@@ -505,7 +516,7 @@ impl PrefixScorer for PrefixAffinity {
             return;
         };
         self.tree.record(
-            &request.model,
+            &tree_scope(request),
             &prompt_text(request),
             chosen.replica.endpoint(),
         );

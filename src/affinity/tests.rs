@@ -209,6 +209,27 @@ async fn an_index_miss_goes_where_the_tree_sent_the_prefix_before() {
 }
 
 #[tokio::test]
+async fn the_tree_never_sends_a_salted_request_after_unsalted_text() {
+    let f = fixture(2000).await;
+    f.index
+        .stored(f.endpoint(1), &hashes_of("zzzz", None), Medium::Gpu);
+    let plain = completion("m", "abcdefgh", None);
+    f.affinity
+        .tree
+        .record(&tree_scope(&plain), &prompt_text(&plain), f.endpoint(2));
+    let salted = completion("m", "abcdefgh", Some("tenant-1"));
+    let scores = f.score(&salted).await;
+    assert_eq!(Fixture::branch(&scores), Branch::Index, "an index miss");
+    assert_eq!(scores.per_candidate, vec![0.0, 0.0, 0.0]);
+    f.affinity.after_pick(&salted, &f.candidates[1], &scores);
+    assert_eq!(f.affinity.metrics().kv_count("miss"), 1);
+    // The same salt again follows the first salted pick.
+    let again = completion("m", "abcdefgh", Some("tenant-1"));
+    let scores = f.score(&again).await;
+    assert_eq!(scores.per_candidate, vec![0.0, 1.0, 0.0]);
+}
+
+#[tokio::test]
 async fn unknown_settings_and_no_events_fall_back_to_the_tree() {
     let f = fixture(2000).await;
     let request = completion("m", "abcdefgh", None);
