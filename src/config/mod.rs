@@ -592,17 +592,17 @@ async fn watch_from(
     flag_replicas: Vec<ReplicaSpec>,
     pool: Arc<Pool>,
     on_reload: impl Fn(&[ReplicaSpec]) + Send + 'static,
-    mut last: Option<Vec<u8>>,
+    last: Option<Vec<u8>>,
 ) {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut changes = SettledChanges::new(last);
     loop {
         ticker.tick().await;
         let current = tokio::fs::read(&path).await.ok();
-        if current == last {
+        if !changes.settled(current) {
             continue;
         }
-        last = current;
         let replicas = read_file(&path).and_then(|file| file_replicas(&file));
         match replicas {
             Ok(mut replicas) => {
@@ -617,6 +617,40 @@ async fn watch_from(
                 tracing::warn!(%error, "configuration reload failed; keeping the replicas")
             }
         }
+    }
+}
+
+/// Tells when a polled file has changed and then held still for a whole poll: a file being
+/// written (most editors and `echo >` truncate, then write) can be read half-written, and a half
+/// that parses would drop replicas for one interval.
+#[derive(Debug)]
+struct SettledChanges {
+    applied: Option<Vec<u8>>,
+    /// A new content seen once, not yet confirmed by the next poll.
+    pending: Option<Option<Vec<u8>>>,
+}
+
+impl SettledChanges {
+    fn new(applied: Option<Vec<u8>>) -> Self {
+        SettledChanges {
+            applied,
+            pending: None,
+        }
+    }
+
+    /// Feeds one poll's content; true when it is a change that held since the previous poll.
+    fn settled(&mut self, current: Option<Vec<u8>>) -> bool {
+        if current == self.applied {
+            self.pending = None;
+            return false;
+        }
+        if self.pending.as_ref() != Some(&current) {
+            self.pending = Some(current);
+            return false;
+        }
+        self.pending = None;
+        self.applied = current;
+        true
     }
 }
 
