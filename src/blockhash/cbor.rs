@@ -1,6 +1,8 @@
 //! The few CBOR shapes vLLM's block hash covers, in RFC 8949 shortest form (what
 //! `cbor2.dumps(obj, canonical=True)` writes for tuples, ints, bytes, text and `None`).
 
+use std::hint::select_unpredictable;
+
 use super::{BlockDigest, StreamHash};
 
 /// One element of a block's extra-key tuple (LoRA name, multimodal id and offset, salt, …).
@@ -150,66 +152,63 @@ pub fn encode_text(out: &mut Vec<u8>, text: &str) {
     write_text(out, text);
 }
 
-/// Most tokens a [`StackBlock`] holds: 64 tokens of at most 9 bytes each, plus the parent.
-const STACK_TOKENS: usize = 64;
-const STACK_BYTES: usize = 1 + 2 + 32 + 9 + STACK_TOKENS * 9 + 1;
+/// Most tokens [`encode_small_block`] takes.
+const SMALL_BLOCK_TOKENS: usize = 64;
+/// Room for the widest small block (614 bytes: 37 of head and parent, 64 tokens of at most 9
+/// bytes, the null) with SHA-256's padding after it, in whole 64-byte blocks. Every head may
+/// store 9 bytes whatever its form, which the padding room also covers.
+pub(super) const SMALL_BLOCK_BYTES: usize = 640;
 
-/// A block without extra keys, encoded on the stack with no per-item capacity checks.
-pub(super) struct StackBlock {
-    buf: [u8; STACK_BYTES],
-    len: usize,
+/// Encodes a block without extra keys into `buf` with no per-item capacity checks and
+/// returns its length; `None` when it does not fit (over 64 tokens or a parent over 32
+/// bytes). The caller owns the buffer so the hot path neither moves nor re-zeroes it.
+#[inline]
+pub(super) fn encode_small_block<T: Copy + Into<u64>>(
+    buf: &mut [u8; SMALL_BLOCK_BYTES],
+    parent: &[u8],
+    tokens: &[T],
+) -> Option<usize> {
+    if tokens.len() > SMALL_BLOCK_TOKENS || parent.len() > 32 {
+        return None;
+    }
+    let mut len = put_head(buf, 0, ARRAY, 3);
+    len = put_head(buf, len, BYTES, parent.len() as u64);
+    buf[len..len + parent.len()].copy_from_slice(parent);
+    len += parent.len();
+    len = put_head(buf, len, ARRAY, tokens.len() as u64);
+    for &token in tokens {
+        len = put_head(buf, len, UNSIGNED, token.into());
+    }
+    buf[len] = NULL;
+    Some(len + 1)
 }
 
-impl StackBlock {
-    /// `None` when the block does not fit (more than 64 tokens or a parent over 32 bytes).
-    #[inline]
-    pub(super) fn encode<T: Copy + Into<u64>>(parent: &[u8], tokens: &[T]) -> Option<Self> {
-        if tokens.len() > STACK_TOKENS || parent.len() > 32 {
-            return None;
-        }
-        let mut block = StackBlock {
-            buf: [0; STACK_BYTES],
-            len: 0,
-        };
-        block.head(ARRAY, 3);
-        block.head(BYTES, parent.len() as u64);
-        block.buf[block.len..block.len + parent.len()].copy_from_slice(parent);
-        block.len += parent.len();
-        block.head(ARRAY, tokens.len() as u64);
-        for &token in tokens {
-            block.head(UNSIGNED, token.into());
-        }
-        block.buf[block.len] = NULL;
-        block.len += 1;
-        Some(block)
-    }
-
-    #[inline(always)]
-    fn head(&mut self, major: u8, value: u64) {
-        let (buf, n) = (&mut self.buf, self.len);
-        self.len += if value < 24 {
-            buf[n] = major | value as u8;
-            1
-        } else if value <= u64::from(u8::MAX) {
-            buf[n] = major | 24;
-            buf[n + 1] = value as u8;
-            2
-        } else if value <= u64::from(u16::MAX) {
-            buf[n] = major | 25;
-            buf[n + 1..n + 3].copy_from_slice(&(value as u16).to_be_bytes());
-            3
-        } else if value <= u64::from(u32::MAX) {
-            buf[n] = major | 26;
-            buf[n + 1..n + 5].copy_from_slice(&(value as u32).to_be_bytes());
-            5
-        } else {
-            buf[n] = major | 27;
-            buf[n + 1..n + 9].copy_from_slice(&value.to_be_bytes());
-            9
-        };
-    }
-
-    pub(super) fn as_bytes(&self) -> &[u8] {
-        &self.buf[..self.len]
-    }
+/// Stores a head at `at` in shortest form and returns the position after it, choosing the
+/// form without branches: token ids of a real vocabulary straddle the 1-, 2- and 4-byte forms
+/// at random, and a mispredicted branch per token cost more than the SHA-256 compression
+/// itself. Always stores 8 bytes, 9 for the 8-byte form (`SMALL_BLOCK_BYTES` has the room).
+#[inline(always)]
+fn put_head(buf: &mut [u8; SMALL_BLOCK_BYTES], at: usize, major: u8, value: u64) -> usize {
+    let Ok(v) = u32::try_from(value) else {
+        // Never taken for u32 token ids, so this branch predicts well.
+        buf[at] = major | 27;
+        buf[at + 1..at + 9].copy_from_slice(&value.to_be_bytes());
+        return at + 9;
+    };
+    // Each form as the little-endian word of its bytes (head first, then the payload most
+    // significant byte first), with its length in the top byte. A form's word is only used
+    // for values in its range, so no masking is needed: `swapped >> 8` holds a 16-bit
+    // value's two bytes in order, and nothing reaches the length byte.
+    let m = u64::from(major);
+    let swapped = u64::from(v.swap_bytes());
+    let tiny = m | u64::from(v) | 1 << 56;
+    let one = m | 24 | u64::from(v) << 8 | 2 << 56;
+    let two = m | 25 | swapped >> 8 | 3 << 56;
+    let four = m | 26 | swapped << 8 | 5 << 56;
+    let narrow = select_unpredictable(v < 24, tiny, one);
+    let wide = select_unpredictable(v <= u32::from(u16::MAX), two, four);
+    let word = select_unpredictable(v <= u32::from(u8::MAX), narrow, wide);
+    // The bytes past the item's end (its length among them) are overwritten by what follows.
+    buf[at..at + 8].copy_from_slice(&word.to_le_bytes());
+    at + (word >> 56) as usize
 }

@@ -13,8 +13,9 @@
 //! KV events: the digest's last 8 bytes read big-endian ([`ExternalHash`]).
 //!
 //! Everything here is pure and `Send + Sync`: a [`BlockHasher`] is built once per set of engine
-//! settings and shared by reference. Hashing streams the CBOR encoding straight into the hash
-//! state through a small stack buffer, so no block allocates.
+//! settings and shared by reference. A block of up to 64 tokens is encoded into a stack buffer,
+//! padded in place and hashed in one shot; larger items stream through a small stack buffer.
+//! No block allocates.
 
 mod cbor;
 
@@ -339,11 +340,26 @@ impl<T: Copy + Into<u64>> Iterator for PromptBlocks<'_, T> {
 
 impl<T: Copy + Into<u64>> ExactSizeIterator for PromptBlocks<'_, T> {}
 
-/// The two hash functions behind one streaming interface, so the CBOR encoder is shared.
+/// The two hash functions behind one interface, so the CBOR encoder is shared: streamed for
+/// the rare large item, one shot over a padded stack buffer for the common block.
 trait StreamHash: Default {
     fn update(&mut self, bytes: &[u8]);
     fn finish(self) -> BlockDigest;
+    /// The digest of `buf[..len]`; the bytes after `len` are scratch.
+    fn one_shot(buf: &mut [u8; cbor::SMALL_BLOCK_BYTES], len: usize) -> BlockDigest;
 }
+
+/// SHA-256's initial state (FIPS 180-4 §5.3.3).
+const SHA256_IV: [u32; 8] = [
+    0x6a09_e667,
+    0xbb67_ae85,
+    0x3c6e_f372,
+    0xa54f_f53a,
+    0x510e_527f,
+    0x9b05_688c,
+    0x1f83_d9ab,
+    0x5be0_cd19,
+];
 
 impl StreamHash for sha2::Sha256 {
     fn update(&mut self, bytes: &[u8]) {
@@ -351,6 +367,24 @@ impl StreamHash for sha2::Sha256 {
     }
     fn finish(self) -> BlockDigest {
         BlockDigest::from_slice(self.finalize().as_slice())
+    }
+    /// Pads in place and compresses every block in one call: a block is only ~100 bytes, and
+    /// the streaming API's buffering and finalisation cost about as much as encoding it.
+    #[inline]
+    fn one_shot(buf: &mut [u8; cbor::SMALL_BLOCK_BYTES], len: usize) -> BlockDigest {
+        // FIPS 180-4 §5.1.1: 0x80, zeros, then the message length in bits as a big-endian u64.
+        let padded = (len + 9).next_multiple_of(64);
+        buf[len] = 0x80;
+        buf[len + 1..padded - 8].fill(0);
+        buf[padded - 8..padded].copy_from_slice(&(len as u64 * 8).to_be_bytes());
+        let mut state = SHA256_IV;
+        let (blocks, _) = buf[..padded].as_chunks::<64>();
+        sha2::block_api::compress256(&mut state, blocks);
+        let mut bytes = [0u8; 32];
+        for (out, word) in bytes.chunks_exact_mut(4).zip(state) {
+            out.copy_from_slice(&word.to_be_bytes());
+        }
+        BlockDigest { bytes, len: 32 }
     }
 }
 
@@ -361,6 +395,10 @@ impl StreamHash for xxhash_rust::xxh3::Xxh3 {
     fn finish(self) -> BlockDigest {
         // Python's `xxh3_128_digest` is the canonical (big-endian) form of the 128-bit value.
         BlockDigest::from_slice(&self.digest128().to_be_bytes())
+    }
+    #[inline]
+    fn one_shot(buf: &mut [u8; cbor::SMALL_BLOCK_BYTES], len: usize) -> BlockDigest {
+        BlockDigest::from_slice(&xxhash_rust::xxh3::xxh3_128(&buf[..len]).to_be_bytes())
     }
 }
 
@@ -376,13 +414,12 @@ fn digest_block<H: StreamHash, T: Copy + Into<u64>>(
     extra_keys: Option<&[ExtraKey<'_>]>,
 ) -> BlockDigest {
     // The common block (no extra keys, up to 64 tokens) is encoded into one stack buffer and
-    // hashed in a single update; anything else streams through the chunked sink.
-    if extra_keys.is_none()
-        && let Some(block) = cbor::StackBlock::encode(parent, tokens)
-    {
-        let mut hash = H::default();
-        hash.update(block.as_bytes());
-        return hash.finish();
+    // hashed in one shot; anything else streams through the chunked sink.
+    if extra_keys.is_none() {
+        let mut buf = [0u8; cbor::SMALL_BLOCK_BYTES];
+        if let Some(len) = cbor::encode_small_block(&mut buf, parent, tokens) {
+            return H::one_shot(&mut buf, len);
+        }
     }
     let mut sink = cbor::HashSink::<H>::default();
     cbor::write_block(&mut sink, parent, tokens, extra_keys);

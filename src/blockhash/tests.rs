@@ -185,6 +185,21 @@ fn reference_encode(parent: &[u8], tokens: &[u64]) -> Vec<u8> {
     out
 }
 
+/// Token ids spread over every CBOR integer form, each boundary included.
+fn token_of_any_width() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        0..24u64,
+        22..26u64,
+        24..256u64,
+        254..258u64,
+        256..65_536u64,
+        65_534..65_538u64,
+        65_536..=u64::from(u32::MAX),
+        u64::from(u32::MAX) - 1..=u64::from(u32::MAX) + 1,
+        any::<u64>(),
+    ]
+}
+
 proptest! {
     #[test]
     fn hashes_of_a_prefix_are_a_prefix_of_the_hashes(
@@ -205,18 +220,25 @@ proptest! {
     }
 
     #[test]
-    fn streamed_hash_equals_hash_of_encoded_bytes(
-        tokens in prop::collection::vec(any::<u64>(), 0..300),
+    fn hash_equals_hash_of_encoded_bytes(
+        tokens in prop::collection::vec(token_of_any_width(), 0..300),
         parent in prop::collection::vec(any::<u8>(), 32),
     ) {
         let mut encoded = Vec::new();
         encode_block(&mut encoded, &parent, &tokens, None);
         prop_assert_eq!(&encoded, &reference_encode(&parent, &tokens));
-        let hasher = BlockHasher::new(&settings(HashAlgo::Sha256Cbor, None, 1)).expect("ok");
         let parent_digest = BlockDigest::from_slice(&parent);
-        let streamed = hasher.hash_block(Some(&parent_digest), &tokens, None);
+        let sha = BlockHasher::new(&settings(HashAlgo::Sha256Cbor, None, 1)).expect("ok");
+        let hashed = sha.hash_block(Some(&parent_digest), &tokens, None);
         let direct = sha2::Sha256::digest(&encoded);
-        prop_assert_eq!(streamed.as_bytes(), direct.as_slice());
+        prop_assert_eq!(hashed.as_bytes(), direct.as_slice());
+        let xxh = BlockHasher::new(&settings(HashAlgo::XxhashCbor, Some("0"), 1)).expect("ok");
+        let parent16 = BlockDigest::from_slice(&parent[..16]);
+        encoded.clear();
+        encode_block(&mut encoded, parent16.as_bytes(), &tokens, None);
+        let hashed = xxh.hash_block(Some(&parent16), &tokens, None);
+        let direct = xxhash_rust::xxh3::xxh3_128(&encoded).to_be_bytes();
+        prop_assert_eq!(hashed.as_bytes(), &direct[..]);
     }
 
     #[test]
