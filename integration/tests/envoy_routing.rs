@@ -36,8 +36,8 @@ fn every_envoy_config_in_the_repo_validates() {
         }
     }
     assert!(
-        checked >= 2,
-        "expected envoy.yaml and envoy-original-dst.yaml"
+        checked >= 3,
+        "expected envoy.yaml, envoy-original-dst.yaml and envoy-gie.yaml"
     );
 }
 
@@ -151,6 +151,78 @@ async fn default_config_obeys_picks_ignores_spoofing_and_fails_open() {
 async fn original_dst_config_obeys_picks_ignores_spoofing_and_fails_open() {
     // Full duplex fails open only while Envoy knows llmgw is down (see the configuration).
     picks_spoofing_and_failover("envoy-original-dst.yaml", &["--fallbacks", "0"], true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gie_config_obeys_picks_ignores_spoofing_and_fails_open() {
+    picks_spoofing_and_failover("envoy-gie.yaml", &[], true).await;
+}
+
+/// The value of one sample line of a Prometheus text, 0 when absent.
+fn sample(metrics: &str, series: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Through the GIE wiring, Envoy reports which host served each request: the pick when it
+/// answers, the next address when it refuses connections (a retry), and the router counts both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gie_config_reports_the_served_endpoint_and_a_fallback_that_served() {
+    let a = sim("a", &["tiny"], 0, &[]);
+    // A replica that refuses connections: the router knows it (so a test selection may name
+    // it), Envoy's cluster lists it, nothing listens there.
+    let dead = llmgw_integration::free_addr();
+    let grpc = free_port();
+    let router = start_router(
+        grpc,
+        &[format!("tiny={}", a.addr), format!("tiny={dead}")],
+        &["--allow-test-endpoint-selection"],
+    );
+    router.wait_healthy(&[a.addr]).await;
+    let envoy = start_envoy("envoy-gie.yaml", grpc, [a.addr, dead]).await;
+    envoy.wait_llmgw_marked_up().await;
+    let picked = "llmgw_served_reports_total{served_by=\"picked\"}";
+    let other = "llmgw_served_reports_total{served_by=\"other_replica\"}";
+
+    let (status, replica, body) =
+        post(&envoy, "/v1/completions", completion("tiny", "hello"), &[]).await;
+    assert_eq!((status, replica.as_deref()), (200, Some("a")), "{body}");
+    // The report arrives with the response; the router's counter follows shortly after.
+    wait_for(|| async { sample(&router.metrics().await, picked) >= 1.0 }).await;
+
+    let selection = format!("{dead},{}", a.addr);
+    let (status, replica, body) = post(
+        &envoy,
+        "/v1/completions",
+        completion("tiny", "dead first"),
+        &[("test-epp-endpoint-selection", &selection)],
+    )
+    .await;
+    assert_eq!((status, replica.as_deref()), (200, Some("a")), "{body}");
+    wait_for(|| async { sample(&router.metrics().await, other) >= 1.0 }).await;
+    let metrics = router.metrics().await;
+    assert_eq!(sample(&metrics, picked), 1.0, "{metrics}");
+    assert_eq!(sample(&metrics, other), 1.0, "{metrics}");
+    // Both requests are over, and nothing is left counted in flight anywhere.
+    wait_for(|| async { router.in_flight(a.addr).await == 0 }).await;
+    assert_eq!(router.in_flight(dead).await, 0);
+}
+
+/// Polls `check` until it holds, failing after 10 s.
+async fn wait_for<F, Fut>(mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..200 {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("condition not met within 10 s");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -46,6 +46,7 @@ use tonic::codegen::{Body, StdError, http};
 use tonic::{Request, Response, Status, Streaming};
 
 pub use response::error_body;
+pub use state::served_endpoint;
 use wire::Inbound;
 
 /// The largest body chunk echoed back in FULL_DUPLEX_STREAMED mode (Envoy's 64 KiB guidance).
@@ -55,6 +56,9 @@ pub const MAX_CHUNK: usize = 64 * 1024;
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 /// The subset hint key Envoy may send in `envoy.lb` metadata.
 pub const SUBSET_HINT_KEY: &str = "x-gateway-destination-endpoint-subset";
+/// The key under which the proxy reports, on the response path, the endpoint that actually
+/// served the request (Envoy's `override_host` `selected_host_key`).
+pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
 /// The Gateway API conformance suite's steering header.
 pub const TEST_SELECTION_HEADER: &str = "test-epp-endpoint-selection";
 
@@ -106,6 +110,10 @@ pub trait Picker: Send + Sync + 'static {
 
     /// Told when the protocol layer refuses a request itself (413), for accounting.
     fn rejected_by_protocol(&self, _rejection: &Rejection) {}
+
+    /// Told, once per request, which endpoint the proxy reports as having served it (a
+    /// fallback when the pick failed), with the hold of the routed request.
+    fn served(&self, _hold: &mut Self::Hold, _endpoint: &str) {}
 }
 
 /// Settings of the protocol layer.

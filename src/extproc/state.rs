@@ -23,7 +23,7 @@ use tonic::{Status, Streaming};
 use super::response;
 use super::wire::{Inbound, InboundBody, InboundPart as Message};
 use super::{
-    ExtProcSettings, Picker, ProtocolError, Rejection, RoutingRequest, SUBSET_HINT_KEY,
+    ExtProcSettings, Picker, ProtocolError, Rejection, RoutingRequest, SERVED_KEY, SUBSET_HINT_KEY,
     TEST_SELECTION_HEADER,
 };
 
@@ -70,6 +70,8 @@ pub struct StreamState<P: Picker> {
     echo_response_body: bool,
     phase: Phase,
     hold: Option<P::Hold>,
+    /// Whether the proxy's served-endpoint report was passed on (once per request).
+    served_reported: bool,
 }
 
 impl<P: Picker> StreamState<P> {
@@ -81,6 +83,7 @@ impl<P: Picker> StreamState<P> {
             echo_response_body: false,
             phase: Phase::AwaitingHeaders,
             hold: None,
+            served_reported: false,
         }
     }
 
@@ -108,7 +111,14 @@ impl<P: Picker> StreamState<P> {
                 Ok(BodySendMode::FullDuplexStreamed | BodySendMode::Grpc)
             );
         }
-        match message.request.ok_or(ProtocolError::Empty)? {
+        let part = message.request.ok_or(ProtocolError::Empty)?;
+        if matches!(
+            part,
+            Message::ResponseHeaders(_) | Message::ResponseBody(_) | Message::ResponseTrailers(_)
+        ) {
+            self.report_served(message.metadata_context.as_ref());
+        }
+        match part {
             Message::RequestHeaders(headers) => {
                 self.on_request_headers(headers, message.metadata_context.as_ref())
                     .await
@@ -122,6 +132,19 @@ impl<P: Picker> StreamState<P> {
             )]),
             Message::ResponseTrailers(_) => Ok(vec![response::response_trailers()]),
         }
+    }
+
+    /// Passes the proxy's served-endpoint report, from the first response-path message that
+    /// carries one, to the picker.
+    fn report_served(&mut self, metadata: Option<&Metadata>) {
+        if self.served_reported {
+            return;
+        }
+        let (Some(hold), Some(endpoint)) = (self.hold.as_mut(), served_endpoint(metadata)) else {
+            return;
+        };
+        self.served_reported = true;
+        self.picker.served(hold, endpoint);
     }
 
     async fn on_request_headers(
@@ -321,6 +344,15 @@ fn read_headers(headers: Option<&HeaderMap>) -> RoutingRequest {
         }
     }
     request
+}
+
+/// `envoy.lb` → `x-gateway-destination-endpoint-served`: the `ip:port` that served the request.
+pub fn served_endpoint(metadata: Option<&Metadata>) -> Option<&str> {
+    let lb = metadata?.filter_metadata.get("envoy.lb")?;
+    match lb.fields.get(SERVED_KEY)?.kind.as_ref()? {
+        Kind::StringValue(s) if !s.trim().is_empty() => Some(s.trim()),
+        _ => None,
+    }
 }
 
 /// `envoy.lb` → `x-gateway-destination-endpoint-subset`, a list of strings or one

@@ -23,6 +23,7 @@ use super::*;
 struct FakePicker {
     seen: Mutex<Vec<RoutingRequest>>,
     live_holds: Arc<AtomicUsize>,
+    served: Mutex<Vec<String>>,
 }
 
 struct FakeHold(Arc<AtomicUsize>);
@@ -51,6 +52,32 @@ impl Picker for FakePicker {
             destination: "10.0.0.1:8000,10.0.0.2:8000".to_string(),
             hold: FakeHold(Arc::clone(&self.live_holds)),
         })
+    }
+
+    fn served(&self, _hold: &mut FakeHold, endpoint: &str) {
+        self.served.lock().push(endpoint.to_string());
+    }
+}
+
+/// `envoy.lb: {key: value}` metadata as Envoy forwards it.
+fn lb_metadata(key: &str, value: &str) -> Metadata {
+    Metadata {
+        filter_metadata: [(
+            "envoy.lb".to_string(),
+            Struct {
+                fields: [(
+                    key.to_string(),
+                    Value {
+                        kind: Some(Kind::StringValue(value.to_string())),
+                    },
+                )]
+                .into_iter()
+                .collect(),
+            },
+        )]
+        .into_iter()
+        .collect(),
+        ..Default::default()
     }
 }
 
@@ -542,4 +569,43 @@ async fn unknown_method_is_unimplemented() {
     let response = server.call(request).await.unwrap();
     let status = response.headers().get("grpc-status").unwrap();
     assert_eq!(status, &(tonic::Code::Unimplemented as i32).to_string());
+}
+
+#[tokio::test]
+async fn the_served_endpoint_is_reported_once_from_the_response_path() {
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    stream
+        .on_message(headers_msg(BodySendMode::Buffered, true, &[]))
+        .await
+        .unwrap();
+    let response_headers = |served: Option<&str>| ProcessingRequest {
+        request: Some(Message::ResponseHeaders(HttpHeaders::default())),
+        metadata_context: served.map(|s| lb_metadata(SERVED_KEY, s)),
+        ..Default::default()
+    };
+    // A response message without the report changes nothing.
+    stream.on_message(response_headers(None)).await.unwrap();
+    assert!(picker.served.lock().is_empty());
+    stream
+        .on_message(response_headers(Some(" 10.0.0.2:8000 ")))
+        .await
+        .unwrap();
+    let trailers = ProcessingRequest {
+        request: Some(Message::ResponseTrailers(HttpTrailers::default())),
+        metadata_context: Some(lb_metadata(SERVED_KEY, "10.0.0.3:8000")),
+        ..Default::default()
+    };
+    stream.on_message(trailers).await.unwrap();
+    assert_eq!(*picker.served.lock(), ["10.0.0.2:8000"]);
+}
+
+#[tokio::test]
+async fn a_served_report_before_any_pick_is_ignored() {
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    let mut message = headers_msg(BodySendMode::Buffered, true, &[]);
+    message.metadata_context = Some(lb_metadata(SERVED_KEY, "10.0.0.2:8000"));
+    stream.on_message(message).await.unwrap();
+    assert!(picker.served.lock().is_empty());
 }

@@ -81,6 +81,34 @@ struct OutcomeLabels {
     outcome: &'static str,
 }
 
+/// How the endpoint the proxy reports as having served a request compares with the pick.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum Served {
+    /// The picked replica served it.
+    Picked,
+    /// Another replica of the pool served it (a fallback after the pick failed).
+    OtherReplica,
+    /// An endpoint the pool does not know served it.
+    Unknown,
+}
+
+impl Served {
+    const ALL: [Served; 3] = [Served::Picked, Served::OtherReplica, Served::Unknown];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Served::Picked => "picked",
+            Served::OtherReplica => "other_replica",
+            Served::Unknown => "unknown",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ServedLabels {
+    served_by: &'static str,
+}
+
 /// The router's metrics and their registry.
 #[derive(Debug)]
 pub struct Metrics {
@@ -92,6 +120,8 @@ pub struct Metrics {
     pick_duration: Histogram,
     imbalance_guard: Counter,
     prefix_unavailable: Counter,
+    /// `llmgw_served_reports` by [`Served`], made at start-up like `decisions`.
+    served: [Counter; Served::ALL.len()],
 }
 
 impl Metrics {
@@ -130,6 +160,19 @@ impl Metrics {
             "Decisions made on load alone because the prefix scorer failed",
             prefix_unavailable.clone(),
         );
+        let served = Family::<ServedLabels, Counter>::default();
+        registry.register(
+            "llmgw_served_reports",
+            "Served-endpoint reports from the proxy, by how they compare with the pick",
+            served.clone(),
+        );
+        let served = Served::ALL.map(|s| {
+            served
+                .get_or_create(&ServedLabels {
+                    served_by: s.as_str(),
+                })
+                .clone()
+        });
         registry.register_collector(Box::new(ReplicaCollector { pool }));
         Metrics {
             registry,
@@ -137,6 +180,7 @@ impl Metrics {
             pick_duration,
             imbalance_guard,
             prefix_unavailable,
+            served,
         }
     }
 
@@ -159,6 +203,10 @@ impl Metrics {
 
     pub fn prefix_unavailable(&self) {
         self.prefix_unavailable.inc();
+    }
+
+    pub fn served(&self, served: Served) {
+        self.served[served as usize].inc();
     }
 
     /// The Prometheus text exposition.

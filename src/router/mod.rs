@@ -10,7 +10,7 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use crate::extproc::{Picker, Rejection, Routed, RoutingRequest};
-use crate::metrics::{Metrics, Outcome};
+use crate::metrics::{Metrics, Outcome, Served};
 use crate::openai::{EndpointKind, parse_request};
 use crate::pool::InFlightGuard;
 use crate::scheduler::{DecideError, Decision, Scheduler, Scope};
@@ -133,6 +133,24 @@ impl Picker for Router {
         if rejection.status == 413 {
             self.metrics.record(Outcome::BodyTooLarge);
         }
+    }
+
+    /// A fallback served the request: the in-flight count moves to it, so load reflects where
+    /// requests really run.
+    fn served(&self, hold: &mut InFlightGuard, endpoint: &str) {
+        if hold.replica().endpoint() == endpoint {
+            self.metrics.served(Served::Picked);
+            return;
+        }
+        let picked = hold.replica().endpoint().to_owned();
+        match self.scheduler.pool().snapshot().find(endpoint) {
+            Some(replica) => {
+                self.metrics.served(Served::OtherReplica);
+                *hold = replica.start_request();
+            }
+            None => self.metrics.served(Served::Unknown),
+        }
+        tracing::debug!(%picked, served = %endpoint, "the proxy served a request elsewhere");
     }
 }
 

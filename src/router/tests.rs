@@ -182,3 +182,34 @@ async fn test_selection_header_only_behind_the_flag() {
     let routed = ignored.pick(selection("127.0.0.1:8002")).await.unwrap();
     assert_eq!(routed.hold.replica().endpoint(), "127.0.0.1:8001");
 }
+
+#[tokio::test]
+async fn a_fallback_that_served_takes_the_in_flight_count() {
+    let pool = pool();
+    let router = router(&pool, true);
+    let mut request = post("/v1/completions", r#"{"model":"tiny","prompt":"hi"}"#);
+    request.test_selection = Some("127.0.0.1:8001,127.0.0.1:8002".to_string());
+    let mut routed = router.pick(request).await.unwrap();
+    let snapshot = pool.snapshot();
+    let in_flight = |endpoint: &str| snapshot.find(endpoint).unwrap().in_flight();
+    let counts = || (in_flight("127.0.0.1:8001"), in_flight("127.0.0.1:8002"));
+    assert_eq!(counts(), (1, 0));
+
+    router.served(&mut routed.hold, "127.0.0.1:8001");
+    assert_eq!(counts(), (1, 0));
+    router.served(&mut routed.hold, "127.0.0.1:8002");
+    assert_eq!(counts(), (0, 1));
+    router.served(&mut routed.hold, "10.9.9.9:1");
+    assert_eq!(counts(), (0, 1));
+    drop(routed);
+    assert_eq!(counts(), (0, 0));
+
+    let text = router.metrics.encode().unwrap();
+    for line in [
+        "llmgw_served_reports_total{served_by=\"picked\"} 1",
+        "llmgw_served_reports_total{served_by=\"other_replica\"} 1",
+        "llmgw_served_reports_total{served_by=\"unknown\"} 1",
+    ] {
+        assert!(text.contains(line), "{line} missing from\n{text}");
+    }
+}
