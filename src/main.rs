@@ -59,8 +59,12 @@ fn serve(args: &llmgw::config::ServeArgs) -> anyhow::Result<()> {
         .build()?;
     runtime.block_on(llmgw::app::serve(settings, shutdown_signal(), |bound| {
         // Tests and scripts read this line to learn the ports (useful with port 0).
+        let health = bound
+            .grpc_health
+            .map(|addr| format!(" grpc_health={addr}"))
+            .unwrap_or_default();
         println!(
-            "llmgw-router listening grpc={} admin={} feed={}",
+            "llmgw-router listening grpc={} admin={} feed={}{health}",
             bound.grpc, bound.admin, bound.feed
         );
     }))?;

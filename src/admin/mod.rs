@@ -15,6 +15,7 @@ use axum::routing::get;
 use serde::Serialize;
 use tokio::time::Instant;
 
+use crate::config::PoolIdentity;
 use crate::kvindex::KvIndex;
 use crate::metrics::Metrics;
 use crate::pool::{Pool, ReplicaView};
@@ -27,6 +28,8 @@ pub struct AdminState {
     pub metrics: Arc<Metrics>,
     pub scheduler: SchedulerSettings,
     pub index: Arc<KvIndex>,
+    /// The InferencePool this router picks for, if named.
+    pub inference_pool: Option<PoolIdentity>,
 }
 
 /// The admin routes.
@@ -62,13 +65,16 @@ async fn healthz(State(state): State<Arc<AdminState>>) -> (StatusCode, &'static 
 }
 
 #[derive(Serialize)]
-struct DebugView {
+struct DebugView<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    inference_pool: Option<&'a PoolIdentity>,
     replicas: Vec<ReplicaView>,
     scheduler: SchedulerSettings,
 }
 
 async fn debug(State(state): State<Arc<AdminState>>) -> Response {
     let view = DebugView {
+        inference_pool: state.inference_pool.as_ref(),
         replicas: state
             .pool
             .snapshot()
@@ -140,6 +146,7 @@ mod tests {
             pool,
             scheduler: SchedulerSettings::default(),
             index,
+            inference_pool: None,
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await

@@ -63,6 +63,8 @@ pub enum ServeError {
 #[derive(Debug, Clone, Copy)]
 pub struct BoundAddrs {
     pub grpc: SocketAddr,
+    /// The health-only gRPC listener, when configured.
+    pub grpc_health: Option<SocketAddr>,
     pub admin: SocketAddr,
     /// Where agents connect (llmgw.feed.v1).
     pub feed: SocketAddr,
@@ -140,6 +142,9 @@ pub async fn serve(
     }
 
     let mut metrics = Metrics::new(Arc::clone(&pool));
+    if let Some(pool) = &settings.pool {
+        metrics.pool_info(&pool.name, &pool.namespace);
+    }
     affinity.register_metrics(metrics.registry_mut());
     feed.metrics.register(metrics.registry_mut());
     let metrics = Arc::new(metrics);
@@ -165,15 +170,30 @@ pub async fn serve(
     background.spawn(report_readiness(Arc::clone(&pool), health_reporter));
 
     let grpc_listener = bind(settings.grpc_addr).await?;
+    let health_listener = match settings.grpc_health_addr {
+        Some(addr) => Some((bind(addr).await?, addr)),
+        None => None,
+    };
     let admin_listener = bind(settings.admin_addr).await?;
     let feed_listener = bind(settings.feed_addr).await?;
     let bound = BoundAddrs {
         grpc: local_addr(&grpc_listener, settings.grpc_addr)?,
+        grpc_health: health_listener
+            .as_ref()
+            .map(|(listener, addr)| local_addr(listener, *addr))
+            .transpose()?,
         admin: local_addr(&admin_listener, settings.admin_addr)?,
         feed: local_addr(&feed_listener, settings.feed_addr)?,
     };
     on_bound(bound);
-    tracing::info!(grpc = %bound.grpc, admin = %bound.admin, feed = %bound.feed, replicas = settings.replicas.len(), "llmgw-router serving");
+    tracing::info!(
+        grpc = %bound.grpc,
+        admin = %bound.admin,
+        feed = %bound.feed,
+        replicas = settings.replicas.len(),
+        pool = ?settings.pool,
+        "llmgw-router serving"
+    );
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -181,7 +201,22 @@ pub async fn serve(
         let _ = stop_tx.send(true);
     });
     let mut grpc_stop = stop_rx.clone();
-    let mut admin_stop = stop_rx;
+    let mut admin_stop = stop_rx.clone();
+
+    // Kubernetes gRPC probes on their own port: the same health services, nothing else.
+    let health_only = health_listener.map(|(listener, _)| {
+        let mut stop = stop_rx;
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(health_service.clone())
+                .serve_with_incoming_shutdown(
+                    tonic::transport::server::TcpIncoming::from(listener),
+                    async move {
+                        let _ = stop.wait_for(|stop| *stop).await;
+                    },
+                ),
+        )
+    });
 
     // BUFFERED bodies arrive as one message: with h2's default 64 KiB stream window a 200 KB
     // prompt would wait for several WINDOW_UPDATE round trips. Envoy's own windows are large.
@@ -204,6 +239,7 @@ pub async fn serve(
         metrics,
         scheduler: settings.scheduler,
         index,
+        inference_pool: settings.pool.clone(),
     });
     let admin = axum::serve(admin_listener, admin::routes(admin_state)).with_graceful_shutdown(
         async move {
@@ -215,6 +251,12 @@ pub async fn serve(
     feed.shutdown();
     feed_task.abort();
     background.abort_all();
+    if let Some(health_only) = health_only {
+        match health_only.await {
+            Ok(result) => result?,
+            Err(error) => tracing::warn!(%error, "gRPC health server task failed"),
+        }
+    }
     grpc_result?;
     admin_result.map_err(ServeError::Admin)?;
     Ok(())

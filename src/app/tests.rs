@@ -312,3 +312,80 @@ async fn the_feeds_node_map_follows_configuration_reloads() {
     let _ = stop_tx.send(());
     server.await.unwrap().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_health_only_port_and_the_inference_pool_identity() {
+    let up = Arc::new(AtomicBool::new(true));
+    let replica = fake_replica(Arc::clone(&up)).await;
+    let mut settings = Settings::resolve(&ServeArgs {
+        replicas: vec![format!("tiny={replica}")],
+        grpc_addr: Some("127.0.0.1:0".parse().unwrap()),
+        admin_addr: Some("127.0.0.1:0".parse().unwrap()),
+        feed_addr: Some("127.0.0.1:0".parse().unwrap()),
+        health_interval: Some(Duration::from_millis(50)),
+        pool_name: Some("chat-pool".to_string()),
+        pool_namespace: Some("llm".to_string()),
+        ..ServeArgs::default()
+    })
+    .unwrap();
+    // --grpc-health-port listens on every interface; a test stays on loopback.
+    settings.grpc_health_addr = Some("127.0.0.1:0".parse().unwrap());
+    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve(
+        settings,
+        async move {
+            let _ = stop_rx.await;
+        },
+        move |bound| {
+            let _ = bound_tx.send(bound);
+        },
+    ));
+    let bound: BoundAddrs = bound_rx.await.unwrap();
+    let health_addr = bound.grpc_health.expect("a health-only listener");
+    assert_ne!(health_addr, bound.grpc);
+
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{health_addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel.clone());
+    assert_eq!(status_of(&mut health, "liveness").await, Status::Serving);
+    wait_for(&mut health, "readiness", Status::Serving).await;
+    wait_for(&mut health, EXT_PROC_HEALTH_SERVICE, Status::Serving).await;
+    up.store(false, Ordering::SeqCst);
+    wait_for(&mut health, "readiness", Status::NotServing).await;
+    // Only health lives there: ext_proc is not served on that port.
+    let mut ext_proc = envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient::new(channel);
+    let refused = ext_proc
+        .process(futures::stream::empty())
+        .await
+        .expect_err("no ext_proc on the health port");
+    assert_eq!(refused.code(), tonic::Code::Unimplemented);
+
+    let admin = format!("http://{}", bound.admin);
+    let metrics = reqwest::get(format!("{admin}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("llmgw_pool_info{pool_name=\"chat-pool\",pool_namespace=\"llm\"} 1"),
+        "{metrics}"
+    );
+    let debug: serde_json::Value = reqwest::get(format!("{admin}/debug"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        debug["inference_pool"],
+        serde_json::json!({"name": "chat-pool", "namespace": "llm"})
+    );
+
+    let _ = stop_tx.send(());
+    server.await.unwrap().unwrap();
+}

@@ -79,6 +79,13 @@ pub enum ConfigError {
     NotPositive(&'static str),
     #[error("feed TLS: {0}")]
     FeedTls(&'static str),
+    #[error("--pool-namespace needs --pool-name")]
+    PoolNamespaceWithoutName,
+}
+
+/// `0.0.0.0:port`: the `--*-port` flags listen on every interface, as in a pod.
+fn every_interface(port: u16) -> SocketAddr {
+    SocketAddr::from(([0, 0, 0, 0], port))
 }
 
 /// `serve` options. Every one is also an `LLMGW_*` environment variable.
@@ -94,6 +101,22 @@ pub struct ServeArgs {
     /// ext_proc gRPC listen address (default 127.0.0.1:9002).
     #[arg(long, env = "LLMGW_GRPC_ADDR")]
     pub grpc_addr: Option<SocketAddr>,
+    /// ext_proc gRPC port on every interface (0.0.0.0:PORT), as Gateway API Inference
+    /// Extension deployments pass it to an endpoint picker; --grpc-addr wins.
+    #[arg(long, env = "LLMGW_GRPC_PORT")]
+    pub grpc_port: Option<u16>,
+    /// Also serve the gRPC health services (liveness, readiness, ext_proc) alone on
+    /// 0.0.0.0:PORT, for Kubernetes gRPC probes (off by default; they are always on the
+    /// ext_proc port too).
+    #[arg(long, env = "LLMGW_GRPC_HEALTH_PORT")]
+    pub grpc_health_port: Option<u16>,
+    /// The InferencePool this router is the endpoint picker of: a label on its metrics
+    /// (`llmgw_pool_info`), /debug and logs. Replicas still come from --replica/--config.
+    #[arg(long, env = "LLMGW_POOL_NAME")]
+    pub pool_name: Option<String>,
+    /// The InferencePool's namespace (see --pool-name).
+    #[arg(long, env = "LLMGW_POOL_NAMESPACE")]
+    pub pool_namespace: Option<String>,
     /// Admin HTTP listen address: /metrics, /healthz, /debug (default 127.0.0.1:9090).
     #[arg(long, env = "LLMGW_ADMIN_ADDR")]
     pub admin_addr: Option<SocketAddr>,
@@ -201,7 +224,10 @@ pub struct ServeArgs {
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
     pub grpc_addr: Option<SocketAddr>,
+    pub grpc_health_addr: Option<SocketAddr>,
     pub admin_addr: Option<SocketAddr>,
+    pub pool_name: Option<String>,
+    pub pool_namespace: Option<String>,
     #[serde(default, deserialize_with = "opt_duration")]
     pub health_interval: Option<Duration>,
     #[serde(default, deserialize_with = "opt_duration")]
@@ -250,11 +276,23 @@ pub struct FileReplica {
     pub node: Option<String>,
 }
 
+/// The Gateway API Inference Extension InferencePool a router serves.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct PoolIdentity {
+    pub name: String,
+    /// Empty when not given.
+    pub namespace: String,
+}
+
 /// The resolved configuration.
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub grpc_addr: SocketAddr,
+    /// A listener serving only the gRPC health services, if wanted.
+    pub grpc_health_addr: Option<SocketAddr>,
     pub admin_addr: SocketAddr,
+    /// The InferencePool this router picks for, if named.
+    pub pool: Option<PoolIdentity>,
     pub replicas: Vec<ReplicaSpec>,
     pub health_interval: Duration,
     pub scrape_interval: Duration,
@@ -333,8 +371,24 @@ impl Settings {
         let settings = Settings {
             grpc_addr: args
                 .grpc_addr
+                .or(args.grpc_port.map(every_interface))
                 .or(file.grpc_addr)
                 .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 9002))),
+            grpc_health_addr: args
+                .grpc_health_port
+                .map(every_interface)
+                .or(file.grpc_health_addr),
+            pool: match (
+                args.pool_name.clone().or(file.pool_name.clone()),
+                args.pool_namespace.clone().or(file.pool_namespace.clone()),
+            ) {
+                (Some(name), namespace) => Some(PoolIdentity {
+                    name,
+                    namespace: namespace.unwrap_or_default(),
+                }),
+                (None, None) => None,
+                (None, Some(_)) => return Err(ConfigError::PoolNamespaceWithoutName),
+            },
             admin_addr: args
                 .admin_addr
                 .or(file.admin_addr)

@@ -226,3 +226,45 @@ fn a_change_is_applied_once_it_held_for_a_poll() {
     assert!(!changes.settled(None));
     assert!(changes.settled(None));
 }
+
+#[test]
+fn gie_flags_resolve() {
+    let args = ServeArgs {
+        replicas: vec!["tiny=127.0.0.1:8001".to_string()],
+        grpc_port: Some(9102),
+        grpc_health_port: Some(9103),
+        pool_name: Some("pool".to_string()),
+        ..ServeArgs::default()
+    };
+    let settings = Settings::resolve(&args).unwrap();
+    assert_eq!(settings.grpc_addr, "0.0.0.0:9102".parse().unwrap());
+    assert_eq!(
+        settings.grpc_health_addr,
+        Some("0.0.0.0:9103".parse().unwrap())
+    );
+    assert_eq!(
+        settings.pool,
+        Some(PoolIdentity {
+            name: "pool".to_string(),
+            namespace: String::new()
+        })
+    );
+    // --grpc-addr wins over --grpc-port.
+    let addr = ServeArgs {
+        grpc_addr: Some("127.0.0.1:9200".parse().unwrap()),
+        ..args.clone()
+    };
+    assert_eq!(
+        Settings::resolve(&addr).unwrap().grpc_addr,
+        "127.0.0.1:9200".parse().unwrap()
+    );
+    let namespace_only = ServeArgs {
+        pool_name: None,
+        pool_namespace: Some("llm".to_string()),
+        ..args
+    };
+    assert!(matches!(
+        Settings::resolve(&namespace_only),
+        Err(ConfigError::PoolNamespaceWithoutName)
+    ));
+}

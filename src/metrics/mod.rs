@@ -105,6 +105,12 @@ impl Served {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolLabels {
+    pool_name: String,
+    pool_namespace: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ServedLabels {
     served_by: &'static str,
 }
@@ -203,6 +209,21 @@ impl Metrics {
 
     pub fn prefix_unavailable(&self) {
         self.prefix_unavailable.inc();
+    }
+
+    /// `llmgw_pool_info{pool_name, pool_namespace} 1`: which InferencePool this router serves.
+    pub fn pool_info(&mut self, name: &str, namespace: &str) {
+        let info = Family::<PoolLabels, Gauge>::default();
+        info.get_or_create(&PoolLabels {
+            pool_name: name.to_owned(),
+            pool_namespace: namespace.to_owned(),
+        })
+        .set(1);
+        self.registry.register(
+            "llmgw_pool_info",
+            "The InferencePool this router is the endpoint picker of",
+            info,
+        );
     }
 
     pub fn served(&self, served: Served) {
