@@ -2,13 +2,14 @@
 //!
 //! The request path reads as the module list: `extproc` → `openai` → `tokenize` →
 //! [`blockhash`] → `kvindex` / `prefix` → `scheduler` → back to `extproc`, with `pool` and
-//! `feed` beside it.
+//! `feed` beside it, and `discovery` feeding `pool` from Kubernetes.
 
 pub mod admin;
 pub mod affinity;
 pub mod app;
 pub mod blockhash;
 pub mod config;
+pub mod discovery;
 pub mod extproc;
 pub mod feed;
 pub mod kvindex;

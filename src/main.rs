@@ -51,8 +51,11 @@ fn serve(args: &llmgw::config::ServeArgs) -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let settings = llmgw::config::Settings::resolve(args)?;
-    if settings.replicas.is_empty() {
-        anyhow::bail!("no replicas: pass --replica MODEL=IP:PORT or --config FILE");
+    if settings.replicas.is_empty() && settings.k8s_services.is_empty() {
+        anyhow::bail!(
+            "no replicas: pass --replica MODEL=IP:PORT, --config FILE or \
+             --k8s-service MODEL=NAMESPACE/SERVICE:PORT"
+        );
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

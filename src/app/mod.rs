@@ -20,12 +20,13 @@ use tonic_health::ServingStatus;
 use crate::admin::{self, AdminState};
 use crate::affinity::{self, ModelSettingsError, PrefixAffinity};
 use crate::config::{self, Settings};
+use crate::discovery::{self, DiscoveryError};
 use crate::extproc::{ExtProcService, ExtProcSettings};
 use crate::feed::{FeedConfig, FeedService};
 use crate::kvindex::{KvEventSink, KvIndex};
 use crate::metrics::Metrics;
-use crate::pool::Pool;
 use crate::pool::monitor::{self, HttpProber, ProbeError, ProbeSettings};
+use crate::pool::{CONFIG_SOURCE, Pool, ReplicaSources};
 use crate::prefix::{PrefixTree, PrefixTreeConfig};
 use crate::router::Router;
 use crate::scheduler::Scheduler;
@@ -57,6 +58,8 @@ pub enum ServeError {
     Models(#[from] ModelSettingsError),
     #[error("feed TLS: {0}")]
     FeedTls(#[from] crate::feed::tls::FeedTlsError),
+    #[error(transparent)]
+    Discovery(#[from] DiscoveryError),
 }
 
 /// The addresses actually bound (useful with port 0).
@@ -125,19 +128,36 @@ pub async fn serve(
             .transpose()?,
     );
 
-    // A reloaded file changes the pool's replicas and the feed's node map together.
-    if let Some(path) = &settings.config_path {
+    // The configuration (a reloaded file) and each Kubernetes Service are sources of replicas;
+    // their union goes to the pool, and the feed's node map follows it.
+    let sources = {
         let feed = feed.clone();
-        background.spawn(config::watch_replicas(
-            path.clone(),
-            settings.config_poll_interval,
-            settings.flag_replicas.clone(),
+        Arc::new(ReplicaSources::new(
             Arc::clone(&pool),
+            1 + settings.k8s_services.len(),
             move |replicas| {
                 if feed.set_nodes(crate::feed::node_map(replicas)) {
                     tracing::info!("agent feed's node map reloaded");
                 }
             },
+        ))
+    };
+    if let Some(path) = &settings.config_path {
+        background.spawn(config::watch_replicas(
+            path.clone(),
+            settings.config_poll_interval,
+            settings.flag_replicas.clone(),
+            Arc::clone(&sources),
+        ));
+    }
+    if !settings.k8s_services.is_empty() {
+        let client = discovery::default_client().await?;
+        background.spawn(discovery::run(
+            client,
+            settings.k8s_services.clone(),
+            settings.k8s_poll_interval,
+            Arc::clone(&sources),
+            CONFIG_SOURCE + 1,
         ));
     }
 

@@ -44,10 +44,11 @@ use serde::{Deserialize, Deserializer};
 use thiserror::Error;
 
 use crate::affinity::{AffinityConfig, FileModel, ModelSettings};
+use crate::discovery::K8sService;
 use crate::extproc::DESTINATION_HEADER;
 use crate::feed::tls::FeedTlsPaths;
 use crate::kvindex::IndexConfig;
-use crate::pool::{Pool, ReplicaSpec};
+use crate::pool::{CONFIG_SOURCE, ReplicaSources, ReplicaSpec};
 use crate::scheduler::SchedulerSettings;
 use crate::tokenize::TokenizerConfig;
 
@@ -79,6 +80,8 @@ pub enum ConfigError {
     NotPositive(&'static str),
     #[error("feed TLS: {0}")]
     FeedTls(&'static str),
+    #[error("invalid --k8s-service {0:?}: expected MODEL=NAMESPACE/SERVICE:PORT")]
+    K8sService(String),
     #[error("--pool-namespace needs --pool-name")]
     PoolNamespaceWithoutName,
 }
@@ -110,6 +113,18 @@ pub struct ServeArgs {
     /// ext_proc port too).
     #[arg(long, env = "LLMGW_GRPC_HEALTH_PORT")]
     pub grpc_health_port: Option<u16>,
+    /// Replicas from a Kubernetes Service, repeatable: MODEL=NAMESPACE/SERVICE:PORT. The ready
+    /// endpoints of the Service's EndpointSlices, at the pods' vLLM PORT, with their nodes;
+    /// needs RBAC to list endpointslices (discovery.k8s.io) in NAMESPACE.
+    #[arg(
+        long = "k8s-service",
+        env = "LLMGW_K8S_SERVICES",
+        value_delimiter = ','
+    )]
+    pub k8s_services: Vec<String>,
+    /// How often Kubernetes EndpointSlices are listed (default 5s).
+    #[arg(long, env = "LLMGW_K8S_POLL_INTERVAL", value_parser = parse_duration)]
+    pub k8s_poll_interval: Option<Duration>,
     /// The InferencePool this router is the endpoint picker of: a label on its metrics
     /// (`llmgw_pool_info`), /debug and logs. Replicas still come from --replica/--config.
     #[arg(long, env = "LLMGW_POOL_NAME")]
@@ -228,6 +243,10 @@ pub struct FileConfig {
     pub admin_addr: Option<SocketAddr>,
     pub pool_name: Option<String>,
     pub pool_namespace: Option<String>,
+    #[serde(default)]
+    pub k8s_services: Vec<K8sService>,
+    #[serde(default, deserialize_with = "opt_duration")]
+    pub k8s_poll_interval: Option<Duration>,
     #[serde(default, deserialize_with = "opt_duration")]
     pub health_interval: Option<Duration>,
     #[serde(default, deserialize_with = "opt_duration")]
@@ -293,6 +312,9 @@ pub struct Settings {
     pub admin_addr: SocketAddr,
     /// The InferencePool this router picks for, if named.
     pub pool: Option<PoolIdentity>,
+    /// Kubernetes Services whose endpoints are replicas (file's, then flags').
+    pub k8s_services: Vec<K8sService>,
+    pub k8s_poll_interval: Duration,
     pub replicas: Vec<ReplicaSpec>,
     pub health_interval: Duration,
     pub scrape_interval: Duration,
@@ -374,6 +396,20 @@ impl Settings {
                 .or(args.grpc_port.map(every_interface))
                 .or(file.grpc_addr)
                 .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 9002))),
+            k8s_services: {
+                let mut services = file.k8s_services.clone();
+                for spec in &args.k8s_services {
+                    services.push(
+                        spec.parse()
+                            .map_err(|_| ConfigError::K8sService(spec.clone()))?,
+                    );
+                }
+                services
+            },
+            k8s_poll_interval: args
+                .k8s_poll_interval
+                .or(file.k8s_poll_interval)
+                .unwrap_or(Duration::from_secs(5)),
             grpc_health_addr: args
                 .grpc_health_port
                 .map(every_interface)
@@ -625,27 +661,25 @@ fn opt_duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Dur
         .transpose()
 }
 
-/// Polls the configuration file every `interval` and swaps a changed replica list into the pool,
-/// then hands the new list to `on_reload` (the feed's node map follows it). A file that fails
-/// to parse is reported and the pool kept as it is. The file's contents at the time of the call
-/// are the baseline; the returned future runs until dropped.
+/// Polls the configuration file every `interval` and hands a changed replica list (the file's
+/// and the flags') to `sources` as the configuration's list. A file that fails to parse is
+/// reported and the replicas kept as they are. The file's contents at the time of the call are
+/// the baseline; the returned future runs until dropped.
 pub fn watch_replicas(
     path: PathBuf,
     interval: Duration,
     flag_replicas: Vec<ReplicaSpec>,
-    pool: Arc<Pool>,
-    on_reload: impl Fn(&[ReplicaSpec]) + Send + 'static,
+    sources: Arc<ReplicaSources>,
 ) -> impl Future<Output = ()> + Send {
     let baseline = std::fs::read(&path).ok();
-    watch_from(path, interval, flag_replicas, pool, on_reload, baseline)
+    watch_from(path, interval, flag_replicas, sources, baseline)
 }
 
 async fn watch_from(
     path: PathBuf,
     interval: Duration,
     flag_replicas: Vec<ReplicaSpec>,
-    pool: Arc<Pool>,
-    on_reload: impl Fn(&[ReplicaSpec]) + Send + 'static,
+    sources: Arc<ReplicaSources>,
     last: Option<Vec<u8>>,
 ) {
     let mut ticker = tokio::time::interval(interval);
@@ -661,11 +695,10 @@ async fn watch_from(
         match replicas {
             Ok(mut replicas) => {
                 replicas.extend(flag_replicas.iter().cloned());
-                if pool.set_replicas(replicas.clone()) {
+                // Node names can change while the pool's endpoints do not: always published.
+                if sources.set(CONFIG_SOURCE, replicas) {
                     tracing::info!(path = %path.display(), "replica list reloaded");
                 }
-                // Node names can change while the pool's endpoints do not.
-                on_reload(&replicas);
             }
             Err(error) => {
                 tracing::warn!(%error, "configuration reload failed; keeping the replicas")

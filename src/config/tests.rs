@@ -96,12 +96,12 @@ async fn changed_file_swaps_the_replicas() {
     })
     .unwrap();
     let pool = Arc::new(Pool::new(settings.replicas, Duration::from_secs(2)));
+    let sources = Arc::new(ReplicaSources::new(Arc::clone(&pool), 1, |_| {}));
     let watcher = tokio::spawn(watch_replicas(
         path.clone(),
         Duration::from_millis(20),
         vec![flag],
-        Arc::clone(&pool),
-        |_| {},
+        sources,
     ));
     write_file(
         &dir,
@@ -266,5 +266,38 @@ fn gie_flags_resolve() {
     assert!(matches!(
         Settings::resolve(&namespace_only),
         Err(ConfigError::PoolNamespaceWithoutName)
+    ));
+}
+
+#[test]
+fn kubernetes_services_from_file_and_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_file(
+        &dir,
+        "k8s_services:\n  - {model: base, namespace: llm, service: vllm-base, port: 8000}\nk8s_poll_interval: 2s\n",
+    );
+    let args = ServeArgs {
+        config: Some(path),
+        k8s_services: vec!["lora=llm/vllm-lora:8001".to_string()],
+        ..ServeArgs::default()
+    };
+    let settings = Settings::resolve(&args).unwrap();
+    let specs: Vec<String> = settings
+        .k8s_services
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    assert_eq!(
+        specs,
+        ["base=llm/vllm-base:8000", "lora=llm/vllm-lora:8001"]
+    );
+    assert_eq!(settings.k8s_poll_interval, Duration::from_secs(2));
+    let bad = ServeArgs {
+        k8s_services: vec!["lora=vllm-lora".to_string()],
+        ..ServeArgs::default()
+    };
+    assert!(matches!(
+        Settings::resolve(&bad),
+        Err(ConfigError::K8sService(spec)) if spec == "lora=vllm-lora"
     ));
 }

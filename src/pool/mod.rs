@@ -20,6 +20,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
 use std::time::Duration;
 
+use parking_lot::Mutex;
+
 use arc_swap::{ArcSwap, ArcSwapOption};
 use serde::Serialize;
 use tokio::time::Instant;
@@ -272,6 +274,66 @@ impl Pool {
             .collect();
         self.snapshot.store(Arc::new(PoolSnapshot::new(replicas)));
         true
+    }
+}
+
+/// The sources of the replica set: the configuration (file and flags) and each discovery source
+/// (a Kubernetes Service). Each source replaces only its own list; the pool gets their union,
+/// and `on_change` (the feed's node map) sees every published union. Sources publish rarely
+/// (a reload, a poll), so one lock serialises them; routing never takes it.
+pub struct ReplicaSources {
+    pool: Arc<Pool>,
+    lists: Mutex<Vec<Vec<ReplicaSpec>>>,
+    on_change: OnReplicasChange,
+}
+
+/// Told every union [`ReplicaSources`] publishes.
+type OnReplicasChange = Box<dyn Fn(&[ReplicaSpec]) + Send + Sync>;
+
+impl std::fmt::Debug for ReplicaSources {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplicaSources")
+            .field("lists", &self.lists)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The configuration's source (file and flags) in [`ReplicaSources`].
+pub const CONFIG_SOURCE: usize = 0;
+
+impl ReplicaSources {
+    /// `sources` lists, the first ([`CONFIG_SOURCE`]) holding what the pool holds now.
+    pub fn new(
+        pool: Arc<Pool>,
+        sources: usize,
+        on_change: impl Fn(&[ReplicaSpec]) + Send + Sync + 'static,
+    ) -> ReplicaSources {
+        let mut lists = vec![Vec::new(); sources.max(1)];
+        lists[CONFIG_SOURCE] = pool
+            .snapshot()
+            .replicas
+            .iter()
+            .map(|r| r.spec.clone())
+            .collect();
+        ReplicaSources {
+            pool,
+            lists: Mutex::new(lists),
+            on_change: Box::new(on_change),
+        }
+    }
+
+    /// Replaces one source's list and publishes the union; returns whether the pool changed.
+    /// An unknown source index is ignored.
+    pub fn set(&self, source: usize, replicas: Vec<ReplicaSpec>) -> bool {
+        let mut lists = self.lists.lock();
+        let Some(list) = lists.get_mut(source) else {
+            return false;
+        };
+        *list = replicas;
+        let union: Vec<ReplicaSpec> = lists.iter().flatten().cloned().collect();
+        let changed = self.pool.set_replicas(union.clone());
+        (self.on_change)(&union);
+        changed
     }
 }
 
