@@ -6,8 +6,9 @@
 //! 2. **Scorers** each give every candidate a score in `[0, 1]`: the built-in load scorers
 //!    ([`scorers`]) and, in the prefix slot, an optional [`PrefixScorer`]. The total is the
 //!    weighted mean, so it stays in `[0, 1]`.
-//! 3. **Picker**: the highest total wins, ties broken at random; the next best become the
-//!    ordered fallback list.
+//! 3. **Picker**: the highest total wins, ties broken by rendezvous hashing of the request with
+//!    each replica (so routers agree; at random for requests without a prompt); the next best
+//!    become the ordered fallback list.
 //!
 //! The **imbalance guard** lets load outvote affinity: when the most loaded candidate has at
 //! least `imbalance_threshold` more requests (in flight + waiting) than the least loaded, the
@@ -32,7 +33,7 @@ use tokio::time::Instant;
 pub use prefix::{PrefixScorer, PrefixScores, PrefixUnavailable};
 pub use scorers::Scorer;
 
-use crate::openai::ParsedRequest;
+use crate::openai::{ParsedRequest, Prompt, RequestInput};
 use crate::pool::{EngineLoad, InFlightGuard, Pool, Replica};
 
 /// Weights of the scorers; a weight of 0 turns a scorer off.
@@ -303,7 +304,7 @@ impl Scheduler {
             total.iter_mut().for_each(|t| *t /= weight_sum);
         }
 
-        let order = rank(&total, &mut rand::rng());
+        let order = rank_for(request, &total, &candidates);
         let chosen = &candidates[order[0]];
         if let (Some(prefix), Some(scores)) = (&self.prefix, &prefix_scores) {
             prefix.after_pick(request, chosen, scores);
@@ -374,9 +375,59 @@ impl Scheduler {
     }
 }
 
+/// How many leading bytes of a prompt identify a request for tie-breaking: enough to tell
+/// conversations apart, bounded so a long prompt costs nothing extra.
+const TIE_KEY_BYTES: usize = 4096;
+
+/// Candidate indices, best score first; equal scores ordered by rendezvous hashing of the
+/// request (its model, salt and prompt's first bytes) with each replica's address. So routers
+/// that see the same state pick the same replica for the same request, while different
+/// requests still spread over equally good replicas.
+fn rank_for(request: &ParsedRequest, scores: &[f64], candidates: &[Candidate]) -> Vec<usize> {
+    let request_key = tie_key(request);
+    let keys: Vec<u64> = candidates
+        .iter()
+        .map(|c| xxhash_rust::xxh3::xxh3_64_with_seed(c.replica.endpoint().as_bytes(), request_key))
+        .collect();
+    rank_by(scores, &keys)
+}
+
+fn head(bytes: &[u8]) -> &[u8] {
+    &bytes[..bytes.len().min(TIE_KEY_BYTES)]
+}
+
+fn tie_key(request: &ParsedRequest) -> u64 {
+    use xxhash_rust::xxh3::Xxh3;
+    let mut hash = Xxh3::new();
+    hash.update(request.model.as_bytes());
+    hash.update(&[0]);
+    if let Some(salt) = &request.cache_salt {
+        hash.update(salt.as_bytes());
+    }
+    hash.update(&[0]);
+    match &request.input {
+        RequestInput::Completion(Prompt::Text(text)) => {
+            hash.update(head(text.raw_json().get().as_bytes()))
+        }
+        RequestInput::Completion(Prompt::TokenIds(ids)) => {
+            for id in ids.iter().take(TIE_KEY_BYTES / 4) {
+                hash.update(&id.to_le_bytes());
+            }
+        }
+        RequestInput::Chat(chat) => hash.update(head(chat.messages.get().as_bytes())),
+    }
+    hash.digest()
+}
+
 /// Candidate indices, best score first; equal scores in random order.
 fn rank(scores: &[f64], rng: &mut impl Rng) -> Vec<usize> {
-    let mut keyed: Vec<(usize, u32)> = (0..scores.len()).map(|i| (i, rng.random())).collect();
+    let keys: Vec<u64> = (0..scores.len()).map(|_| rng.random()).collect();
+    rank_by(scores, &keys)
+}
+
+/// Candidate indices, best score first; equal scores in ascending order of `keys`.
+fn rank_by(scores: &[f64], keys: &[u64]) -> Vec<usize> {
+    let mut keyed: Vec<(usize, u64)> = (0..scores.len()).map(|i| (i, keys[i])).collect();
     keyed.sort_by(|(a, ka), (b, kb)| {
         scores[*b]
             .partial_cmp(&scores[*a])

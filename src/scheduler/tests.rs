@@ -156,19 +156,43 @@ async fn in_flight_spreads_concurrent_requests() {
     assert_ne!(first.primary().endpoint(), second.primary().endpoint());
 }
 
-#[tokio::test]
-async fn equal_scores_break_ties_at_random() {
-    let pool = healthy_pool(2);
-    let scheduler = Scheduler::new(Arc::clone(&pool), SchedulerSettings::default());
-    let mut seen = std::collections::HashSet::new();
-    for _ in 0..200 {
-        let decision = scheduler
-            .decide(&request("m"), Scope::default())
-            .await
-            .unwrap();
-        seen.insert(decision.primary().endpoint().to_string());
+fn prompt(model: &str, text: &str) -> ParsedRequest {
+    ParsedRequest {
+        input: RequestInput::Completion(Prompt::Text(PromptText::new(text))),
+        ..request(model)
     }
-    assert_eq!(seen.len(), 2);
+}
+
+#[tokio::test]
+async fn equal_scores_break_ties_by_request_so_routers_agree() {
+    // Two routers: separate pools and schedulers over the same replicas.
+    let (pool_a, pool_b) = (healthy_pool(3), healthy_pool(3));
+    let a = Scheduler::new(Arc::clone(&pool_a), SchedulerSettings::default());
+    let b = Scheduler::new(Arc::clone(&pool_b), SchedulerSettings::default());
+    let mut seen = std::collections::HashSet::new();
+    for i in 0..64 {
+        let request = prompt("m", &format!("conversation {i}"));
+        let from_a = a.decide(&request, Scope::default()).await.unwrap();
+        let from_b = b.decide(&request, Scope::default()).await.unwrap();
+        assert_eq!(from_a.destination(), from_b.destination(), "request {i}");
+        let picked = from_a.primary().endpoint().to_string();
+        drop((from_a, from_b));
+        // The same request again, with the same (idle) state: the same pick.
+        let again = a.decide(&request, Scope::default()).await.unwrap();
+        assert_eq!(again.primary().endpoint(), picked, "request {i} again");
+        seen.insert(picked);
+    }
+    // Different requests still spread over equally good replicas.
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    // The salt is part of the request's identity.
+    let mut salted = prompt("m", "conversation 0");
+    let mut picks = std::collections::HashSet::new();
+    for i in 0..16 {
+        salted.cache_salt = Some(format!("tenant {i}"));
+        let decision = a.decide(&salted, Scope::default()).await.unwrap();
+        picks.insert(decision.primary().endpoint().to_string());
+    }
+    assert!(picks.len() > 1, "salts never moved the pick: {picks:?}");
 }
 
 #[tokio::test(start_paused = true)]
