@@ -27,6 +27,8 @@ pub struct SystemConfig {
     pub router_args: Vec<String>,
     /// Start the agent (without it, the router routes by load and the prefix tree only).
     pub agent: bool,
+    /// How many routers (at least one); Envoy asks the first, the agent feeds them all.
+    pub routers: usize,
     /// Envoy's log level.
     pub envoy_log_level: String,
 }
@@ -43,6 +45,7 @@ impl Default for SystemConfig {
             sim_args: Vec::new(),
             router_args: Vec::new(),
             agent: true,
+            routers: 1,
             envoy_log_level: "error".to_owned(),
         }
     }
@@ -59,7 +62,10 @@ pub struct RouterAddrs {
 /// Everything running. Dropping it stops every process.
 pub struct System {
     pub config: SystemConfig,
+    /// The router Envoy asks.
     pub router: RouterAddrs,
+    /// The other routers (`SystemConfig::routers` - 1), fed by the same agent.
+    pub other_routers: Vec<RouterAddrs>,
     /// Envoy's listener: where clients send requests.
     pub envoy: SocketAddr,
     pub envoy_admin: SocketAddr,
@@ -67,6 +73,7 @@ pub struct System {
     _envoy: ChildGuard,
     _agent: Option<ChildGuard>,
     _router: ChildGuard,
+    _other_routers: Vec<ChildGuard>,
     pub sims: Vec<SimHandle>,
 }
 
@@ -74,6 +81,13 @@ impl System {
     /// `http://ENVOY{path}`.
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.envoy, path)
+    }
+
+    /// Every router, the one Envoy asks first.
+    pub fn routers(&self) -> Vec<RouterAddrs> {
+        std::iter::once(self.router)
+            .chain(self.other_routers.iter().copied())
+            .collect()
     }
 
     /// The replica addresses, in start order.
@@ -112,19 +126,25 @@ pub async fn start(config: SystemConfig) -> System {
         .collect();
 
     let (router, router_guard) = start_router(&config, &sims);
-    let agent = config
-        .agent
-        .then(|| start_agent(&config, &sims, router.feed));
+    let (other_routers, other_guards): (Vec<_>, Vec<_>) = (1..config.routers)
+        .map(|_| start_router(&config, &sims))
+        .unzip();
+    let feeds: Vec<SocketAddr> = std::iter::once(router.feed)
+        .chain(other_routers.iter().map(|r| r.feed))
+        .collect();
+    let agent = config.agent.then(|| start_agent(&config, &sims, &feeds));
     let (envoy, envoy_admin, envoy_guard) = start_envoy(&config, router.grpc, &sims).await;
     let system = System {
         config,
         sims,
         router,
+        other_routers,
         envoy,
         envoy_admin,
         _envoy: envoy_guard,
         _agent: agent,
         _router: router_guard,
+        _other_routers: other_guards,
     };
     wait_ready(&system).await;
     system
@@ -181,12 +201,13 @@ fn start_router(config: &SystemConfig, sims: &[SimHandle]) -> (RouterAddrs, Chil
     panic!("llmgw-router exited before listening");
 }
 
-fn start_agent(config: &SystemConfig, sims: &[SimHandle], feed: SocketAddr) -> ChildGuard {
+fn start_agent(config: &SystemConfig, sims: &[SimHandle], feeds: &[SocketAddr]) -> ChildGuard {
     let mut cmd = Command::new(bin_path("llmgw-agent"));
-    cmd.arg("serve")
-        .args(["--node", &config.node])
-        .args(["--router", &feed.to_string()])
-        .args(["--model", &config.model])
+    cmd.arg("serve").args(["--node", &config.node]);
+    for feed in feeds {
+        cmd.args(["--router", &feed.to_string()]);
+    }
+    cmd.args(["--model", &config.model])
         .args(["--hash-seed", &config.seed])
         .args(["--block-size", &config.block_size.to_string()])
         .args(["--admin-addr", "127.0.0.1:0"]);
@@ -257,7 +278,6 @@ async fn start_envoy(
 async fn wait_ready(system: &System) {
     let client = reqwest::Client::new();
     let envoy_ready = format!("http://{}/ready", system.envoy_admin);
-    let router_metrics = format!("http://{}/metrics", system.router.admin);
     let mut status = String::new();
     for _ in 0..300 {
         let envoy_up = client
@@ -265,36 +285,54 @@ async fn wait_ready(system: &System) {
             .send()
             .await
             .is_ok_and(|r| r.status().is_success());
-        let metrics = match client.get(&router_metrics).send().await {
-            Ok(r) => r.text().await.unwrap_or_default(),
-            Err(_) => String::new(),
-        };
-        let healthy = metrics
-            .lines()
-            .filter(|l| l.starts_with("llmgw_replica_healthy{") && l.ends_with(" 1"))
-            .count();
-        let streams_up = !system.config.agent
-            || metrics
+        let mut routers_ready = true;
+        for router in system.routers() {
+            let metrics = match client
+                .get(format!("http://{}/metrics", router.admin))
+                .send()
+                .await
+            {
+                Ok(r) => r.text().await.unwrap_or_default(),
+                Err(_) => String::new(),
+            };
+            let healthy = metrics
                 .lines()
-                .any(|l| l.starts_with("llmgw_feed_streams ") && !l.ends_with(" 0"));
-        if envoy_up && healthy == system.sims.len() && streams_up {
+                .filter(|l| l.starts_with("llmgw_replica_healthy{") && l.ends_with(" 1"))
+                .count();
+            let streams_up = !system.config.agent
+                || metrics
+                    .lines()
+                    .any(|l| l.starts_with("llmgw_feed_streams ") && !l.ends_with(" 0"));
+            if healthy != system.sims.len() || !streams_up {
+                routers_ready = false;
+                status = format!(
+                    "envoy ready: {envoy_up}, router {}: healthy replicas {healthy}/{}, agent \
+                     stream up: {streams_up}",
+                    router.admin,
+                    system.sims.len()
+                );
+                break;
+            }
+        }
+        if envoy_up && routers_ready {
             return;
         }
-        status = format!(
-            "envoy ready: {envoy_up}, healthy replicas: {healthy}/{}, agent stream up: {streams_up}",
-            system.sims.len()
-        );
+        if routers_ready {
+            status = format!("envoy ready: {envoy_up}");
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     panic!("the system did not become ready within 15 s ({status})");
 }
 
-/// The block hashes the router's index holds for `replica`.
+/// The block hashes the (first) router's index holds for `replica`.
 pub async fn router_blocks(system: &System, replica: SocketAddr) -> Vec<u64> {
-    let url = format!(
-        "http://{}/debug/replicas/{replica}/blocks",
-        system.router.admin
-    );
+    router_blocks_at(system.router, replica).await
+}
+
+/// The block hashes `router`'s index holds for `replica`.
+pub async fn router_blocks_at(router: RouterAddrs, replica: SocketAddr) -> Vec<u64> {
+    let url = format!("http://{}/debug/replicas/{replica}/blocks", router.admin);
     let v: serde_json::Value = reqwest::get(url)
         .await
         .expect("router admin")
@@ -317,14 +355,17 @@ pub async fn sim_blocks(sim: &SimHandle) -> Vec<u64> {
     blocks
 }
 
-/// Waits (at most `timeout`) until the router's index equals every sim's own block list;
+/// Waits (at most `timeout`) until every router's index equals every sim's own block list;
 /// returns whether it did.
 pub async fn converged(system: &System, timeout: Duration) -> bool {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         let mut equal = true;
         for sim in &system.sims {
-            equal &= router_blocks(system, sim.addr).await == sim_blocks(sim).await;
+            let blocks = sim_blocks(sim).await;
+            for router in system.routers() {
+                equal &= router_blocks_at(router, sim.addr).await == blocks;
+            }
         }
         if equal {
             return true;

@@ -106,3 +106,188 @@ async fn a_chat_follows_its_replica_turn_after_turn_and_the_index_stays_true() {
         "{metrics}"
     );
 }
+
+/// Asks `router` over ext_proc, as Envoy does in BUFFERED mode, where `body` would go; returns
+/// the destination (primary first). The stream ends with the answer, so nothing stays in flight.
+async fn pick(router: system::RouterAddrs, path: &str, body: &Value) -> String {
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        HttpBody, HttpHeaders, ProcessingRequest, ProtocolConfiguration,
+    };
+
+    let header = |key: &str, value: &str| HeaderValue {
+        key: key.to_owned(),
+        raw_value: value.as_bytes().to_vec(),
+        ..Default::default()
+    };
+    let messages = vec![
+        ProcessingRequest {
+            protocol_config: Some(ProtocolConfiguration {
+                request_body_mode: BodySendMode::Buffered as i32,
+                ..Default::default()
+            }),
+            request: Some(Request::RequestHeaders(HttpHeaders {
+                headers: Some(HeaderMap {
+                    headers: vec![header(":method", "POST"), header(":path", path)],
+                }),
+                end_of_stream: false,
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+        ProcessingRequest {
+            request: Some(Request::RequestBody(HttpBody {
+                body: body.to_string().into_bytes(),
+                end_of_stream: true,
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+    ];
+    let mut client = ExternalProcessorClient::connect(format!("http://{}", router.grpc))
+        .await
+        .expect("connect to the router's ext_proc port");
+    let mut answers = client
+        .process(futures::stream::iter(messages))
+        .await
+        .expect("ext_proc stream")
+        .into_inner();
+    while let Some(answer) = answers.message().await.expect("ext_proc answer") {
+        let Some(Response::RequestBody(body)) = answer.response else {
+            continue;
+        };
+        let mutation = body.response.and_then(|r| r.header_mutation);
+        return mutation
+            .into_iter()
+            .flat_map(|m| m.set_headers)
+            .filter_map(|h| h.header)
+            .find(|h| h.key == "x-gateway-destination-endpoint")
+            .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
+            .expect("the body answer routes");
+    }
+    panic!("the router closed the stream without routing");
+}
+
+/// Waits until `router` counts no request in flight on any replica.
+async fn wait_idle(router: system::RouterAddrs) {
+    for _ in 0..200 {
+        let metrics = reqwest::get(format!("http://{}/metrics", router.admin))
+            .await
+            .expect("router metrics")
+            .text()
+            .await
+            .expect("text");
+        let busy = metrics
+            .lines()
+            .filter(|l| l.starts_with("llmgw_replica_in_flight{"))
+            .any(|l| !l.ends_with(" 0"));
+        if !busy {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("router {} still has requests in flight", router.admin);
+}
+
+/// Two routers fed by one agent agree on every pick of the same request stream: prompts cached
+/// on one replica, their extensions, chats, salted and fresh prompts (ties included).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_routers_fed_by_one_agent_pick_identically() {
+    let system = system::start(SystemConfig {
+        replicas: 3,
+        routers: 2,
+        sim_args: vec!["--sim-no-latency".to_owned()],
+        // A pick credits its replica with the prompt's blocks for the speculative TTL. Routers
+        // asked in turn see those credits expire a moment apart, so the test keeps them for
+        // its whole length: both routers then hold the same state at every request.
+        router_args: ["--tokenize-deadline", "2s", "--speculative-ttl", "120s"]
+            .map(str::to_owned)
+            .to_vec(),
+        ..SystemConfig::default()
+    })
+    .await;
+    // Warm each replica with its own documents, behind the routers' backs.
+    for (i, sim) in system.sims.iter().enumerate() {
+        for doc in [10 + i, 20 + i] {
+            let body = json!({"model": "tiny", "prompt": document(doc), "max_tokens": 4});
+            let response = reqwest::Client::new()
+                .post(format!("{}/v1/completions", sim.url()))
+                .json(&body)
+                .send()
+                .await
+                .expect("sim answers");
+            assert_eq!(response.status().as_u16(), 200);
+        }
+    }
+    assert!(
+        system::converged(&system, Duration::from_secs(10)).await,
+        "both routers' indexes equal the sims' caches"
+    );
+
+    let mut stream: Vec<(&str, Value)> = Vec::new();
+    for i in 0..3 {
+        for doc in [10 + i, 20 + i] {
+            stream.push((
+                "/v1/completions",
+                json!({"model": "tiny", "prompt": format!("{} Question {i}?", document(doc))}),
+            ));
+        }
+        stream.push((
+            "/v1/chat/completions",
+            json!({"model": "tiny", "messages": [
+                {"role": "system", "content": document(10 + i)},
+                {"role": "user", "content": "Summarise."},
+            ]}),
+        ));
+        stream.push((
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": document(10 + i), "cache_salt": "tenant-b"}),
+        ));
+    }
+    for fresh in 0..8 {
+        stream.push((
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": format!("A fresh prompt number {fresh}.")}),
+        ));
+    }
+
+    let [first, second] = system.routers()[..] else {
+        panic!("two routers expected");
+    };
+    let mut cached_picks = Vec::new();
+    for (n, (path, body)) in stream.iter().enumerate() {
+        // Same state on both sides: the previous request's in-flight count released everywhere
+        // (a stream's end reaches the router asynchronously).
+        for router in [first, second] {
+            wait_idle(router).await;
+        }
+        let a = pick(first, path, body).await;
+        let b = pick(second, path, body).await;
+        // The pick is the primary. The fallbacks' order may differ: it follows each router's
+        // own scrape of the replicas' load, taken at its own moments.
+        let primary = |d: &str| d.split(',').next().unwrap_or_default().to_owned();
+        assert_eq!(
+            primary(&a),
+            primary(&b),
+            "request {n} ({path}) was picked differently: {a} vs {b}"
+        );
+        let sorted = |d: &str| {
+            let mut all: Vec<String> = d.split(',').map(str::to_owned).collect();
+            all.sort();
+            all
+        };
+        assert_eq!(sorted(&a), sorted(&b), "request {n}: fallbacks differ");
+        if n < 12 && n % 4 < 2 {
+            cached_picks.push(primary(&a));
+        }
+    }
+    // The cached documents' extensions went where their documents are.
+    let owners: Vec<String> = (0..3)
+        .flat_map(|i| vec![system.sims[i].addr.to_string(); 2])
+        .collect();
+    assert_eq!(cached_picks, owners);
+}
