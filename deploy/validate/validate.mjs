@@ -1,0 +1,279 @@
+// Validates the deployment configs (`make validate-deploy`, part of `make test`):
+//  1. every YAML document under envoy/istio, envoy/gie and deploy/ against its schema, chosen by
+//     apiVersion/kind (kubernetes-models, @kubernetes-models/istio, @kubernetes-models/gateway-api,
+//     and our JSON schemas for InferencePool and Kustomization); an unknown kind is an error;
+//  2. the Envoy configuration inside every EnvoyFilter patch, with the real Envoy: the HTTP filter
+//     in an HCM listener, the cluster with the patch merged in, `envoy --mode validate`;
+//  3. docker/*.Dockerfile syntax (known instructions, stages, COPY --from, cargo -p packages)
+//     and that .dockerignore exists;
+//  4. kustomization resources exist.
+// Usage: node validate.mjs [EXTRA.yaml ...]   (extra files are checked too, e.g. a broken one).
+// ENVOY_BIN selects Envoy (default .venv/bin/envoy). Exits 1 on any failure.
+import { readFileSync, readdirSync, statSync, existsSync, mkdtempSync, writeFileSync, rmSync } from "node:fs";
+import { join, relative, dirname, basename } from "node:path";
+import { tmpdir } from "node:os";
+import { execFileSync } from "node:child_process";
+import { fileURLToPath } from "node:url";
+import { parseAllDocuments } from "yaml";
+import Ajv from "ajv";
+
+const ROOT = join(dirname(fileURLToPath(import.meta.url)), "..", "..");
+const ENVOY = process.env.ENVOY_BIN || join(ROOT, ".venv", "bin", "envoy");
+const failures = [];
+const fail = (where, msg) => failures.push(`${where}: ${msg}`);
+
+// ---- which YAML files -------------------------------------------------------------------------
+function yamlFiles(dir) {
+  const out = [];
+  if (!existsSync(dir)) return out;
+  for (const name of readdirSync(dir).sort()) {
+    const p = join(dir, name);
+    if (name === "node_modules") continue;
+    if (statSync(p).isDirectory()) out.push(...yamlFiles(p));
+    else if (/\.ya?ml$/.test(name)) out.push(p);
+  }
+  return out;
+}
+const files = [
+  ...["envoy/istio", "envoy/gie", "deploy"].flatMap((d) => yamlFiles(join(ROOT, d))),
+  ...process.argv.slice(2),
+];
+
+// ---- schemas by apiVersion/kind ---------------------------------------------------------------
+const ajv = new Ajv({ allErrors: true, strict: false });
+const ownSchemas = {
+  "inference.networking.k8s.io/v1/InferencePool": "inferencepool.schema.json",
+  "kustomize.config.k8s.io/v1beta1/Kustomization": "kustomization.schema.json",
+};
+const here = dirname(fileURLToPath(import.meta.url));
+const ISTIO_GROUPS = ["networking.istio.io", "security.istio.io", "extensions.istio.io", "telemetry.istio.io"];
+
+async function modelFor(apiVersion, kind) {
+  const own = ownSchemas[`${apiVersion}/${kind}`];
+  if (own) {
+    const check = ajv.compile(JSON.parse(readFileSync(join(here, own), "utf8")));
+    return (obj) => {
+      if (!check(obj)) throw new Error(ajv.errorsText(check.errors, { dataVar: "" }));
+    };
+  }
+  const group = apiVersion.includes("/") ? apiVersion.split("/")[0] : "";
+  let mod;
+  if (ISTIO_GROUPS.includes(group)) mod = `@kubernetes-models/istio/${apiVersion}`;
+  else if (group === "gateway.networking.k8s.io") mod = `@kubernetes-models/gateway-api/${apiVersion}`;
+  else mod = `kubernetes-models/${apiVersion}`;
+  let exports;
+  try {
+    exports = await import(mod);
+  } catch {
+    return null;
+  }
+  const Model = exports[kind];
+  if (typeof Model !== "function") return null;
+  return (obj) => new Model(obj).validate();
+}
+
+// ---- Envoy checks ----------------------------------------------------------------------------
+let bootstraps = 0;
+const tmp = mkdtempSync(join(tmpdir(), "llmgw-validate-"));
+
+function envoyValidate(where, bootstrap) {
+  bootstraps++;
+  const path = join(tmp, `bootstrap-${bootstraps}.json`);
+  writeFileSync(path, JSON.stringify(bootstrap, null, 1));
+  try {
+    execFileSync(ENVOY, ["--mode", "validate", "-c", path, "--log-level", "error"], {
+      stdio: "pipe",
+      timeout: 60_000,
+    });
+  } catch (e) {
+    const out = `${e.stdout || ""}${e.stderr || ""}`.trim().split("\n").slice(-6).join("\n");
+    fail(where, `envoy --mode validate failed: ${out || e.message}`);
+  }
+}
+
+// The ext_proc filter's gRPC cluster(s), so the bootstrap names them.
+function grpcClusters(value, acc = new Set()) {
+  if (value && typeof value === "object") {
+    if (typeof value.cluster_name === "string") acc.add(value.cluster_name);
+    for (const v of Object.values(value)) grpcClusters(v, acc);
+  }
+  return acc;
+}
+const h2Cluster = (name) => ({
+  name,
+  type: "STATIC",
+  connect_timeout: "1s",
+  typed_extension_protocol_options: {
+    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+      "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+      explicit_http_config: { http2_protocol_options: {} },
+    },
+  },
+  load_assignment: {
+    cluster_name: name,
+    endpoints: [{ lb_endpoints: [{ endpoint: { address: { socket_address: { address: "127.0.0.1", port_value: 9002 } } } }] }],
+  },
+});
+// Istio's MERGE is a proto merge: messages merge field by field, repeated fields append.
+function merge(base, patch) {
+  if (Array.isArray(base) && Array.isArray(patch)) return [...base, ...patch];
+  if (base && patch && typeof base === "object" && typeof patch === "object" && !Array.isArray(base)) {
+    const out = { ...base };
+    for (const [k, v] of Object.entries(patch)) out[k] = k in base ? merge(base[k], v) : v;
+    return out;
+  }
+  return patch;
+}
+
+function checkEnvoyFilter(where, obj) {
+  (obj.spec?.configPatches || []).forEach((p, i) => {
+    const at = `${where} configPatches[${i}] ${p.applyTo}`;
+    const value = p.patch?.value;
+    if (!value) return;
+    if (p.applyTo === "HTTP_FILTER") {
+      const clusters = [...grpcClusters(value)].map(h2Cluster);
+      clusters.push({ name: "upstream", type: "STATIC", connect_timeout: "1s", load_assignment: { cluster_name: "upstream", endpoints: [] } });
+      envoyValidate(at, {
+        static_resources: {
+          listeners: [{
+            name: "l",
+            address: { socket_address: { address: "127.0.0.1", port_value: 10000 } },
+            filter_chains: [{ filters: [{
+              name: "envoy.filters.network.http_connection_manager",
+              typed_config: {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                stat_prefix: "l",
+                route_config: { virtual_hosts: [{ name: "v", domains: ["*"], routes: [{ match: { prefix: "/" }, route: { cluster: "upstream" } }] }] },
+                http_filters: [value, { name: "envoy.filters.http.router", typed_config: { "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router" } }],
+              },
+            }] }],
+          }],
+          clusters,
+        },
+      });
+    } else if (p.applyTo === "CLUSTER") {
+      // An EDS cluster as Istio builds it is replaced by a STATIC one with two endpoints.
+      const base = {
+        name: "outbound|8000||vllm",
+        type: "STATIC",
+        connect_timeout: "1s",
+        load_assignment: {
+          cluster_name: "outbound|8000||vllm",
+          endpoints: [{ lb_endpoints: [8001, 8002].map((port_value) => ({ endpoint: { address: { socket_address: { address: "127.0.0.1", port_value } } } })) }],
+        },
+      };
+      const cluster = p.patch.operation === "MERGE" ? merge(base, value) : value;
+      envoyValidate(at, { static_resources: { clusters: [cluster] } });
+    } else {
+      fail(at, "no Envoy check for this applyTo; add one to validate.mjs");
+    }
+  });
+}
+
+// ---- Dockerfiles -----------------------------------------------------------------------------
+const INSTRUCTIONS = new Set(["FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME", "USER", "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK", "SHELL"]);
+function workspacePackages() {
+  const names = new Set();
+  for (const toml of ["Cargo.toml", "agent/Cargo.toml", "integration/Cargo.toml", "proto/Cargo.toml"]) {
+    const p = join(ROOT, toml);
+    if (!existsSync(p)) continue;
+    const m = readFileSync(p, "utf8").match(/\[package\][^[]*?\bname\s*=\s*"([^"]+)"/);
+    if (m) names.add(m[1]);
+  }
+  return names;
+}
+let dockerfiles = 0;
+function checkDockerfile(path) {
+  dockerfiles++;
+  const where = relative(ROOT, path);
+  const text = readFileSync(path, "utf8").replace(/\\\r?\n/g, " ");
+  const stages = new Set();
+  const packages = workspacePackages();
+  let sawFrom = false;
+  text.split("\n").forEach((raw, n) => {
+    const line = raw.trim();
+    if (!line || line.startsWith("#")) return;
+    const [word, ...rest] = line.split(/\s+/);
+    const ins = word.toUpperCase();
+    if (!INSTRUCTIONS.has(ins)) return fail(`${where}:${n + 1}`, `unknown instruction ${word}`);
+    if (ins !== word) fail(`${where}:${n + 1}`, `instruction ${word} not upper case`);
+    if (!sawFrom && ins !== "FROM" && ins !== "ARG") fail(`${where}:${n + 1}`, `${ins} before the first FROM`);
+    if (rest.length === 0) fail(`${where}:${n + 1}`, `${ins} without arguments`);
+    if (ins === "FROM") {
+      sawFrom = true;
+      const args = rest.filter((a) => !a.startsWith("--"));
+      if (args.length === 3 && args[1].toUpperCase() === "AS") stages.add(args[2]);
+      else if (args.length !== 1) fail(`${where}:${n + 1}`, "FROM IMAGE [AS NAME] expected");
+      else if (stages.has(args[0])) {/* FROM an earlier stage */}
+    }
+    if (ins === "COPY" || ins === "ADD") {
+      const from = rest.find((a) => a.startsWith("--from="));
+      if (from && !stages.has(from.slice(7))) fail(`${where}:${n + 1}`, `COPY ${from}: no earlier stage named so`);
+      if (rest.filter((a) => !a.startsWith("--")).length < 2) fail(`${where}:${n + 1}`, `${ins} needs a source and a destination`);
+    }
+    if (ins === "RUN") {
+      for (const m of line.matchAll(/cargo build[^&;]*?(?:-p|--package)\s+(\S+)/g))
+        if (!packages.has(m[1])) fail(`${where}:${n + 1}`, `cargo -p ${m[1]}: not a workspace package`);
+    }
+  });
+  if (!sawFrom) fail(where, "no FROM");
+}
+
+// ---- run -------------------------------------------------------------------------------------
+let documents = 0;
+const kinds = new Map();
+for (const file of files) {
+  const where = relative(ROOT, file);
+  let docs;
+  try {
+    docs = parseAllDocuments(readFileSync(file, "utf8"));
+  } catch (e) {
+    fail(where, e.message);
+    continue;
+  }
+  for (const [i, doc] of docs.entries()) {
+    const at = `${where}#${i}`;
+    if (doc.errors.length) {
+      fail(at, doc.errors.map((e) => e.message).join("; "));
+      continue;
+    }
+    const obj = doc.toJSON();
+    if (obj == null) continue;
+    documents++;
+    const { apiVersion, kind } = obj;
+    if (!apiVersion || !kind) {
+      fail(at, "no apiVersion/kind");
+      continue;
+    }
+    const validate = await modelFor(apiVersion, kind);
+    if (!validate) {
+      fail(at, `unknown kind ${apiVersion} ${kind}`);
+      continue;
+    }
+    kinds.set(`${apiVersion} ${kind}`, (kinds.get(`${apiVersion} ${kind}`) || 0) + 1);
+    try {
+      validate(obj);
+    } catch (e) {
+      fail(`${at} ${kind} ${obj.metadata?.name ?? ""}`, e.message);
+    }
+    if (kind === "EnvoyFilter") checkEnvoyFilter(`${at} EnvoyFilter ${obj.metadata?.name}`, obj);
+    if (kind === "Kustomization")
+      for (const r of obj.resources || []) if (!existsSync(join(dirname(file), r))) fail(at, `resource ${r} does not exist`);
+  }
+}
+const dockerDir = join(ROOT, "docker");
+if (existsSync(dockerDir))
+  for (const f of readdirSync(dockerDir).sort()) if (f.endsWith("Dockerfile")) checkDockerfile(join(dockerDir, f));
+if (!existsSync(join(ROOT, ".dockerignore"))) fail(".dockerignore", "missing");
+rmSync(tmp, { recursive: true, force: true });
+
+console.log(`validate-deploy: ${documents} documents in ${files.length} files:`);
+for (const [k, n] of [...kinds].sort()) console.log(`  ${n} × ${k}`);
+console.log(`validate-deploy: ${bootstraps} Envoy bootstraps from EnvoyFilter patches checked with ${ENVOY} --mode validate`);
+console.log(`validate-deploy: ${dockerfiles} Dockerfiles checked`);
+if (failures.length) {
+  console.error(`validate-deploy: ${failures.length} FAILED:`);
+  for (const f of failures) console.error(`  ${f}`);
+  process.exit(1);
+}
+console.log("validate-deploy: all OK");
