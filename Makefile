@@ -23,10 +23,19 @@ $(ENVOY):
 
 envoy: $(ENVOY)
 
-test: $(ENVOY)
+test: $(ENVOY) validate-deploy
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace --all-targets
 	$(CARGO) test --workspace --doc
+
+# The deployment configs (envoy/istio, envoy/gie, deploy/, docker/): every Kubernetes, Istio,
+# Gateway API and InferencePool object against its schema, each EnvoyFilter patch with
+# `envoy --mode validate`, the Dockerfiles' syntax. npm ci runs only when node_modules is missing.
+VALIDATE := deploy/validate
+.PHONY: validate-deploy
+validate-deploy: $(ENVOY)
+	@test -d $(VALIDATE)/node_modules || npm ci --prefix $(VALIDATE) --no-audit --no-fund
+	node $(VALIDATE)/validate.mjs
 
 lint:
 	$(CARGO) fmt --all -- --check
