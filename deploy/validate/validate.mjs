@@ -186,11 +186,23 @@ let dockerfiles = 0;
 function checkDockerfile(path) {
   dockerfiles++;
   const where = relative(ROOT, path);
-  const text = readFileSync(path, "utf8").replace(/\\\r?\n/g, " ");
+  // Logical lines (continuations joined), each with the physical line it starts on.
+  const logical = [];
+  let start = -1;
+  let acc = "";
+  readFileSync(path, "utf8").split("\n").forEach((phys, i) => {
+    if (start < 0) start = i;
+    if (/\\\s*$/.test(phys)) acc += phys.replace(/\\\s*$/, " ");
+    else {
+      logical.push([start, acc + phys]);
+      start = -1;
+      acc = "";
+    }
+  });
   const stages = new Set();
   const packages = workspacePackages();
   let sawFrom = false;
-  text.split("\n").forEach((raw, n) => {
+  logical.forEach(([n, raw]) => {
     const line = raw.trim();
     if (!line || line.startsWith("#")) return;
     const [word, ...rest] = line.split(/\s+/);
