@@ -152,11 +152,13 @@ function checkEnvoyFilter(where, obj) {
         },
       });
     } else if (p.applyTo === "CLUSTER") {
-      // An EDS cluster as Istio builds it is replaced by a STATIC one with two endpoints.
+      // An EDS cluster as Istio builds it (lb_policy LEAST_REQUEST, Istio's default) is replaced
+      // by a STATIC one with two endpoints: the merged load_balancing_policy must validate beside it.
       const base = {
         name: "outbound|8000||vllm",
         type: "STATIC",
         connect_timeout: "1s",
+        lb_policy: "LEAST_REQUEST",
         load_assignment: {
           cluster_name: "outbound|8000||vllm",
           endpoints: [{ lb_endpoints: [8001, 8002].map((port_value) => ({ endpoint: { address: { socket_address: { address: "127.0.0.1", port_value } } } })) }],
