@@ -19,6 +19,7 @@ pub mod pool;
 pub mod prefix;
 pub mod router;
 pub mod scheduler;
+pub mod telemetry;
 pub mod tokenize;
 
 #[doc(hidden)]

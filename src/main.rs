@@ -7,7 +7,8 @@ mod hash_cmd;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+use llmgw::telemetry::{self, LogFormat, TelemetryConfig};
 
 #[derive(Parser)]
 #[command(
@@ -23,9 +24,29 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the router: Envoy ext_proc on --grpc-addr, Prometheus and debug on --admin-addr.
-    Serve(Box<llmgw::config::ServeArgs>),
+    Serve(Box<ServeCommand>),
     /// Print vLLM's block hashes for a JSON array of token ids read from stdin.
     Hash(hash_cmd::HashArgs),
+}
+
+#[derive(Args)]
+struct ServeCommand {
+    #[command(flatten)]
+    serve: llmgw::config::ServeArgs,
+    #[command(flatten)]
+    telemetry: TelemetryArgs,
+}
+
+/// Logs and traces (see docs/observability.md).
+#[derive(Args)]
+struct TelemetryArgs {
+    /// Export a trace of every routing decision to this OTLP/gRPC collector
+    /// (e.g. http://otel-collector:4317). Unset: OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing.
+    #[arg(long, env = "LLMGW_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
+    /// Log lines on stderr as text or as one JSON object per line (filter: RUST_LOG).
+    #[arg(long, env = "LLMGW_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
 }
 
 fn main() -> ExitCode {
@@ -34,7 +55,13 @@ fn main() -> ExitCode {
         Command::Serve(args) => match serve(&args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
-                eprintln!("llmgw-router: {error:#}");
+                // Once logging is set up, the reason goes out in the chosen format (JSON lines
+                // must stay parseable).
+                if tracing::dispatcher::has_been_set() {
+                    tracing::error!("llmgw-router: {error:#}");
+                } else {
+                    eprintln!("llmgw-router: {error:#}");
+                }
                 ExitCode::FAILURE
             }
         },
@@ -42,24 +69,29 @@ fn main() -> ExitCode {
     }
 }
 
-fn serve(args: &llmgw::config::ServeArgs) -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let settings = llmgw::config::Settings::resolve(args)?;
+fn serve(command: &ServeCommand) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    // The OTLP exporter's gRPC channel runs on this runtime; the guard (declared after it, so
+    // dropped before it) flushes the last spans on the way out.
+    let _telemetry = {
+        let _entered = runtime.enter();
+        telemetry::init(&TelemetryConfig {
+            service_name: "llmgw-router",
+            otlp_endpoint: telemetry::resolve_endpoint(command.telemetry.otlp_endpoint.clone()),
+            log_format: command.telemetry.log_format,
+            log_filter_var: "RUST_LOG",
+            traced_targets: &["llmgw"],
+        })?
+    };
+    let settings = llmgw::config::Settings::resolve(&command.serve)?;
     if settings.replicas.is_empty() && settings.k8s_services.is_empty() {
         anyhow::bail!(
             "no replicas: pass --replica MODEL=IP:PORT, --config FILE or \
              --k8s-service MODEL=NAMESPACE/SERVICE:PORT"
         );
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
     runtime.block_on(llmgw::app::serve(settings, shutdown_signal(), |bound| {
         // Tests and scripts read this line to learn the ports (useful with port 0).
         let health = bound

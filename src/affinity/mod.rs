@@ -35,6 +35,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use crate::blockhash::{BlockHasher, ExternalHash};
 use crate::kvindex::{KvIndex, PrefixMatch, ReplicaSlot, SpeculativeBlocks};
@@ -238,26 +239,39 @@ impl PrefixAffinity {
         let mut order: Vec<&Candidate> = candidates.iter().collect();
         order.sort_by_key(|c| c.in_flight);
         let addresses: Vec<&str> = order.iter().map(|c| c.replica.endpoint()).collect();
+        let tokenize = tracing::debug_span!("tokenize", tokens = tracing::field::Empty);
         let tokens = self
             .tokenizer
             .tokens(request, &addresses)
+            .instrument(tokenize.clone())
             .await
             .map_err(|e| {
                 tracing::debug!(model = %request.model, error = %e, "precise tier unavailable");
                 e.reason()
             })?;
+        tokenize.record("tokens", tokens.len() as i64);
+        drop(tokenize);
 
-        let hashes = self.block_hashes(
-            hasher,
-            &request.model,
-            &tokens,
-            request.cache_salt.as_deref(),
-        );
-        let mut matches: Vec<PrefixMatch> = Vec::with_capacity(candidates.len());
-        self.index.match_prefix(&hashes, &slots, &mut matches);
-        let mut blocks: Vec<u32> = matches.iter().map(|m| m.blocks).collect();
-        self.speculative
-            .raise_matches(&hashes, &slots, Instant::now(), &mut blocks);
+        let hashes = tracing::debug_span!("hash", tokens = tokens.len() as i64).in_scope(|| {
+            self.block_hashes(
+                hasher,
+                &request.model,
+                &tokens,
+                request.cache_salt.as_deref(),
+            )
+        });
+        tracing::Span::current().record("prompt_blocks", hashes.len() as i64);
+        let (matches, blocks) =
+            tracing::debug_span!("index_lookup", candidates = candidates.len() as i64).in_scope(
+                || {
+                    let mut matches: Vec<PrefixMatch> = Vec::with_capacity(candidates.len());
+                    self.index.match_prefix(&hashes, &slots, &mut matches);
+                    let mut blocks: Vec<u32> = matches.iter().map(|m| m.blocks).collect();
+                    self.speculative
+                        .raise_matches(&hashes, &slots, Instant::now(), &mut blocks);
+                    (matches, blocks)
+                },
+            );
 
         let total = hashes.len().max(1) as f64;
         let scores = matches
@@ -295,6 +309,7 @@ impl PrefixAffinity {
         candidates: &[Candidate],
         reason: &'static str,
     ) -> (Vec<f64>, Memo) {
+        let _span = tracing::debug_span!("prefix_tree", reason).entered();
         let endpoints: Vec<&str> = candidates.iter().map(|c| c.replica.endpoint()).collect();
         let mut shares = Vec::with_capacity(candidates.len());
         self.tree.match_shares(
@@ -521,11 +536,26 @@ impl PrefixScorer for PrefixAffinity {
             chosen.replica.endpoint(),
         );
         let decision = classify(&memo.matched, chosen);
+        // The router's `route` span (the current span) gets the tier and what the pick held.
+        let route = tracing::Span::current();
+        route.record("prefix_outcome", decision);
+        let held = memo
+            .matched
+            .iter()
+            .find(|(r, _)| Arc::ptr_eq(r, &chosen.replica))
+            .map_or(0.0, |(_, m)| *m);
         match memo.branch {
-            Branch::Index => self.metrics.kv(decision),
+            Branch::Index => {
+                self.metrics.kv(decision);
+                route.record("tier", "index");
+                route.record("matched_blocks", held as i64);
+            }
             Branch::Tree(reason) => {
                 self.metrics.kv(reason);
                 self.metrics.tree(decision);
+                route.record("tier", "tree");
+                route.record("tier_reason", reason);
+                route.record("matched_share", held);
             }
         }
         // The chosen replica is about to cache the prompt's blocks: count them as its own

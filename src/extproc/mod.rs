@@ -76,6 +76,15 @@ pub struct RoutingRequest {
     /// The value of `test-epp-endpoint-selection`, if the client sent one. Whether to honour it
     /// is the picker's business.
     pub test_selection: Option<String>,
+    /// The caller's W3C trace headers, when it sent any (boxed: most requests carry none).
+    pub trace: Option<Box<CallerTrace>>,
+}
+
+/// The W3C Trace Context headers of the request, for the picker to continue the caller's trace.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CallerTrace {
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
 }
 
 /// A routing answer: where to go and what to hold until the request ends.
@@ -85,6 +94,8 @@ pub struct Routed<H> {
     pub destination: String,
     /// Dropped when the ext_proc stream (so the HTTP request) ends.
     pub hold: H,
+    /// Further request headers to set for the upstream (the trace context); usually empty.
+    pub headers: Vec<(&'static str, String)>,
 }
 
 /// A refusal, answered to the client as an OpenAI-style JSON error.

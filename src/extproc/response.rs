@@ -40,14 +40,17 @@ pub(super) fn strip_destination(destination_header: &str) -> CommonResponse {
     }
 }
 
-/// Sets the destination header (overwriting any client copy), asks Envoy to pick the route
-/// again, and optionally fixes `content-length` (Envoy drops it when the body is streamed back).
+/// Sets the destination header (overwriting any client copy) and the picker's `extra` headers,
+/// asks Envoy to pick the route again, and optionally fixes `content-length` (Envoy drops it
+/// when the body is streamed back).
 pub(super) fn route_to(
     destination_header: &str,
     destination: &str,
+    extra: &[(&'static str, String)],
     content_length: Option<usize>,
 ) -> CommonResponse {
     let mut set_headers = vec![header(destination_header, destination)];
+    set_headers.extend(extra.iter().map(|(key, value)| header(key, value)));
     if let Some(length) = content_length {
         set_headers.push(header("content-length", &length.to_string()));
     }

@@ -251,11 +251,11 @@ impl<P: Picker> StreamState<P> {
         let metadata = Some(response::lb_metadata(header, &routed.destination));
         match answer {
             Answer::Headers => vec![response::request_headers(
-                response::route_to(header, &routed.destination, None),
+                response::route_to(header, &routed.destination, &routed.headers, None),
                 metadata,
             )],
             Answer::Body => vec![response::request_body(
-                response::route_to(header, &routed.destination, None),
+                response::route_to(header, &routed.destination, &routed.headers, None),
                 metadata,
             )],
             Answer::HeadersThenEcho {
@@ -263,7 +263,12 @@ impl<P: Picker> StreamState<P> {
                 end_of_stream,
             } => {
                 let mut answers = vec![response::request_headers(
-                    response::route_to(header, &routed.destination, Some(body.len())),
+                    response::route_to(
+                        header,
+                        &routed.destination,
+                        &routed.headers,
+                        Some(body.len()),
+                    ),
                     metadata,
                 )];
                 answers.extend(response::echo_request_body(&body, end_of_stream));
@@ -340,6 +345,12 @@ fn read_headers(headers: Option<&HeaderMap>) -> RoutingRequest {
             ":method" => request.method = header_value(header),
             ":path" => request.path = header_value(header),
             TEST_SELECTION_HEADER => request.test_selection = Some(header_value(header)),
+            "traceparent" => {
+                request.trace.get_or_insert_default().traceparent = Some(header_value(header))
+            }
+            "tracestate" => {
+                request.trace.get_or_insert_default().tracestate = Some(header_value(header))
+            }
             _ => {}
         }
     }

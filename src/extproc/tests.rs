@@ -51,6 +51,7 @@ impl Picker for FakePicker {
         Ok(Routed {
             destination: "10.0.0.1:8000,10.0.0.2:8000".to_string(),
             hold: FakeHold(Arc::clone(&self.live_holds)),
+            headers: Vec::new(),
         })
     }
 

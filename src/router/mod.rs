@@ -1,6 +1,12 @@
 //! The routing policy behind the ext_proc protocol: parse the body ([`crate::openai`]), let the
 //! [`Scheduler`] choose, and turn every failure into the HTTP status a client should see.
 //!
+//! # Tracing
+//! Each pick is one `route` span (DEBUG, so free when no OTLP endpoint is configured), a child of
+//! the caller's `traceparent` when one came with the request; the stages below it add `parse`,
+//! `tokenize`, `hash`, `index_lookup` and `score` spans and record the decision's fields on it
+//! ([`ROUTE_FIELDS`]). The replica gets a `traceparent` naming the `route` span.
+//!
 //! # Concurrency model
 //! A [`Router`] is immutable and shared by all streams; a pick touches only lock-free pool
 //! snapshots, atomics and the metrics' atomics.
@@ -8,12 +14,30 @@
 use std::sync::Arc;
 
 use tokio::time::Instant;
+use tracing::Instrument;
+use tracing::field::Empty;
 
 use crate::extproc::{Picker, Rejection, Routed, RoutingRequest};
 use crate::metrics::{Metrics, Outcome, Served};
 use crate::openai::{EndpointKind, parse_request};
 use crate::pool::InFlightGuard;
 use crate::scheduler::{DecideError, Decision, Scheduler, Scope};
+use crate::telemetry::{self, TraceHeaders};
+
+/// The fields of the `route` span, recorded by the router, the scheduler and the prefix scorer
+/// as they learn them (see `docs/observability.md`).
+pub const ROUTE_FIELDS: [&str; 10] = [
+    "model",
+    "prompt_blocks",
+    "matched_blocks",
+    "matched_share",
+    "tier",
+    "tier_reason",
+    "prefix_outcome",
+    "pick",
+    "fallbacks",
+    "rejected_status",
+];
 
 /// Parses, schedules and accounts.
 #[derive(Debug)]
@@ -38,31 +62,40 @@ impl Router {
         &self.scheduler
     }
 
-    async fn route(&self, request: RoutingRequest) -> Result<(Decision, Outcome), Rejection> {
+    async fn route(
+        &self,
+        request: RoutingRequest,
+        span: &tracing::Span,
+    ) -> Result<(Decision, Outcome), Rejection> {
         let scope = Scope {
             subset: request.subset.as_deref(),
         };
         if self.allow_test_selection
             && let Some(selection) = &request.test_selection
         {
+            span.record("tier", "test_selection");
             return self.test_selection(selection);
         }
         let kind = EndpointKind::from_path(&request.path).filter(|_| request.method == "POST");
         let (Some(kind), Some(body)) = (kind, &request.body) else {
+            span.record("tier", "any");
             return self
                 .scheduler
                 .decide_any(scope)
                 .map(|d| (d, Outcome::RoutedAny))
                 .map_err(|e| self.refuse(e));
         };
-        let parsed = parse_request(kind, body).map_err(|error| {
-            self.metrics.record(Outcome::BadRequest);
-            Rejection {
-                status: 400,
-                error_type: "invalid_request_error",
-                message: error.to_string(),
-            }
-        })?;
+        let parsed = tracing::debug_span!("parse", bytes = body.len() as i64)
+            .in_scope(|| parse_request(kind, body))
+            .map_err(|error| {
+                self.metrics.record(Outcome::BadRequest);
+                Rejection {
+                    status: 400,
+                    error_type: "invalid_request_error",
+                    message: error.to_string(),
+                }
+            })?;
+        span.record("model", parsed.model.as_str());
         let decision = self
             .scheduler
             .decide(&parsed, scope)
@@ -117,15 +150,49 @@ impl Picker for Router {
     type Hold = InFlightGuard;
 
     async fn pick(&self, request: RoutingRequest) -> Result<Routed<InFlightGuard>, Rejection> {
+        let span = tracing::debug_span!(
+            "route",
+            model = Empty,
+            prompt_blocks = Empty,
+            matched_blocks = Empty,
+            matched_share = Empty,
+            tier = Empty,
+            tier_reason = Empty,
+            prefix_outcome = Empty,
+            pick = Empty,
+            fallbacks = Empty,
+            rejected_status = Empty,
+            otel.status_code = Empty,
+        );
+        if let Some(trace) = &request.trace {
+            telemetry::parent_from_headers(
+                &span,
+                TraceHeaders {
+                    traceparent: trace.traceparent.as_deref(),
+                    tracestate: trace.tracestate.as_deref(),
+                },
+            );
+        }
         let started = Instant::now();
-        let result = self.route(request).await;
+        let result = self.route(request, &span).instrument(span.clone()).await;
         self.metrics.observe_pick(started);
-        let (decision, outcome) = result?;
+        let (decision, outcome) = match result {
+            Ok(routed) => routed,
+            Err(rejection) => {
+                span.record("rejected_status", i64::from(rejection.status));
+                span.record("otel.status_code", "ERROR");
+                return Err(rejection);
+            }
+        };
         self.metrics.record(outcome);
-        tracing::debug!(destination = %decision.destination(), ?outcome, "routed");
+        let destination = decision.destination();
+        span.record("pick", decision.primary().endpoint());
+        span.record("fallbacks", decision.fallbacks.len() as i64);
+        span.in_scope(|| tracing::debug!(%destination, ?outcome, "routed"));
         Ok(Routed {
-            destination: decision.destination(),
+            destination,
             hold: decision.in_flight,
+            headers: telemetry::propagation_headers(&span),
         })
     }
 

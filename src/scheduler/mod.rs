@@ -248,18 +248,10 @@ impl Scheduler {
         }
         let candidates = self.candidates(serving, scope)?;
 
-        let context = ScoringContext { request };
-        let mut total = vec![0.0; candidates.len()];
-        let mut weight_sum = 0.0;
-        let mut scores = vec![0.0; candidates.len()];
-        for (weight, scorer) in &self.scorers {
-            scorer.score(&context, &candidates, &mut scores);
-            for (t, s) in total.iter_mut().zip(&scores) {
-                *t += weight * s.clamp(0.0, 1.0);
-            }
-            weight_sum += weight;
-        }
-
+        // Prefix first (it may wait on a tokenizer); the load scorers read the loads the
+        // filters captured, so their order does not matter. Fields of the router's `route`
+        // span are recorded on the current span.
+        let route = tracing::Span::current();
         let mut imbalance_guard_fired = false;
         let mut prefix_unavailable = false;
         let mut prefix_scores = None;
@@ -274,14 +266,11 @@ impl Scheduler {
                 });
             if hi - lo >= self.settings.imbalance_threshold {
                 imbalance_guard_fired = true;
+                route.record("tier", "load");
+                route.record("tier_reason", "imbalance_guard");
             } else {
                 match prefix.score(request, &candidates).await {
                     Ok(result) if result.per_candidate.len() == candidates.len() => {
-                        let weight = self.settings.weights.prefix;
-                        for (t, s) in total.iter_mut().zip(&result.per_candidate) {
-                            *t += weight * s.clamp(0.0, 1.0);
-                        }
-                        weight_sum += weight;
                         prefix_scores = Some(result);
                     }
                     Ok(result) => {
@@ -298,13 +287,41 @@ impl Scheduler {
                         prefix_unavailable = true;
                     }
                 }
+                if prefix_unavailable {
+                    route.record("tier", "load");
+                    route.record("tier_reason", "prefix_unavailable");
+                }
             }
-        }
-        if weight_sum > 0.0 {
-            total.iter_mut().for_each(|t| *t /= weight_sum);
+        } else {
+            route.record("tier", "load");
         }
 
-        let order = rank_for(request, &total, &candidates);
+        let order = {
+            let _score =
+                tracing::debug_span!("score", candidates = candidates.len() as i64).entered();
+            let context = ScoringContext { request };
+            let mut total = vec![0.0; candidates.len()];
+            let mut weight_sum = 0.0;
+            let mut scores = vec![0.0; candidates.len()];
+            for (weight, scorer) in &self.scorers {
+                scorer.score(&context, &candidates, &mut scores);
+                for (t, s) in total.iter_mut().zip(&scores) {
+                    *t += weight * s.clamp(0.0, 1.0);
+                }
+                weight_sum += weight;
+            }
+            if let Some(result) = &prefix_scores {
+                let weight = self.settings.weights.prefix;
+                for (t, s) in total.iter_mut().zip(&result.per_candidate) {
+                    *t += weight * s.clamp(0.0, 1.0);
+                }
+                weight_sum += weight;
+            }
+            if weight_sum > 0.0 {
+                total.iter_mut().for_each(|t| *t /= weight_sum);
+            }
+            rank_for(request, &total, &candidates)
+        };
         let chosen = &candidates[order[0]];
         if let (Some(prefix), Some(scores)) = (&self.prefix, &prefix_scores) {
             prefix.after_pick(request, chosen, scores);
