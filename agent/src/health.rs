@@ -107,7 +107,13 @@ mod tests {
             })],
             dp_rank: None,
         };
-        tx.send(Input::Batch { seq: 0, batch }).await.expect("send");
+        tx.send(Input::Batch {
+            seq: 0,
+            batch,
+            span: tracing::Span::none(),
+        })
+        .await
+        .expect("send");
         tokio::spawn(
             HealthWatch {
                 engine: Arc::clone(&engine),
@@ -145,7 +151,13 @@ mod tests {
         assert!(m.contains(r#"llmgw_agent_resets_total{engine="e0",reason="stale"} 1"#));
         // The engine speaks again: live.
         let batch = EventBatch::default();
-        tx.send(Input::Batch { seq: 1, batch }).await.expect("send");
+        tx.send(Input::Batch {
+            seq: 1,
+            batch,
+            span: tracing::Span::none(),
+        })
+        .await
+        .expect("send");
         for _ in 0..100 {
             if !engine.is_stale() {
                 break;

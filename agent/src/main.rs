@@ -1,10 +1,12 @@
 //! `llmgw-agent`: mirrors each vLLM engine's KV-event stream into the routers' indexes.
 
 use std::io::Write;
+use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+use llmgw::telemetry::{self, LogFormat, TelemetryConfig, TelemetryGuard};
 use llmgw_agent::config::{AgentArgs, vllm_args};
 use llmgw_agent::daemon::Agent;
 use llmgw_agent::supervisor::{Backoff, supervise};
@@ -23,12 +25,16 @@ enum Command {
     Serve {
         #[command(flatten)]
         agent: AgentArgs,
+        #[command(flatten)]
+        telemetry: TelemetryArgs,
     },
     /// Start vLLM (the command after `--`) pointed at this agent, restart it when it exits,
     /// and mirror its events.
     Run {
         #[command(flatten)]
         agent: AgentArgs,
+        #[command(flatten)]
+        telemetry: TelemetryArgs,
         /// The vLLM command and its own arguments.
         #[arg(last = true, required = true)]
         vllm: Vec<String>,
@@ -81,13 +87,27 @@ enum Command {
     },
 }
 
-fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("LLMGW_AGENT_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+/// Logs and traces (see docs/observability.md).
+#[derive(Args)]
+struct TelemetryArgs {
+    /// Export a trace of every KV-event batch (decode → mirror → uplink) to this OTLP/gRPC
+    /// collector (e.g. http://otel-collector:4317). Unset: OTEL_EXPORTER_OTLP_ENDPOINT, else none.
+    #[arg(long, env = "LLMGW_AGENT_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
+    /// Log lines on stderr as text or as one JSON object per line (filter: LLMGW_AGENT_LOG).
+    #[arg(long, env = "LLMGW_AGENT_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+/// Installs logging (and tracing, when configured); the guard flushes spans when dropped.
+fn init_telemetry(args: TelemetryArgs) -> anyhow::Result<TelemetryGuard> {
+    Ok(telemetry::init(&TelemetryConfig {
+        service_name: "llmgw-agent",
+        otlp_endpoint: telemetry::resolve_endpoint(args.otlp_endpoint),
+        log_format: args.log_format,
+        log_filter_var: "LLMGW_AGENT_LOG",
+        traced_targets: &["llmgw_agent"],
+    })?)
 }
 
 fn shell_quote(s: &str) -> String {
@@ -102,11 +122,26 @@ fn shell_quote(s: &str) -> String {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+async fn main() -> ExitCode {
+    match run(Cli::parse()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            // Once logging is set up, the reason goes out in the chosen format (JSON lines must
+            // stay parseable).
+            if tracing::dispatcher::has_been_set() {
+                tracing::error!("llmgw-agent: {error:#}");
+            } else {
+                eprintln!("llmgw-agent: {error:#}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Serve { agent } => {
-            init_tracing();
+        Command::Serve { agent, telemetry } => {
+            let _telemetry = init_telemetry(telemetry)?;
             let config = agent.resolve()?;
             anyhow::ensure!(!config.engines.is_empty(), "no --engine configured");
             let admin = config.admin_addr;
@@ -117,8 +152,12 @@ async fn main() -> anyhow::Result<()> {
                 r = tokio::signal::ctrl_c() => r.context("waiting for Ctrl-C")?,
             }
         }
-        Command::Run { agent, vllm } => {
-            init_tracing();
+        Command::Run {
+            agent,
+            telemetry,
+            vllm,
+        } => {
+            let _telemetry = init_telemetry(telemetry)?;
             let config = agent.resolve()?;
             let first = config
                 .engines

@@ -21,6 +21,7 @@ use llmgw::kvindex::Medium as Tier;
 use llmgw_feed_proto::v1 as pb;
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
+use tracing::Instrument;
 
 use crate::daemon::Agent;
 use crate::engine::{EngineSnapshot, HashStatus, Update};
@@ -294,14 +295,24 @@ async fn session(
     loop {
         tokio::select! {
             update = updates.recv() => match update {
-                Ok(Update { engine, delta, oldest_event_ts, .. }) => {
+                Ok(Update { engine, delta, oldest_event_ts, batch_span, .. }) => {
                     let (epoch, seq) = sent_upto.get(&engine.0).copied().unwrap_or((0, 0));
                     if delta.epoch < epoch || (delta.epoch == epoch && delta.seq <= seq) {
                         continue;
                     }
                     sent_upto.insert(Arc::clone(&engine.0), (delta.epoch, delta.seq));
                     let ts = oldest_event_ts.unwrap_or_else(unix_now);
-                    if let Some(id) = out.send(delta_message(&engine.0, &delta, ts)).await {
+                    let span = match &batch_span {
+                        Some(parent) => tracing::debug_span!(
+                            parent: parent, "uplink", router, epoch = delta.epoch as i64, seq = delta.seq as i64
+                        ),
+                        None => tracing::Span::none(),
+                    };
+                    let sent = out
+                        .send(delta_message(&engine.0, &delta, ts))
+                        .instrument(span)
+                        .await;
+                    if let Some(id) = sent {
                         in_flight.push_back((id, ts));
                     }
                 }

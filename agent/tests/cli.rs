@@ -257,3 +257,30 @@ async fn serve_mirrors_the_recorded_stream_and_exposes_it_on_the_admin_port() {
     );
     assert!(metrics.contains(r#"llmgw_agent_events_total{engine="r0:8000",type="BlockStored"}"#));
 }
+
+#[test]
+fn json_log_format_writes_one_json_object_per_stderr_line() {
+    let output = bin()
+        .args(["serve", "--log-format", "json"])
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        .output()
+        .expect("llmgw-agent runs");
+    assert!(!output.status.success(), "serve without engines must fail");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let events: Vec<serde_json::Value> = stderr
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let error = events
+        .iter()
+        .find(|e| e["level"] == "ERROR")
+        .unwrap_or_else(|| panic!("no ERROR line in {stderr}"));
+    assert!(
+        error["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("--engine")),
+        "{error}"
+    );
+}

@@ -81,8 +81,25 @@ impl ResetReason {
 /// What the intake hands the mirror task.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Input {
-    Batch { seq: u64, batch: EventBatch },
+    Batch {
+        seq: u64,
+        batch: EventBatch,
+        /// The batch's trace span ([`batch_span`]); `Span::none()` when not traced.
+        span: tracing::Span,
+    },
     Reset(ResetReason),
+}
+
+/// The `batch` span of one event batch (DEBUG, so free unless traces are exported): the intake
+/// opens it with a `decode` child, the mirror task adds `mirror`, each uplink `uplink`.
+/// (Integers are recorded as `i64`: OpenTelemetry has no unsigned attributes.)
+pub fn batch_span(engine: &str, seq: u64) -> tracing::Span {
+    tracing::debug_span!(
+        "batch",
+        engine,
+        seq = seq as i64,
+        events = tracing::field::Empty
+    )
 }
 
 /// Where the engine's hashes stand against the configured settings.
@@ -104,6 +121,8 @@ pub struct Update {
     pub delta: Arc<Delta>,
     /// Engine publish time (Unix seconds) of the oldest batch in the delta.
     pub oldest_event_ts: Option<f64>,
+    /// The trace span of the oldest batch in the delta, parent of the uplinks' spans.
+    pub batch_span: Option<tracing::Span>,
 }
 
 /// One engine's snapshot, as an uplink sends it.
@@ -126,6 +145,8 @@ struct State {
     stale: bool,
     /// Engine publish time (Unix seconds) of the oldest batch in the pending window.
     oldest_pending_ts: Option<f64>,
+    /// That batch's trace span, when traced.
+    oldest_pending_span: Option<tracing::Span>,
 }
 
 /// An engine's shared state; see the module docs.
@@ -228,7 +249,8 @@ impl MirrorTask {
                     st.hash = HashStatus::Unchecked;
                 }
             }
-            Input::Batch { seq, batch } => {
+            Input::Batch { seq, batch, span } => {
+                let _mirror = tracing::debug_span!(parent: &span, "mirror").entered();
                 self.metrics
                     .batches
                     .get_or_create(&Metrics::engine(engine))
@@ -246,6 +268,7 @@ impl MirrorTask {
                 }
                 if st.mirror.has_pending() && st.oldest_pending_ts.is_none() {
                     st.oldest_pending_ts = Some(batch.ts);
+                    st.oldest_pending_span = (!span.is_disabled()).then(|| span.clone());
                 }
             }
         }
@@ -309,9 +332,13 @@ impl MirrorTask {
 
     /// Sends the pending delta, if any.
     pub fn flush(&self) {
-        let (delta, oldest) = {
+        let (delta, oldest, batch_span) = {
             let mut st = self.engine.state.lock();
-            (st.mirror.take_delta(), st.oldest_pending_ts.take())
+            (
+                st.mirror.take_delta(),
+                st.oldest_pending_ts.take(),
+                st.oldest_pending_span.take(),
+            )
         };
         let Some(delta) = delta else { return };
         if let Some(ts) = oldest {
@@ -331,6 +358,7 @@ impl MirrorTask {
             replica: self.engine.replica.clone(),
             delta: Arc::new(delta),
             oldest_event_ts: oldest,
+            batch_span,
         });
     }
 }

@@ -51,6 +51,7 @@ fn batch(seq: u64, events: Vec<KvEvent>) -> Input {
             events,
             dp_rank: Some(0),
         },
+        span: tracing::Span::none(),
     }
 }
 
@@ -124,6 +125,7 @@ fn capture_inputs() -> Vec<Input> {
         .map(|f| Input::Batch {
             seq: f.seq,
             batch: decode_batch(&f.payload).expect("decodes"),
+            span: tracing::Span::none(),
         })
         .collect()
 }
@@ -164,4 +166,89 @@ fn a_wrong_seed_is_a_hash_mismatch_and_withholds_the_blocks() {
     // A restarted engine is judged afresh.
     t.handle(Input::Reset(ResetReason::Restart));
     assert_eq!(t.engine.hash_status(), HashStatus::Unchecked);
+}
+
+/// Keeps every span the SDK exports.
+#[derive(Debug, Clone, Default)]
+struct Exported(Arc<Mutex<Vec<opentelemetry_sdk::trace::SpanData>>>);
+
+impl opentelemetry_sdk::trace::SpanExporter for Exported {
+    fn export(
+        &self,
+        batch: Vec<opentelemetry_sdk::trace::SpanData>,
+    ) -> impl Future<Output = opentelemetry_sdk::error::OTelSdkResult> + Send {
+        self.0.lock().extend(batch);
+        std::future::ready(Ok(()))
+    }
+}
+
+#[tokio::test]
+async fn a_traced_batch_is_mirrored_under_its_span_and_its_delta_carries_it() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let exported = Exported::default();
+    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+        .with_simple_exporter(exported.clone())
+        .build();
+    let subscriber = tracing_subscriber::registry().with(llmgw::telemetry::otel_layer(
+        &provider,
+        "llmgw-agent",
+        &["llmgw_agent"],
+    ));
+    let default = tracing::subscriber::set_default(subscriber);
+
+    let (t, mut rx) = task(None);
+    let span = batch_span("e0", 7);
+    assert!(!span.is_disabled());
+    t.handle(Input::Batch {
+        seq: 7,
+        batch: EventBatch {
+            ts: 0.0,
+            events: vec![stored(1)],
+            dp_rank: Some(0),
+        },
+        span: span.clone(),
+    });
+    t.flush();
+    let update = rx.try_recv().expect("a delta");
+    let carried = update
+        .batch_span
+        .clone()
+        .expect("the delta carries its batch's span");
+    assert_eq!(carried.id(), span.id());
+    drop((span, carried, update));
+    drop(default);
+    provider.force_flush().expect("flush");
+
+    let spans = exported.0.lock();
+    let names: Vec<&str> = spans.iter().map(|s| &*s.name).collect();
+    let batch = spans
+        .iter()
+        .find(|s| s.name == "batch")
+        .unwrap_or_else(|| panic!("no batch span in {names:?}"));
+    let mirror = spans
+        .iter()
+        .find(|s| s.name == "mirror")
+        .unwrap_or_else(|| panic!("no mirror span in {names:?}"));
+    assert_eq!(mirror.parent_span_id, batch.span_context.span_id());
+    assert_eq!(
+        mirror.span_context.trace_id(),
+        batch.span_context.trace_id()
+    );
+    let attribute = |key: &str| {
+        batch
+            .attributes
+            .iter()
+            .find(|kv| kv.key.as_str() == key)
+            .map(|kv| kv.value.clone())
+    };
+    assert_eq!(attribute("engine"), Some("e0".into()));
+    assert_eq!(attribute("seq"), Some(7i64.into()));
+}
+
+#[test]
+fn an_untraced_batch_leaves_no_span_on_its_delta() {
+    let (t, mut rx) = task(None);
+    t.handle(batch(0, vec![stored(1)]));
+    t.flush();
+    assert!(rx.try_recv().expect("a delta").batch_span.is_none());
 }

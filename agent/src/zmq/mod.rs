@@ -281,8 +281,14 @@ impl Intake {
 
     /// Decodes and forwards one batch; an undecodable one resets the engine.
     async fn deliver(&self, seq: u64, payload: &[u8]) -> Result<(), ZmqError> {
-        match decode_batch(payload) {
-            Ok(batch) => self.send(Input::Batch { seq, batch }).await,
+        let span = crate::engine::batch_span(&self.engine, seq);
+        let decoded = tracing::debug_span!(parent: &span, "decode", bytes = payload.len() as i64)
+            .in_scope(|| decode_batch(payload));
+        match decoded {
+            Ok(batch) => {
+                span.record("events", batch.events.len() as i64);
+                self.send(Input::Batch { seq, batch, span }).await
+            }
             Err(e) => {
                 self.metrics
                     .decode_errors
