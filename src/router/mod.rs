@@ -5,7 +5,8 @@
 //! Each pick is one `route` span (DEBUG, so free when no OTLP endpoint is configured), a child of
 //! the caller's `traceparent` when one came with the request; the stages below it add `parse`,
 //! `tokenize`, `hash`, `index_lookup` and `score` spans and record the decision's fields on it
-//! ([`ROUTE_FIELDS`]). The replica gets a `traceparent` naming the `route` span.
+//! (declared where `Router::pick` opens it, listed in `docs/observability.md`). The replica gets a
+//! `traceparent` naming the `route` span.
 //!
 //! # Concurrency model
 //! A [`Router`] is immutable and shared by all streams; a pick touches only lock-free pool
@@ -23,21 +24,6 @@ use crate::openai::{EndpointKind, parse_request};
 use crate::pool::InFlightGuard;
 use crate::scheduler::{DecideError, Decision, Scheduler, Scope};
 use crate::telemetry::{self, TraceHeaders};
-
-/// The fields of the `route` span, recorded by the router, the scheduler and the prefix scorer
-/// as they learn them (see `docs/observability.md`).
-pub const ROUTE_FIELDS: [&str; 10] = [
-    "model",
-    "prompt_blocks",
-    "matched_blocks",
-    "matched_share",
-    "tier",
-    "tier_reason",
-    "prefix_outcome",
-    "pick",
-    "fallbacks",
-    "rejected_status",
-];
 
 /// Parses, schedules and accounts.
 #[derive(Debug)]
