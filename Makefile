@@ -98,6 +98,17 @@ bench-overhead: $(ENVOY)
 	$(CARGO) build --release --workspace --bins
 	target/release/llmgw-bench-overhead --json target/bench-overhead.json
 
+# Router and agent memory and CPU, and routing-decision latency, at 4, 64 and 256 replicas:
+# synthetic engines (vLLM-format KV events on ZMQ, idle /health and /metrics) in the bench
+# process, a real release llmgw-router, one real llmgw-agent per 8 engines; each replica filled
+# with 8,192 blocks, then a quiet window, ext_proc routing requests and a steady event window.
+# A Markdown table on stdout, raw numbers in target/bench-scale.json, logs in target/bench-scale/.
+# `make bench-scale BENCH_SCALE_ARGS="--replicas 4,64"` for other sizes (llmgw-bench-scale --help).
+.PHONY: bench-scale
+bench-scale:
+	$(CARGO) build --release -p llmgw -p llmgw-agent -p llmgw-integration --bins
+	target/release/llmgw-bench-scale --json target/bench-scale.json $(BENCH_SCALE_ARGS)
+
 # Routing policies side by side on the same simulated replicas and workload (Envoy random and
 # round robin, llmgw least loaded / approximate prefix / precise, vllm-router round_robin /
 # cache_aware / kv_aware) at 80 % of the measured round-robin capacity; a Markdown table in

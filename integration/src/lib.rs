@@ -3,6 +3,7 @@
 //! outlive a test.
 
 pub mod routing_bench;
+pub mod scale_bench;
 pub mod sim;
 pub mod system;
 pub mod workload;
