@@ -1,5 +1,6 @@
 //! KV index: apply throughput (block events/s), prefix lookup latency for a 512-block prompt over
-//! 64 replicas, and memory per (block, replica) entry.
+//! 64 replicas, lookup latency and memory at 4, 64 and 256 replicas of 8,000 blocks each (the
+//! shape `make bench-scale` fills a real router with), and memory per (block, replica) entry.
 //!
 //! `cargo bench -p llmgw --bench kvindex`. Memory is printed once, measured by counting the bytes
 //! the global allocator holds before and after filling the index, at several sizes.
@@ -115,6 +116,61 @@ fn bench_lookup(c: &mut Criterion) {
     );
 }
 
+/// Lookup latency as the fleet grows: every replica holds a 32-block system prompt and 8,000
+/// blocks of its own, one of them also the prompt's 32 remaining blocks; a 64-block prompt is
+/// matched against all replicas (what the router asks for every request of a model they all
+/// serve). Also prints the index's memory at that fill.
+fn bench_lookup_scale(c: &mut Criterion) {
+    let full = std::env::args().any(|a| a == "--bench");
+    let own_blocks = if full { 8_000 } else { 100 };
+    let runs = if full { 20_000 } else { 100 };
+    let prompt = hashes(11, 64);
+    let mut group = c.benchmark_group("kvindex/lookup_scale");
+    for n in [4usize, 64, 256] {
+        let own: Vec<Vec<ExternalHash>> = (0..n)
+            .map(|i| hashes(50_000 + i as u64, own_blocks))
+            .collect();
+        let before = ALLOCATED.load(Ordering::Relaxed);
+        let index = KvIndex::new(IndexConfig::default());
+        for (i, blocks) in own.iter().enumerate() {
+            let held = if i == 0 { &prompt[..] } else { &prompt[..32] };
+            index.stored(&replica(i), held, Medium::Gpu);
+            index.stored(&replica(i), blocks, Medium::Gpu);
+        }
+        let bytes = ALLOCATED.load(Ordering::Relaxed) - before;
+        let pairs = n * (own_blocks + 32) + 32;
+        drop(own);
+        let candidates: Vec<_> = (0..n).map(|i| index.slot(&replica(i))).collect();
+        let mut out: Vec<PrefixMatch> = Vec::with_capacity(n);
+        group.bench_function(format!("64_blocks_{n}_replicas"), |b| {
+            b.iter(|| {
+                index.match_prefix(black_box(&prompt), &candidates, &mut out);
+                black_box(out[0].blocks)
+            })
+        });
+        let mut samples: Vec<std::time::Duration> = (0..runs)
+            .map(|_| {
+                let start = std::time::Instant::now();
+                index.match_prefix(black_box(&prompt), &candidates, &mut out);
+                black_box(out[0].blocks);
+                start.elapsed()
+            })
+            .collect();
+        samples.sort_unstable();
+        assert_eq!(out[0].blocks, 64);
+        assert!(out.iter().skip(1).all(|m| m.blocks == 32));
+        println!(
+            "kvindex/lookup_scale 64 blocks × {n} replicas: p50 {:?}, p99 {:?} over {runs} lookups; \
+             index {:.1} MiB for {pairs} (block, replica) pairs = {:.1} bytes per pair",
+            samples[samples.len() / 2],
+            samples[samples.len() * 99 / 100],
+            bytes as f64 / (1 << 20) as f64,
+            bytes as f64 / pairs as f64,
+        );
+    }
+    group.finish();
+}
+
 fn report_memory(_: &mut Criterion) {
     // A hash table's spare room depends on where its size falls between two growths (hashbrown
     // doubles at 7/8 full), so each shape is measured at sizes spread over one doubling and the
@@ -154,5 +210,11 @@ fn report_memory(_: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench_apply, bench_lookup, report_memory);
+criterion_group!(
+    benches,
+    bench_apply,
+    bench_lookup,
+    bench_lookup_scale,
+    report_memory
+);
 criterion_main!(benches);
