@@ -6,8 +6,10 @@
 //! (`[b"", start_seq]` from a DEALER; replies `[b"", seq, payload]` before vLLM 0.26 and
 //! `[b"", topic, seq, payload]` from 0.26, then an end marker whose seq is all ones). A first
 //! replayed seq above the one asked, a replay that fails or times out, or no replay endpoint at
-//! all resets the engine. A seq going backwards means the engine restarted: reset. Messages
-//! that are not 3 frames are counted and dropped.
+//! all resets the engine. A seq going backwards means the engine restarted: reset, and replay
+//! the new life's batches from 0 up to the first one heard (vLLM buffers them; they went by while
+//! the SUB was reconnecting). The first batch heard at all, if above 0, is replayed from 0 too.
+//! Messages that are not 3 frames are counted and dropped.
 //!
 //! # Concurrency model
 //! [`Intake::run`] is one task per engine owning its SUB socket (and, during a replay, a
@@ -215,6 +217,21 @@ impl Intake {
             };
             let Some(msg) = self.split(msg) else { continue };
             match tracker.observe(msg.seq) {
+                // First contact mid-stream: the mirror is empty and vLLM may still buffer the
+                // batches from 0, so ask for them rather than start from a partial state.
+                SeqVerdict::InOrder
+                    if tracker.expected().is_none()
+                        && msg.seq > 0
+                        && self.endpoint.replay.is_some() =>
+                {
+                    tracing::info!(
+                        engine = &*self.engine,
+                        seq = msg.seq,
+                        "first batch heard is not seq 0: replaying from 0"
+                    );
+                    tracker = SeqTracker::expecting(0);
+                    self.fill_gap(&mut tracker, 0, msg, true).await?;
+                }
                 SeqVerdict::InOrder => {
                     self.deliver(msg.seq, &msg.payload).await?;
                     tracker.applied(msg.seq);
@@ -228,20 +245,30 @@ impl Intake {
                         "sequence went backwards: engine restarted"
                     );
                     self.reset(ResetReason::Restart).await?;
-                    tracker = SeqTracker::default();
-                    self.deliver(msg.seq, &msg.payload).await?;
-                    tracker.applied(msg.seq);
+                    // The new life counts from 0: batches before the first one heard are a gap.
+                    tracker = SeqTracker::expecting(0);
+                    if msg.seq == 0 {
+                        self.deliver(msg.seq, &msg.payload).await?;
+                        tracker.applied(msg.seq);
+                    } else {
+                        self.count_gap(0, msg.seq);
+                        self.fill_gap(&mut tracker, 0, msg, true).await?;
+                    }
                 }
                 SeqVerdict::Gap { from } => {
-                    self.metrics
-                        .gaps
-                        .get_or_create(&Metrics::engine(&self.engine))
-                        .inc();
-                    tracing::warn!(engine = &*self.engine, from, to = msg.seq, "sequence gap");
-                    self.fill_gap(&mut tracker, from, msg).await?;
+                    self.count_gap(from, msg.seq);
+                    self.fill_gap(&mut tracker, from, msg, false).await?;
                 }
             }
         }
+    }
+
+    fn count_gap(&self, from: u64, to: u64) {
+        self.metrics
+            .gaps
+            .get_or_create(&Metrics::engine(&self.engine))
+            .inc();
+        tracing::warn!(engine = &*self.engine, from, to, "sequence gap");
     }
 
     /// Validates the frames; counts and drops anything that is not a vLLM message.
@@ -306,11 +333,14 @@ impl Intake {
         }
     }
 
+    /// Fills `from..live.seq` by replay, then applies `live`. `clean`: the mirror was reset and
+    /// nothing applied since, so a loss needs no second reset.
     async fn fill_gap(
         &self,
         tracker: &mut SeqTracker,
         from: u64,
         live: Message,
+        mut clean: bool,
     ) -> Result<(), ZmqError> {
         let replayed = match &self.endpoint.replay {
             None => None,
@@ -324,7 +354,9 @@ impl Intake {
             },
         };
         let Some(items) = replayed else {
-            self.reset(ResetReason::Gap).await?;
+            if !clean {
+                self.reset(ResetReason::Gap).await?;
+            }
             self.deliver(live.seq, &live.payload).await?;
             tracker.restart_at(live.seq);
             return Ok(());
@@ -335,18 +367,20 @@ impl Intake {
                 SeqVerdict::InOrder => {
                     self.deliver(seq, &payload).await?;
                     tracker.applied(seq);
+                    clean = false;
                 }
                 SeqVerdict::Duplicate | SeqVerdict::Restart { .. } => {}
                 SeqVerdict::Gap { .. } => {
                     // vLLM no longer buffers what was asked for: the loss is permanent.
                     lost = true;
-                    self.reset(ResetReason::Gap).await?;
+                    if !std::mem::take(&mut clean) {
+                        self.reset(ResetReason::Gap).await?;
+                    }
                     self.deliver(seq, &payload).await?;
                     tracker.restart_at(seq);
                 }
             }
         }
-        self.count_replay(if lost { "loss" } else { "filled" });
         // The live message that revealed the gap, unless the replay already carried it.
         match tracker.observe(live.seq) {
             SeqVerdict::InOrder => {
@@ -354,12 +388,17 @@ impl Intake {
                 tracker.applied(live.seq);
             }
             SeqVerdict::Gap { .. } => {
-                self.reset(ResetReason::Gap).await?;
+                // The replay ended short of it (nothing buffered, or a gap at its end).
+                lost = true;
+                if !clean {
+                    self.reset(ResetReason::Gap).await?;
+                }
                 self.deliver(live.seq, &live.payload).await?;
                 tracker.restart_at(live.seq);
             }
             SeqVerdict::Duplicate | SeqVerdict::Restart { .. } => {}
         }
+        self.count_replay(if lost { "loss" } else { "filled" });
         // Live messages queued during the replay down to this one are duplicates now.
         tracker.allow_duplicates_from(live.seq);
         Ok(())

@@ -22,6 +22,15 @@ pub struct SeqTracker {
 }
 
 impl SeqTracker {
+    /// A tracker that expects `seq` next, with nothing before it applied (a new engine life
+    /// counts from 0).
+    pub fn expecting(seq: u64) -> Self {
+        SeqTracker {
+            expected: Some(seq),
+            dup_floor: seq,
+        }
+    }
+
     pub fn expected(&self) -> Option<u64> {
         self.expected
     }
@@ -83,5 +92,12 @@ mod tests {
         assert_eq!(t.observe(12), SeqVerdict::Restart { expected: 14 });
         t.applied(u64::MAX);
         assert_eq!(t.expected(), Some(u64::MAX));
+    }
+
+    #[test]
+    fn a_new_life_expects_zero_so_a_later_first_seq_is_a_gap_from_zero() {
+        let t = SeqTracker::expecting(0);
+        assert_eq!(t.observe(0), SeqVerdict::InOrder);
+        assert_eq!(t.observe(3), SeqVerdict::Gap { from: 0 });
     }
 }

@@ -418,3 +418,126 @@ async fn replay_reads_both_reply_shapes_and_stops_at_the_end_marker() {
         assert_eq!(got[0].1.as_ref(), 12u64.to_le_bytes());
     }
 }
+
+/// Stops `old` and starts a new engine life on the same PUB and replay endpoints (its seq and
+/// replay buffer start afresh), retrying while the old sockets release their ports.
+async fn restarted(old: Publisher, shape: ReplyShape) -> Publisher {
+    let endpoint = old.endpoint.clone();
+    let replay = old.replay_endpoint.clone();
+    drop(old);
+    for _ in 0..100 {
+        if let Ok(p) = Publisher::start(&endpoint, false, replay.as_deref(), "kv", shape, 100).await
+        {
+            return p;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the restarted engine could not bind {endpoint} / {replay:?} again");
+}
+
+/// The new life: frames[14..] renumbered from 0 (their stores are not the first life's).
+fn second_life(frames: &[Frame]) -> Vec<Frame> {
+    frames[14..]
+        .iter()
+        .enumerate()
+        .map(|(i, f)| Frame {
+            seq: i as u64,
+            ..f.clone()
+        })
+        .collect()
+}
+
+/// Runs a first life of 10 batches, restarts the engine, buffers the new life's 0..=2 unheard,
+/// publishes its 3 until the intake has noticed the restart, then its 4. Returns the engine too
+/// (dropping it would close its PUB before 4 left).
+async fn restart_with_unheard_batches(shape: Option<ReplyShape>) -> (Publisher, Rig, Vec<Frame>) {
+    let frames = frames();
+    let (mut publisher, rig) = connected(shape, 100).await;
+    for f in &frames[..10] {
+        publisher.publish(f.seq, &f.payload).await.expect("publish");
+    }
+    rig.wait_for("first life", |r| r.batches() == 10).await;
+    let mut publisher = restarted(publisher, shape.unwrap_or(ReplyShape::WithTopic)).await;
+    let life = second_life(&frames);
+    for f in &life[..3] {
+        publisher.publish_lost(f.seq, &f.payload);
+    }
+    // PUB drops messages until the re-dialled SUB is subscribed: probe with a malformed
+    // message (counted and dropped, leaving the seq state alone) until one is heard.
+    let bad = |r: &Rig| r.count(|m| m.bad_messages.get_or_create(&Metrics::engine("e0")).get());
+    for _ in 0..100 {
+        if bad(&rig) > 0 {
+            break;
+        }
+        publisher
+            .send_raw(
+                Bytes::from_static(b"kv"),
+                vec![Bytes::from_static(b"probe")],
+            )
+            .await
+            .expect("probe");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(bad(&rig) > 0, "the restarted engine was never heard");
+    publisher
+        .publish(life[3].seq, &life[3].payload)
+        .await
+        .expect("publish");
+    rig.wait_for("the restart", |r| r.resets("restart") == 1)
+        .await;
+    publisher
+        .publish(life[4].seq, &life[4].payload)
+        .await
+        .expect("publish");
+    (publisher, rig, life)
+}
+
+#[tokio::test]
+async fn a_restart_heard_after_seq_0_replays_the_new_life_from_0() {
+    for shape in [ReplyShape::WithoutTopic, ReplyShape::WithTopic] {
+        let (_engine, rig, life) = restart_with_unheard_batches(Some(shape)).await;
+        let want = expected_blocks(&life[..5]);
+        assert_ne!(
+            want,
+            expected_blocks(&life[3..5]),
+            "batches 0..=2 must hold blocks for this test to mean anything"
+        );
+        rig.wait_for("the new life's 0..=4", |r| r.hashes() == want)
+            .await;
+        assert_eq!(rig.replays("filled"), 1, "{shape:?}");
+        assert_eq!(rig.resets("gap"), 0, "{shape:?}");
+        assert_eq!(rig.batches(), 10 + 5, "{shape:?}: each batch applied once");
+    }
+}
+
+#[tokio::test]
+async fn without_replay_a_restart_heard_after_seq_0_resets_and_takes_what_follows() {
+    let (_engine, rig, life) = restart_with_unheard_batches(None).await;
+    let want = expected_blocks(&life[3..5]);
+    rig.wait_for("the new life's 3..=4", |r| r.batches() == 10 + 2)
+        .await;
+    assert_eq!(rig.hashes(), want);
+    assert_eq!(rig.resets("restart"), 1);
+    assert_eq!(rig.resets("gap"), 0, "the restart's reset suffices");
+    let gaps = rig.count(|m| m.gaps.get_or_create(&Metrics::engine("e0")).get());
+    assert_eq!(gaps, 1, "0..3 of the new life went unheard");
+}
+
+#[tokio::test]
+async fn an_engine_first_heard_after_seq_0_is_replayed_from_0() {
+    let frames = frames();
+    let (mut publisher, rig) = connected(Some(ReplyShape::WithTopic), 100).await;
+    // Published before the agent came up.
+    for f in &frames[..3] {
+        publisher.publish_lost(f.seq, &f.payload);
+    }
+    publisher
+        .publish(frames[3].seq, &frames[3].payload)
+        .await
+        .expect("publish");
+    let want = expected_blocks(&frames[..4]);
+    assert_ne!(want, expected_blocks(&frames[3..4]));
+    rig.wait_for("batches 0..=3", |r| r.hashes() == want).await;
+    assert_eq!(rig.replays("filled"), 1);
+    assert_eq!(rig.resets("gap") + rig.resets("restart"), 0);
+}
