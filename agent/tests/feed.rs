@@ -13,7 +13,7 @@ use llmgw_agent::capture::{Capture, Frame};
 use llmgw_agent::config::{AgentArgs, EngineSpec};
 use llmgw_agent::daemon::Agent;
 use llmgw_agent::engine::HashStatus;
-use llmgw_agent::uplink::{self, UplinkConfig};
+use llmgw_agent::uplink::{self, UplinkConfig, UplinkError};
 use llmgw_agent::wire::{KvEvent, decode_batch};
 use llmgw_agent::zmq::{Publisher, ReplyShape};
 use parking_lot::Mutex;
@@ -397,18 +397,40 @@ impl TestCa {
     fn client(&self, node: &str) -> Pem {
         self.leaf(&[node], rcgen::ExtendedKeyUsagePurpose::ClientAuth)
     }
+
+    /// An agent's client certificate naming `cn` in its subject only (no alt names).
+    fn client_cn_only(&self, cn: &str) -> Pem {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, cn);
+        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        let key = rcgen::KeyPair::generate().expect("leaf key");
+        let cert = params.signed_by(&key, &self.issuer).expect("leaf cert");
+        Pem {
+            cert: cert.pem(),
+            key: key.serialize_pem(),
+        }
+    }
 }
 
 /// A router requiring client certificates from `ca` (and the token `s3cret`).
 async fn mtls_router(ca: &TestCa) -> Router {
+    mtls_router_checking(ca, true).await
+}
+
+/// The same, checking (or not) that a certificate names the node its agent claims.
+async fn mtls_router_checking(ca: &TestCa, check_node: bool) -> Router {
     let server = ca.server();
     let tls = FeedTls::from_pem(
         server.cert.as_bytes(),
         server.key.as_bytes(),
         Some(ca.pem().as_bytes()),
     )
-    .expect("feed TLS");
+    .expect("feed TLS")
+    .with_node_check(check_node);
     assert!(tls.requires_client_cert());
+    assert_eq!(tls.checks_node(), check_node);
     router_tls(None, Some("s3cret"), Some(tls)).await
 }
 
@@ -546,4 +568,75 @@ async fn a_plain_text_agent_against_a_tls_router_fails_clearly() {
     assert!(text.contains("TLS"), "the error says why: {text}");
     eventually("a not_tls refusal", || refused(&r, "not_tls") >= 1).await;
     assert!(r.index.held.lock().is_empty());
+}
+
+/// An agent on node "n1" (see [`node_tls`]) presenting `id` to `r`: its first session's end.
+async fn claim_n1_with(r: &Router, ca: &TestCa, id: &Pem) -> (Node, Result<(), UplinkError>) {
+    let n = node_tls(REPLICA, "1729", &[], Some("s3cret"), None).await;
+    let mut config = UplinkConfig::new(r.addr.clone(), Some("s3cret".into()));
+    config.tls = Some(client_tls(ca, Some(id)));
+    let first = tokio::time::timeout(
+        Duration::from_secs(10),
+        uplink::session_once(&n.agent, &config),
+    )
+    .await;
+    (n, first.unwrap_or(Ok(())))
+}
+
+#[tokio::test]
+async fn an_agent_whose_certificate_names_another_node_is_refused() {
+    let ca = TestCa::new("llmgw test CA");
+    let r = mtls_router(&ca).await;
+    // A valid certificate of node n2, used by an agent claiming n1 (whose replica it reports).
+    let (_n, first) = claim_n1_with(&r, &ca, &ca.client("n2")).await;
+    match first {
+        Err(UplinkError::Stream { status, .. }) => {
+            assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status}");
+            assert!(status.message().contains("n2"), "names the cert: {status}");
+        }
+        other => panic!("expected PERMISSION_DENIED, got {other:?}"),
+    }
+    assert_eq!(refused(&r, "node_not_in_cert"), 1);
+    assert_eq!(r.feed.metrics.snapshots.get(), 0);
+    assert!(r.index.held.lock().is_empty(), "nothing reached the index");
+}
+
+#[tokio::test]
+async fn a_certificate_naming_the_node_in_its_cn_only_is_accepted() {
+    let frames = frames();
+    let ca = TestCa::new("llmgw test CA");
+    let r = mtls_router(&ca).await;
+    let id = ca.client_cn_only("n1");
+    let mut n = node_tls(
+        REPLICA,
+        "1729",
+        &[&r],
+        Some("s3cret"),
+        Some(client_tls(&ca, Some(&id))),
+    )
+    .await;
+    publish(&mut n, &frames).await;
+    let want = final_set(&frames);
+    eventually("the index", || r.index.hashes(REPLICA) == want).await;
+    assert_eq!(refused(&r, "node_not_in_cert"), 0);
+}
+
+#[tokio::test]
+async fn with_the_node_check_off_any_valid_certificate_may_claim_a_node() {
+    let frames = frames();
+    let ca = TestCa::new("llmgw test CA");
+    let r = mtls_router_checking(&ca, false).await;
+    let id = ca.client("agent-cert-named-otherwise");
+    let mut n = node_tls(
+        REPLICA,
+        "1729",
+        &[&r],
+        Some("s3cret"),
+        Some(client_tls(&ca, Some(&id))),
+    )
+    .await;
+    publish(&mut n, &frames).await;
+    let want = final_set(&frames);
+    eventually("the index", || r.index.hashes(REPLICA) == want).await;
+    assert_eq!(refused(&r, "node_not_in_cert"), 0);
 }

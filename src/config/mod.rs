@@ -26,6 +26,7 @@
 //! feed_tls_cert: /etc/llmgw/feed.pem        # TLS on the feed port (with feed_tls_key)
 //! feed_tls_key: /etc/llmgw/feed-key.pem
 //! feed_tls_client_ca: /etc/llmgw/agents-ca.pem   # mutual TLS: agents need a cert it signed
+//! feed_tls_skip_node_check: false   # true: a cert need not name the node its agent claims
 //! ```
 //!
 //! The file is polled for changes ([`watch_replicas`]); a change re-reads the replica list and
@@ -232,6 +233,10 @@ pub struct ServeArgs {
     /// PEM CA bundle: require every agent to present a client certificate it signed (mTLS).
     #[arg(long, env = "LLMGW_FEED_TLS_CLIENT_CA")]
     pub feed_tls_client_ca: Option<PathBuf>,
+    /// With --feed-tls-client-ca: accept an agent whose certificate does not name (DNS SAN or
+    /// CN) the node it claims. By default such a stream is refused.
+    #[arg(long, env = "LLMGW_FEED_TLS_SKIP_NODE_CHECK")]
+    pub feed_tls_skip_node_check: bool,
 }
 
 /// The configuration file. Every field is optional.
@@ -281,6 +286,7 @@ pub struct FileConfig {
     pub feed_tls_cert: Option<PathBuf>,
     pub feed_tls_key: Option<PathBuf>,
     pub feed_tls_client_ca: Option<PathBuf>,
+    pub feed_tls_skip_node_check: Option<bool>,
 }
 
 /// One replica in the file.
@@ -533,6 +539,8 @@ fn resolve_feed_tls(
     let client_ca = pick(&args.feed_tls_client_ca, &file.feed_tls_client_ca);
     match (cert, key) {
         (Some(cert), Some(key)) => Ok(Some(FeedTlsPaths {
+            check_node: !(args.feed_tls_skip_node_check
+                || file.feed_tls_skip_node_check.unwrap_or(false)),
             cert,
             key,
             client_ca,

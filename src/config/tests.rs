@@ -180,6 +180,23 @@ fn feed_tls_paths_come_from_flags_over_the_file_and_must_be_complete() {
     assert_eq!(tls.cert, PathBuf::from("/flag/cert.pem"));
     assert_eq!(tls.key, PathBuf::from("/file/key.pem"));
     assert_eq!(tls.client_ca, Some(PathBuf::from("/file/ca.pem")));
+    assert!(
+        tls.check_node,
+        "a client cert must name its node by default"
+    );
+    for (flag, file) in [(true, ""), (false, "feed_tls_skip_node_check: true\n")] {
+        let path = write_file(
+            &dir,
+            &format!("feed_tls_cert: /c.pem\nfeed_tls_key: /k.pem\n{file}"),
+        );
+        let args = ServeArgs {
+            config: Some(path),
+            feed_tls_skip_node_check: flag,
+            ..ServeArgs::default()
+        };
+        let tls = Settings::resolve(&args).unwrap().feed_tls.unwrap();
+        assert!(!tls.check_node, "flag {flag}, file {file:?}");
+    }
 
     assert!(
         Settings::resolve(&ServeArgs::default())

@@ -4,7 +4,9 @@
 //!
 //! Rules enforced here:
 //! * with TLS configured ([`FeedService::with_tls`]), every connection is TLS, and with a
-//!   client CA every agent must present a certificate that CA signed (see [`tls`]);
+//!   client CA every agent must present a certificate that CA signed (see [`tls`]), and its
+//!   Hello must claim a node that certificate names (else `PERMISSION_DENIED`, counted in
+//!   `llmgw_feed_tls_refused_total{reason="node_not_in_cert"}`), unless turned off;
 //! * the agent presents the shared token (`authorization: Bearer …`) when one is configured;
 //! * a node may only report replicas configured on it ([`FeedConfig::nodes`]); others are
 //!   refused (a `Refused` message, a metric and a log line) and their changes ignored;
@@ -134,7 +136,7 @@ impl FeedMetrics {
         );
         r.register(
             "tls_refused",
-            "TLS handshakes refused on the feed port, by reason",
+            "TLS handshakes (and streams whose client certificate does not name the claimed node) refused on the feed port, by reason",
             self.tls_refused.clone(),
         );
     }
@@ -673,6 +675,14 @@ impl pb::feed_server::Feed for FeedService {
         request: Request<Streaming<pb::AgentMessage>>,
     ) -> Result<Response<Self::StreamStream>, Status> {
         self.check_token(&request)?;
+        // The names the agent's certificate vouches for, when the node it claims is checked.
+        let cert_names: Option<Vec<String>> =
+            self.tls.as_ref().filter(|t| t.checks_node()).map(|_| {
+                request
+                    .peer_certs()
+                    .and_then(|chain| chain.first().map(tls::cert_names))
+                    .unwrap_or_default()
+            });
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel::<Result<pb::RouterMessage, Status>>(256);
         let svc = self.clone();
@@ -713,6 +723,28 @@ impl pb::feed_server::Feed for FeedService {
                         break;
                     }
                 };
+                if let (Some(names), Some(pb::agent_message::Body::Hello(hello))) =
+                    (&cert_names, &msg.body)
+                    && !tls::names_node(names, &hello.node)
+                {
+                    svc.metrics
+                        .tls_refused
+                        .get_or_create(&tls::TlsRefusal {
+                            reason: "node_not_in_cert",
+                        })
+                        .inc();
+                    tracing::warn!(
+                        claimed = hello.node,
+                        cert_names = ?names,
+                        "feed stream refused: the client certificate does not name the node it claims"
+                    );
+                    let status = Status::permission_denied(format!(
+                        "node {:?} is not named by the client certificate (names: {names:?})",
+                        hello.node
+                    ));
+                    let _ = tx.send(Err(status)).await;
+                    break;
+                }
                 match svc.apply(&mut node, msg) {
                     Ok(replies) => {
                         for r in replies {

@@ -6,6 +6,11 @@
 //! tonic would drop it at debug level. The streams handed to tonic are ordinary
 //! `tokio_rustls` server streams, so the service sees nothing different.
 //!
+//! With mutual TLS the service also checks, per stream, that the node an agent's Hello claims is
+//! named by its certificate ([`cert_names`]: DNS subject alt names and the subject's CN, matched
+//! exactly, ASCII case ignored); otherwise any agent with a valid certificate could speak for
+//! another node's replicas. [`FeedTls::with_node_check`] turns that off.
+//!
 //! # Concurrency model
 //! One accept task owns the listener; each handshake runs in its own task (bounded by
 //! [`HANDSHAKE_TIMEOUT`]) so a slow or silent client never holds up the others; finished
@@ -39,6 +44,8 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Where the feed's certificate, key and (for mutual TLS) client CA live.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FeedTlsPaths {
+    /// With a client CA: refuse a stream whose Hello names a node its certificate does not.
+    pub check_node: bool,
     /// PEM certificate chain presented to agents.
     pub cert: PathBuf,
     /// PEM private key of `cert`.
@@ -69,12 +76,14 @@ pub enum FeedTlsError {
 pub struct FeedTls {
     acceptor: TlsAcceptor,
     client_auth: bool,
+    check_node: bool,
 }
 
 impl std::fmt::Debug for FeedTls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FeedTls")
             .field("client_auth", &self.client_auth)
+            .field("check_node", &self.check_node)
             .finish_non_exhaustive()
     }
 }
@@ -106,7 +115,10 @@ impl FeedTls {
     /// Reads the files named in `paths`.
     pub fn load(paths: &FeedTlsPaths) -> Result<FeedTls, FeedTlsError> {
         let ca = paths.client_ca.as_deref().map(read).transpose()?;
-        FeedTls::from_pem(&read(&paths.cert)?, &read(&paths.key)?, ca.as_deref())
+        Ok(
+            FeedTls::from_pem(&read(&paths.cert)?, &read(&paths.key)?, ca.as_deref())?
+                .with_node_check(paths.check_node),
+        )
     }
 
     /// From PEM text: the server's chain and key, and optionally the CA that signs agents'
@@ -145,13 +157,54 @@ impl FeedTls {
         Ok(FeedTls {
             acceptor: TlsAcceptor::from(Arc::new(config)),
             client_auth: client_ca.is_some(),
+            check_node: true,
         })
+    }
+
+    /// Whether a client certificate must name the node the agent claims (default: yes).
+    pub fn with_node_check(mut self, on: bool) -> Self {
+        self.check_node = on;
+        self
     }
 
     /// Whether agents must present a certificate.
     pub fn requires_client_cert(&self) -> bool {
         self.client_auth
     }
+
+    /// Whether streams are checked against their certificate's names.
+    pub fn checks_node(&self) -> bool {
+        self.client_auth && self.check_node
+    }
+}
+
+/// The names a client certificate gives its holder: DNS subject alt names, then the subject's
+/// common names. Nothing when the certificate cannot be parsed (rustls verified it, so that
+/// would be a certificate naming nothing we understand).
+pub fn cert_names(cert: &CertificateDer<'_>) -> Vec<String> {
+    use x509_parser::extensions::GeneralName;
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(cert.as_ref()) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = Vec::new();
+    if let Ok(Some(san)) = cert.subject_alternative_name() {
+        for name in &san.value.general_names {
+            if let GeneralName::DNSName(dns) = name {
+                names.push((*dns).to_owned());
+            }
+        }
+    }
+    for cn in cert.subject().iter_common_name() {
+        if let Ok(cn) = cn.as_str() {
+            names.push(cn.to_owned());
+        }
+    }
+    names
+}
+
+/// Whether `node` is one of `names` (exactly; DNS names ignore ASCII case).
+pub fn names_node(names: &[String], node: &str) -> bool {
+    names.iter().any(|n| n.eq_ignore_ascii_case(node))
 }
 
 /// Why a handshake was refused (the `reason` label).
@@ -256,5 +309,39 @@ async fn accept_loop(
                 }
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cert(sans: &[&str], cn: Option<&str>) -> CertificateDer<'static> {
+        let sans: Vec<String> = sans.iter().map(|s| (*s).to_owned()).collect();
+        let mut params = rcgen::CertificateParams::new(sans).expect("params");
+        if let Some(cn) = cn {
+            params
+                .distinguished_name
+                .push(rcgen::DnType::CommonName, cn);
+        }
+        let key = rcgen::KeyPair::generate().expect("key");
+        params.self_signed(&key).expect("cert").der().clone()
+    }
+
+    #[test]
+    fn a_certificate_names_its_dns_alt_names_and_common_name_but_not_its_ips() {
+        let names = cert_names(&cert(
+            &["node-a", "10.0.0.7", "Node-B.example"],
+            Some("n-cn"),
+        ));
+        assert_eq!(names, ["node-a", "Node-B.example", "n-cn"]);
+        assert!(names_node(&names, "node-b.example"), "DNS ignores case");
+        assert!(names_node(&names, "n-cn"));
+        assert!(
+            !names_node(&names, "10.0.0.7"),
+            "an IP SAN is not a node name"
+        );
+        assert!(!names_node(&names, "node"), "no prefix match");
+        assert!(cert_names(&CertificateDer::from(vec![0x30, 0x03, 1, 2, 3])).is_empty());
     }
 }
