@@ -141,3 +141,16 @@ e2e-vllm: $(ENVOY)
 	$(CARGO) build --workspace --bins
 	LLMGW_E2E_VLLM_PYTHON=$(VLLM_VENV)/bin/python LLMGW_E2E_VLLM_MODEL=$(E2E_MODEL) \
 	  $(CARGO) test -p llmgw-integration --test e2e_vllm -- --ignored --nocapture
+
+# libFuzzer on the agent's KV-event decoder (agent/fuzz, target decode_batch): cargo-fuzz on the
+# stable toolchain, its nightly-only flags unlocked with RUSTC_BOOTSTRAP=1 (no nightly here),
+# AddressSanitizer on. Seeded with every payload of ../shared/fixtures. Opt-in, never part of
+# `make test`. `make fuzz-agent FUZZ_SECONDS=3600`; a crash lands in agent/fuzz/artifacts/.
+FUZZ_SECONDS ?= 300
+FUZZ_DIR := $(CURDIR)/target/fuzz
+.PHONY: fuzz-agent
+fuzz-agent:
+	command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
+	python3 agent/fuzz/seed_corpus.py $(FUZZ_DIR)/corpus/decode_batch
+	cd agent && RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR=$(FUZZ_DIR) $(CARGO) fuzz run decode_batch \
+	  $(FUZZ_DIR)/corpus/decode_batch -- -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1
