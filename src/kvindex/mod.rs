@@ -373,21 +373,32 @@ impl KvIndex {
         }
     }
 
-    /// Any number of replicas: candidates are walked one by one per block.
+    /// Any number of replicas: each block's holders are walked once and matched to candidates
+    /// through a slot → candidate table (walking the holders once per candidate would cost
+    /// holders × candidates per block: ~0.8 ms for 32 blocks held by 256 replicas).
     fn match_prefix_general(
         &self,
         prompt: &[ExternalHash],
         candidates: &[Option<ReplicaSlot>],
         out: &mut [PrefixMatch],
     ) {
-        let mut guards: [Option<RwLockReadGuard<'_, Shard>>; SHARDS] = Default::default();
+        let Some(max_slot) = candidates.iter().flatten().map(|s| s.index()).max() else {
+            return;
+        };
+        let mut candidate_of = vec![u32::MAX; max_slot + 1];
         let mut alive: smallbitset::Bits = smallbitset::Bits::new(candidates.len());
         for (i, slot) in candidates.iter().enumerate() {
-            if slot.is_some() {
+            if let Some(slot) = slot {
+                candidate_of[slot.index()] = i as u32;
                 alive.set(i);
             }
         }
-        for hash in prompt {
+        // Per candidate: the last block (numbered from 1) among whose holders it was seen, and
+        // whether that copy is in GPU memory.
+        let mut seen_at = vec![0u32; candidates.len()];
+        let mut on_gpu = vec![false; candidates.len()];
+        let mut guards: [Option<RwLockReadGuard<'_, Shard>>; SHARDS] = Default::default();
+        for (block, hash) in (1u32..).zip(prompt) {
             if alive.is_empty() {
                 break;
             }
@@ -396,23 +407,29 @@ impl KvIndex {
             let Some(holders) = shard.get(*hash) else {
                 break;
             };
+            for holder in holders.iter() {
+                if let Some(&i) = candidate_of.get(holder.slot().index())
+                    && let Some(seen) = seen_at.get_mut(i as usize)
+                {
+                    *seen = block;
+                    on_gpu[i as usize] = holder.on_gpu();
+                }
+            }
             for w in 0..alive.word_count() {
                 let mut bits = alive.word(w);
                 while bits != 0 {
                     let i = w * 64 + bits.trailing_zeros() as usize;
                     bits &= bits - 1;
-                    let held = candidates[i].and_then(|slot| holders.find(slot));
-                    match held {
-                        Some(h) => {
-                            let m = &mut out[i];
-                            m.blocks += 1;
-                            m.weighted += if h.on_gpu() {
-                                1.0
-                            } else {
-                                self.config.offloaded_weight
-                            };
-                        }
-                        None => alive.clear(i),
+                    if seen_at[i] == block {
+                        let m = &mut out[i];
+                        m.blocks += 1;
+                        m.weighted += if on_gpu[i] {
+                            1.0
+                        } else {
+                            self.config.offloaded_weight
+                        };
+                    } else {
+                        alive.clear(i);
                     }
                 }
             }

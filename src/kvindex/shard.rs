@@ -193,15 +193,18 @@ impl HoldersRef<'_> {
     }
 
     pub(super) fn find(&self, slot: ReplicaSlot) -> Option<Holder> {
+        self.iter().find(|h| h.slot() == slot)
+    }
+
+    /// Every holder, the first one first.
+    pub(super) fn iter(&self) -> impl Iterator<Item = Holder> + '_ {
         let (first, extra): (Holder, &[Holder]) = match self {
             HoldersRef::One(h) => (*h, &[]),
             HoldersRef::Two(h, second) => (*h, std::slice::from_ref(second)),
             HoldersRef::Few(h, extra) => (*h, extra),
             HoldersRef::Lots(h, lots) => (*h, &lots.list),
         };
-        std::iter::once(first)
-            .chain(extra.iter().copied())
-            .find(|h| h.slot() == slot)
+        std::iter::once(first).chain(extra.iter().copied())
     }
 }
 
