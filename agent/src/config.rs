@@ -207,6 +207,9 @@ pub struct FileConfig {
     pub engines: Vec<EngineSpec>,
     #[serde(default)]
     pub routers: Vec<String>,
+    #[serde(default)]
+    pub router_services: Vec<String>,
+    pub router_resolve_interval_ms: Option<u64>,
     pub topic: Option<String>,
     pub model: Option<String>,
     pub hash_algo: Option<String>,
@@ -254,6 +257,18 @@ pub struct AgentArgs {
     /// A router's feed address HOST:PORT; repeatable.
     #[arg(long = "router", env = "LLMGW_AGENT_ROUTER", value_delimiter = ',')]
     pub routers: Vec<String>,
+    /// HOST:PORT of a DNS name with one address per router (a Kubernetes headless Service):
+    /// the agent streams to every address it resolves to, following the answer as routers
+    /// come and go; repeatable.
+    #[arg(
+        long = "router-service",
+        env = "LLMGW_AGENT_ROUTER_SERVICE",
+        value_delimiter = ','
+    )]
+    pub router_services: Vec<String>,
+    /// How often (ms) each --router-service is resolved again (default 10000).
+    #[arg(long, env = "LLMGW_AGENT_ROUTER_RESOLVE_INTERVAL_MS")]
+    pub router_resolve_interval_ms: Option<u64>,
     /// ZMQ topic prefix of the engines' events (default: all).
     #[arg(long, env = "LLMGW_AGENT_TOPIC")]
     pub topic: Option<String>,
@@ -305,6 +320,9 @@ pub struct AgentConfig {
     pub node: String,
     pub engines: Vec<EngineConfig>,
     pub routers: Vec<String>,
+    /// DNS names (HOST:PORT) resolving to every router, followed by [`crate::routers`].
+    pub router_services: Vec<String>,
+    pub router_resolve_interval: Duration,
     pub model: Option<String>,
     pub algo: HashAlgo,
     pub seed: Option<String>,
@@ -314,10 +332,48 @@ pub struct AgentConfig {
     pub replay_timeout: Duration,
     /// The shared token presented to routers.
     pub token: Option<String>,
+    /// Where `token` came from: read again before each connection, so a rotated Secret is
+    /// picked up without a restart.
+    pub token_file: Option<PathBuf>,
     /// Silence before a health check; `None` disables staleness.
     pub stale_after: Option<Duration>,
     /// TLS towards the routers (`None`: plain text), checked at start-up.
     pub tls: Option<ClientTlsConfig>,
+    /// The files `tls` was built from: read again before each connection (rotated
+    /// certificates), falling back to `tls` while they do not load.
+    pub tls_files: Option<TlsFiles>,
+}
+
+/// The PEM files of the uplinks' TLS settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub router_ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+}
+
+impl TlsFiles {
+    /// Builds and checks the TLS settings (`None`: no CA, so plain text).
+    pub fn load(&self) -> Result<Option<ClientTlsConfig>> {
+        resolve_tls(self.router_ca.clone(), self.cert.clone(), self.key.clone())
+    }
+}
+
+/// Splits `HOST:PORT` (or `[V6]:PORT`) into the host and the port.
+pub fn split_host_port(target: &str) -> Result<(&str, u16)> {
+    let bad = |why: &str| ConfigError::Invalid(format!("router service {target:?}: {why}"));
+    let (host, port) = target
+        .rsplit_once(':')
+        .ok_or_else(|| bad("expected HOST:PORT"))?;
+    let port = port.parse().map_err(|_| bad("the port is not a number"))?;
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    if host.is_empty() {
+        return Err(bad("no host name"));
+    }
+    Ok((host, port))
 }
 
 pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9101";
@@ -368,15 +424,30 @@ impl AgentArgs {
                 .parse()
                 .map_err(|_| ConfigError::Invalid("bad default admin address".into()))?,
         };
-        let token = match (&self.token, self.token_file.clone().or(file.token_file)) {
-            (Some(t), _) => Some(t.clone()),
-            (None, Some(path)) => Some(
-                std::fs::read_to_string(&path)
-                    .map_err(|source| ConfigError::Read { path, source })?
-                    .trim()
-                    .to_owned(),
-            ),
-            (None, None) => None,
+        let (token, token_file) = match (&self.token, self.token_file.clone().or(file.token_file)) {
+            (Some(t), _) => (Some(t.clone()), None),
+            (None, Some(path)) => (Some(read_token(&path)?), Some(path)),
+            (None, None) => (None, None),
+        };
+        let router_services = if self.router_services.is_empty() {
+            file.router_services
+        } else {
+            self.router_services.clone()
+        };
+        for s in &router_services {
+            split_host_port(s)?;
+        }
+        let router_resolve_interval = match self
+            .router_resolve_interval_ms
+            .or(file.router_resolve_interval_ms)
+            .unwrap_or(10_000)
+        {
+            0 => {
+                return Err(ConfigError::Invalid(
+                    "--router-resolve-interval-ms must be above 0".into(),
+                ));
+            }
+            ms => Duration::from_millis(ms),
         };
         let stale_after = match self
             .stale_after_ms
@@ -386,15 +457,20 @@ impl AgentArgs {
             0 => None,
             ms => Some(Duration::from_millis(ms)),
         };
-        let tls = resolve_tls(
-            self.router_ca.clone().or(file.router_ca),
-            self.tls_cert.clone().or(file.tls_cert),
-            self.tls_key.clone().or(file.tls_key),
-        )?;
+        let tls_files = TlsFiles {
+            router_ca: self.router_ca.clone().or(file.router_ca),
+            cert: self.tls_cert.clone().or(file.tls_cert),
+            key: self.tls_key.clone().or(file.tls_key),
+        };
+        let tls = tls_files.load()?;
         Ok(AgentConfig {
+            tls_files: tls.is_some().then_some(tls_files),
             tls,
             stale_after,
             token,
+            token_file,
+            router_services,
+            router_resolve_interval,
             node,
             engines,
             routers: if self.routers.is_empty() {
@@ -415,6 +491,22 @@ impl AgentArgs {
             ),
         })
     }
+}
+
+/// The shared token in `path` (surrounding whitespace dropped).
+pub fn read_token(path: &Path) -> Result<String> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    let token = text.trim();
+    if token.is_empty() {
+        return Err(ConfigError::Invalid(format!(
+            "{}: the token file is empty",
+            path.display()
+        )));
+    }
+    Ok(token.to_owned())
 }
 
 fn read_pem(path: PathBuf) -> Result<Vec<u8>> {
@@ -619,6 +711,86 @@ mod tests {
         std::fs::write(&path, "nodes: typo\n").expect("write");
         let err = args.resolve().expect_err("unknown key").to_string();
         assert!(err.contains("nodes"), "{err}");
+    }
+
+    #[test]
+    fn router_services_need_a_host_and_port_and_come_from_flags_or_the_file() {
+        assert_eq!(
+            split_host_port("llmgw-router-feed.llmgw.svc:9004").expect("ok"),
+            ("llmgw-router-feed.llmgw.svc", 9004)
+        );
+        assert_eq!(split_host_port("[::1]:9004").expect("ok"), ("::1", 9004));
+        for (bad, why) in [
+            ("llmgw-router-feed", "HOST:PORT"),
+            ("host:http", "port"),
+            (":9004", "no host"),
+        ] {
+            let err = split_host_port(bad).expect_err(bad).to_string();
+            assert!(err.contains(why) && err.contains(bad), "{err}");
+        }
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("agent.yaml");
+        std::fs::write(
+            &path,
+            "router_services: ['routers.example:9004']\nrouter_resolve_interval_ms: 2500\n",
+        )
+        .expect("write");
+        let args = AgentArgs {
+            config: Some(path),
+            ..AgentArgs::default()
+        };
+        let c = args.resolve().expect("resolves");
+        assert_eq!(c.router_services, ["routers.example:9004"]);
+        assert_eq!(c.router_resolve_interval, Duration::from_millis(2500));
+        let flags = AgentArgs {
+            router_services: vec!["other.example:1".into()],
+            ..args.clone()
+        };
+        assert_eq!(
+            flags.resolve().expect("resolves").router_services,
+            ["other.example:1"]
+        );
+        let no_port = AgentArgs {
+            router_services: vec!["routers.example".into()],
+            ..AgentArgs::default()
+        };
+        assert!(no_port.resolve().is_err());
+        let zero = AgentArgs {
+            router_resolve_interval_ms: Some(0),
+            ..AgentArgs::default()
+        };
+        assert!(zero.resolve().is_err());
+        assert_eq!(
+            AgentArgs::default()
+                .resolve()
+                .expect("ok")
+                .router_resolve_interval,
+            Duration::from_secs(10)
+        );
+    }
+
+    #[test]
+    fn a_token_file_is_remembered_and_must_not_be_empty() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("token");
+        std::fs::write(&path, "  s3cret\n").expect("write");
+        let args = AgentArgs {
+            token_file: Some(path.clone()),
+            ..AgentArgs::default()
+        };
+        let c = args.resolve().expect("resolves");
+        assert_eq!(c.token.as_deref(), Some("s3cret"));
+        assert_eq!(c.token_file.as_deref(), Some(path.as_path()));
+        std::fs::write(&path, "\n").expect("write");
+        let err = args.resolve().expect_err("empty").to_string();
+        assert!(err.contains("empty"), "{err}");
+        // A token given directly has no file to re-read.
+        let direct = AgentArgs {
+            token: Some("t".into()),
+            ..args
+        };
+        assert_eq!(direct.resolve().expect("ok").token_file, None);
     }
 
     #[test]

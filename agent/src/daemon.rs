@@ -163,18 +163,28 @@ impl Agent {
         Ok(agent)
     }
 
-    /// Starts one uplink per configured router.
+    /// Starts one uplink per configured router, and one follower per router service (which
+    /// runs an uplink per address its name resolves to).
     pub fn start_uplinks(self: &Arc<Self>) -> Vec<JoinHandle<()>> {
-        self.config
+        let uplink = |router: &str| crate::uplink::UplinkConfig::for_agent(router, &self.config);
+        let fixed = self
+            .config
             .routers
             .iter()
-            .map(|r| {
-                let mut cfg =
-                    crate::uplink::UplinkConfig::new(r.clone(), self.config.token.clone());
-                cfg.tls = self.config.tls.clone();
-                tokio::spawn(crate::uplink::run(Arc::clone(self), cfg))
-            })
-            .collect()
+            .map(|r| tokio::spawn(crate::uplink::run(Arc::clone(self), uplink(r))));
+        let followed = self.config.router_services.iter().map(|s| {
+            let service = crate::routers::RouterService {
+                target: s.clone(),
+                interval: self.config.router_resolve_interval,
+                uplink: uplink(s),
+            };
+            tokio::spawn(crate::routers::follow(
+                Arc::clone(self),
+                service,
+                crate::routers::Dns,
+            ))
+        });
+        fixed.chain(followed).collect()
     }
 
     /// Resets an engine (the supervisor calls this when it restarts vLLM).

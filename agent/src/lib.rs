@@ -3,8 +3,8 @@
 //! Per vLLM engine on the node: [`zmq`] receives the engine's KV-event stream (SUB, sequence
 //! tracking, replay over DEALER), [`wire`] decodes each batch, [`engine`] applies it to the
 //! engine's [`mirror`] (checking block-0 hashes with [`hashcheck`]) and flushes coalesced
-//! deltas to the [`uplink`]s, one gRPC stream per router. [`daemon`] wires these together with the admin server ([`metrics`],
-//! `/debug`); [`supervisor`] runs vLLM itself; [`tail`] prints a stream; [`config`] reads
+//! deltas to the [`uplink`]s, one gRPC stream per router ([`routers`] follows a DNS name to
+//! every router). [`daemon`] wires these together with the admin server ([`metrics`], `/debug`); [`supervisor`] runs vLLM itself; [`tail`] prints a stream; [`config`] reads
 //! flags, `LLMGW_AGENT_…` environment variables and YAML; [`capture`] reads recorded streams.
 
 pub mod capture;
@@ -15,6 +15,7 @@ pub mod hashcheck;
 pub mod health;
 pub mod metrics;
 pub mod mirror;
+pub mod routers;
 pub mod supervisor;
 pub mod tail;
 pub mod uplink;

@@ -34,6 +34,11 @@ pub struct RouterLabel {
     pub router: String,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ServiceLabel {
+    pub service: String,
+}
+
 fn latency_histogram() -> Histogram {
     // 0.5 ms … ~2 s.
     Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
@@ -56,6 +61,7 @@ pub struct Metrics {
     pub mirror_blocks: Family<EngineLabel, Gauge>,
     pub engine_stale: Family<EngineLabel, Gauge>,
     pub uplink_connected: Family<RouterLabel, Gauge>,
+    pub router_addresses: Family<ServiceLabel, Gauge>,
     pub event_to_flush: Family<EngineLabel, Histogram, fn() -> Histogram>,
     pub event_to_router: Family<RouterLabel, Histogram, fn() -> Histogram>,
 }
@@ -81,6 +87,7 @@ impl Metrics {
         let mirror_blocks = Family::<EngineLabel, Gauge>::default();
         let engine_stale = Family::<EngineLabel, Gauge>::default();
         let uplink_connected = Family::<RouterLabel, Gauge>::default();
+        let router_addresses = Family::<ServiceLabel, Gauge>::default();
         let event_to_flush: Family<EngineLabel, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(latency_histogram);
         let event_to_router: Family<RouterLabel, Histogram, fn() -> Histogram> =
@@ -138,6 +145,11 @@ impl Metrics {
             uplink_connected.clone(),
         );
         registry.register(
+            "router_addresses",
+            "Router addresses a --router-service name resolved to last",
+            router_addresses.clone(),
+        );
+        registry.register(
             "event_to_flush_seconds",
             "Engine publish time to the delta leaving the coalescing window",
             event_to_flush.clone(),
@@ -161,6 +173,7 @@ impl Metrics {
             mirror_blocks,
             engine_stale,
             uplink_connected,
+            router_addresses,
             event_to_flush,
             event_to_router,
         }

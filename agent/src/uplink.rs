@@ -14,6 +14,7 @@
 //! and the broadcast receiver; nothing is shared between uplinks.
 
 use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -21,8 +22,10 @@ use llmgw::kvindex::Medium as Tier;
 use llmgw_feed_proto::v1 as pb;
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::ClientTlsConfig;
 use tracing::Instrument;
 
+use crate::config::{AgentConfig, TlsFiles, read_token};
 use crate::daemon::Agent;
 use crate::engine::{EngineSnapshot, HashStatus, Update};
 use crate::metrics::RouterLabel;
@@ -64,19 +67,76 @@ pub struct UplinkConfig {
     /// `HOST:PORT` of the router's feed service.
     pub router: String,
     pub token: Option<String>,
+    /// Read again before each connection (a rotated token); `token` while it cannot be read.
+    pub token_file: Option<PathBuf>,
     /// TLS (with a client identity for mutual TLS); `None` connects in plain text.
     pub tls: Option<tonic::transport::ClientTlsConfig>,
+    /// Read again before each connection (rotated certificates); `tls` while they do not load.
+    pub tls_files: Option<TlsFiles>,
+    /// The name the router's certificate must carry, when `router` is an address resolved
+    /// from it (see [`crate::routers`]).
+    pub tls_server_name: Option<String>,
     pub heartbeat: Duration,
     pub backoff_initial: Duration,
     pub backoff_max: Duration,
 }
 
 impl UplinkConfig {
+    /// An uplink to `router` with the agent's credentials.
+    pub fn for_agent(router: impl Into<String>, config: &AgentConfig) -> Self {
+        UplinkConfig {
+            token_file: config.token_file.clone(),
+            tls: config.tls.clone(),
+            tls_files: config.tls_files.clone(),
+            ..UplinkConfig::new(router, config.token.clone())
+        }
+    }
+
+    /// The token to present now: the token file as it reads today, else the one from start-up.
+    fn current_token(&self) -> Option<String> {
+        match &self.token_file {
+            Some(path) => match read_token(path) {
+                Ok(token) => Some(token),
+                Err(error) => {
+                    tracing::warn!(router = self.router, %error, "keeping the token read before");
+                    self.token.clone()
+                }
+            },
+            None => self.token.clone(),
+        }
+    }
+
+    /// The TLS settings to connect with now (files as they read today, else those from
+    /// start-up), naming the router as `tls_server_name` when set.
+    fn current_tls(&self) -> Option<ClientTlsConfig> {
+        let tls = match &self.tls_files {
+            Some(files) => match files.load() {
+                Ok(tls) => tls,
+                Err(error) => {
+                    tracing::warn!(
+                        router = self.router,
+                        %error,
+                        "keeping the TLS settings loaded before"
+                    );
+                    self.tls.clone()
+                }
+            },
+            None => self.tls.clone(),
+        }?;
+        Some(match &self.tls_server_name {
+            Some(name) => tls.domain_name(name.clone()),
+            None => tls,
+        })
+    }
+
     pub fn new(router: impl Into<String>, token: Option<String>) -> Self {
         UplinkConfig {
             router: router.into(),
             token,
+            token_file: None,
             tls: None,
+            tls_files: None,
+            tls_server_name: None,
             heartbeat: Duration::from_secs(5),
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_secs(10),
@@ -194,16 +254,14 @@ async fn session(
     delay: &mut Duration,
 ) -> Result<(), UplinkError> {
     let router = config.router.clone();
-    let scheme = if config.tls.is_some() {
-        "https"
-    } else {
-        "http"
-    };
+    let tls = config.current_tls();
+    let token = config.current_token();
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let mut endpoint = tonic::transport::Endpoint::from_shared(format!("{scheme}://{router}"))
         .map_err(|e| UplinkError::Address(router.clone(), e.to_string()))?
         .connect_timeout(Duration::from_secs(3))
         .tcp_nodelay(true);
-    if let Some(tls) = &config.tls {
+    if let Some(tls) = &tls {
         endpoint = endpoint
             .tls_config(tls.clone())
             .map_err(|source| UplinkError::Connect {
@@ -252,7 +310,7 @@ async fn session(
     }
 
     let mut request = tonic::Request::new(ReceiverStream::new(rx));
-    if let Some(token) = &config.token {
+    if let Some(token) = &token {
         let value = format!("Bearer {token}")
             .parse()
             .map_err(|_| UplinkError::Address(router.clone(), "token is not ASCII".into()))?;
@@ -269,7 +327,7 @@ async fn session(
                     status.code(),
                     tonic::Code::Unknown | tonic::Code::Unavailable
                 );
-            if config.tls.is_none() && transport {
+            if tls.is_none() && transport {
                 UplinkError::PlainTextRefused {
                     router: router.clone(),
                     status: Box::new(status),

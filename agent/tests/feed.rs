@@ -13,6 +13,7 @@ use llmgw_agent::capture::{Capture, Frame};
 use llmgw_agent::config::{AgentArgs, EngineSpec};
 use llmgw_agent::daemon::Agent;
 use llmgw_agent::engine::HashStatus;
+use llmgw_agent::routers::{self, Resolve, RouterService};
 use llmgw_agent::uplink::{self, UplinkConfig, UplinkError};
 use llmgw_agent::wire::{KvEvent, decode_batch};
 use llmgw_agent::zmq::{Publisher, ReplyShape};
@@ -87,6 +88,12 @@ async fn router(addr: Option<&str>, token: Option<&str>) -> Router {
 
 /// The same, serving TLS when `tls` is given.
 async fn router_tls(addr: Option<&str>, token: Option<&str>, tls: Option<FeedTls>) -> Router {
+    let (index, feed) = feed_for_n1(token);
+    serve_router(addr, (index, feed.with_tls(tls))).await
+}
+
+/// An index stand-in and a feed service knowing `REPLICA` on node "n1".
+fn feed_for_n1(token: Option<&str>) -> (Arc<Index>, FeedService) {
     let index = Arc::new(Index::default());
     let nodes = [(
         "n1".to_owned(),
@@ -101,8 +108,12 @@ async fn router_tls(addr: Option<&str>, token: Option<&str>, tls: Option<FeedTls
             nodes,
             grace: Duration::from_secs(60),
         },
-    )
-    .with_tls(tls);
+    );
+    (index, feed)
+}
+
+/// Serves `feed` on `addr` (a free port when `None`).
+async fn serve_router(addr: Option<&str>, (index, feed): (Arc<Index>, FeedService)) -> Router {
     let listener = tokio::net::TcpListener::bind(addr.unwrap_or("127.0.0.1:0"))
         .await
         .expect("router binds");
@@ -263,6 +274,95 @@ async fn two_routers_receive_the_recorded_streams_final_block_set() {
         m.contains("llmgw_agent_event_to_router_seconds_count"),
         "{m}"
     );
+}
+
+/// A resolver whose answer the test sets, counting lookups.
+#[derive(Clone, Default)]
+struct Answer {
+    addrs: Arc<Mutex<Vec<std::net::SocketAddr>>>,
+    lookups: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Answer {
+    fn set(&self, routers: &[&Router]) {
+        *self.addrs.lock() = routers
+            .iter()
+            .map(|r| r.addr.parse().expect("socket address"))
+            .collect();
+    }
+
+    fn lookups(&self) -> usize {
+        self.lookups.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Resolve for Answer {
+    fn resolve(
+        &self,
+        _target: &str,
+    ) -> impl Future<Output = std::io::Result<Vec<std::net::SocketAddr>>> + Send {
+        self.lookups
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let addrs = self.addrs.lock().clone();
+        async move { Ok(addrs) }
+    }
+}
+
+fn streams(r: &Router) -> i64 {
+    r.feed.metrics.streams.get()
+}
+
+#[tokio::test]
+async fn a_router_service_is_followed_as_routers_join_and_leave() {
+    let frames = frames();
+    let want = final_set(&frames);
+    let (a, b) = (router(None, None).await, router(None, None).await);
+    let mut n = node(REPLICA, "1729", &[], None).await;
+    let answer = Answer::default();
+    answer.set(&[&a]);
+    let mut uplink = UplinkConfig::new("routers.test:9004", None);
+    uplink.backoff_initial = Duration::from_millis(20);
+    let service = RouterService {
+        target: "routers.test:9004".into(),
+        interval: Duration::from_millis(50),
+        uplink,
+    };
+    let follower = tokio::spawn(routers::follow(
+        Arc::clone(&n.agent),
+        service,
+        answer.clone(),
+    ));
+    publish(&mut n, &frames).await;
+    eventually("the first router", || a.index.hashes(REPLICA) == want).await;
+    assert!(
+        b.index.hashes(REPLICA).is_empty(),
+        "b is not in the answer yet"
+    );
+
+    // A second router joins: it gets a snapshot.
+    answer.set(&[&a, &b]);
+    eventually("the router that joined", || b.index.hashes(REPLICA) == want).await;
+    assert_eq!(streams(&a), 1, "one stream per router, not one per lookup");
+
+    // The first leaves the answer: its stream is closed, the other keeps its own.
+    answer.set(&[&b]);
+    eventually("the stream to the router that left", || streams(&a) == 0).await;
+    let m = n.agent.metrics.encode();
+    assert!(!m.contains(&format!("router=\"{}\"", a.addr)), "{m}");
+    assert!(
+        m.contains("llmgw_agent_router_addresses{service=\"routers.test:9004\"} 1"),
+        "{m}"
+    );
+
+    // An empty answer (DNS trouble) keeps the routers we have.
+    answer.set(&[]);
+    let seen = answer.lookups();
+    eventually("more lookups", || answer.lookups() >= seen + 3).await;
+    assert_eq!(streams(&b), 1, "an empty answer must not cut the feed");
+
+    // Stopping the follower stops its uplinks.
+    follower.abort();
+    eventually("the follower's uplinks to stop", || streams(&b) == 0).await;
 }
 
 #[tokio::test]
@@ -639,4 +739,184 @@ async fn with_the_node_check_off_any_valid_certificate_may_claim_a_node() {
     let want = final_set(&frames);
     eventually("the index", || r.index.hashes(REPLICA) == want).await;
     assert_eq!(refused(&r, "node_not_in_cert"), 0);
+}
+
+/// Spawns the uplink loop of `agent` with short backoffs.
+fn spawn_uplink(agent: &Arc<Agent>, mut config: UplinkConfig) -> JoinHandle<()> {
+    config.backoff_initial = Duration::from_millis(20);
+    config.backoff_max = Duration::from_millis(100);
+    tokio::spawn(uplink::run(Arc::clone(agent), config))
+}
+
+#[tokio::test]
+async fn a_rotated_token_file_is_read_at_the_next_connection() {
+    let frames = frames();
+    let want = final_set(&frames);
+    let r = router(None, Some("new-token")).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "old-token\n").expect("write");
+    let mut n = node(REPLICA, "1729", &[], None).await;
+    let mut config = UplinkConfig::new(r.addr.clone(), Some("old-token".into()));
+    config.token_file = Some(token_file.clone());
+    let _uplink = spawn_uplink(&n.agent, config);
+    publish(&mut n, &frames).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        r.index.hashes(REPLICA).is_empty(),
+        "the old token is refused"
+    );
+    // The Secret is rotated: the next attempt presents the new token.
+    std::fs::write(&token_file, "new-token\n").expect("write");
+    eventually("the rotated token", || r.index.hashes(REPLICA) == want).await;
+}
+
+#[tokio::test]
+async fn rotated_client_certificates_are_loaded_at_the_next_connection() {
+    let frames = frames();
+    let want = final_set(&frames);
+    let ca = TestCa::new("llmgw test CA");
+    let r = mtls_router(&ca).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = |name: &str| dir.path().join(name);
+    let install = |id: &Pem| {
+        std::fs::write(path("tls.crt"), &id.cert).expect("write");
+        std::fs::write(path("tls.key"), &id.key).expect("write");
+    };
+    std::fs::write(path("ca.crt"), ca.pem()).expect("write");
+    install(&ca.client("n2"));
+    let files = llmgw_agent::config::TlsFiles {
+        router_ca: Some(path("ca.crt")),
+        cert: Some(path("tls.crt")),
+        key: Some(path("tls.key")),
+    };
+    let mut n = node(REPLICA, "1729", &[], None).await;
+    let mut config = UplinkConfig::new(r.addr.clone(), Some("s3cret".into()));
+    config.tls = files.load().expect("loads");
+    config.tls_files = Some(files);
+    let _uplink = spawn_uplink(&n.agent, config);
+    publish(&mut n, &frames).await;
+    eventually("the wrong node's certificate refused", || {
+        refused(&r, "node_not_in_cert") >= 1
+    })
+    .await;
+    assert!(r.index.hashes(REPLICA).is_empty());
+    // cert-manager renews the certificate, now naming this node.
+    install(&ca.client("n1"));
+    eventually("the renewed certificate", || {
+        r.index.hashes(REPLICA) == want
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn over_tls_a_router_service_is_checked_against_its_host_name() {
+    let frames = frames();
+    let want = final_set(&frames);
+    let ca = TestCa::new("llmgw test CA");
+    let id = ca.client("n1");
+    let follow = |n: &Node, r: &Router, target: &str| {
+        let answer = Answer::default();
+        answer.set(&[r]);
+        let mut uplink = UplinkConfig::new(target, Some("s3cret".into()));
+        uplink.tls = Some(client_tls(&ca, Some(&id)));
+        uplink.backoff_initial = Duration::from_millis(20);
+        let service = RouterService {
+            target: target.into(),
+            interval: Duration::from_millis(50),
+            uplink,
+        };
+        tokio::spawn(routers::follow(Arc::clone(&n.agent), service, answer))
+    };
+    // The routers' certificate names localhost (and 127.0.0.1), not routers.test.
+    let wrong = mtls_router(&ca).await;
+    let mut n = node(REPLICA, "1729", &[], None).await;
+    let _follower = follow(&n, &wrong, "routers.test:9004");
+    publish(&mut n, &frames).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(
+        streams(&wrong),
+        0,
+        "a certificate for another name is refused"
+    );
+    assert!(wrong.index.hashes(REPLICA).is_empty());
+
+    let right = mtls_router(&ca).await;
+    let mut n = node(REPLICA, "1729", &[], None).await;
+    let _follower = follow(&n, &right, "localhost:9004");
+    publish(&mut n, &frames).await;
+    eventually("the service named by the certificate", || {
+        right.index.hashes(REPLICA) == want
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_router_reads_its_rotated_token_file_for_each_stream() {
+    let frames = frames();
+    let want = final_set(&frames);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "old-token\n").expect("write");
+    let (index, feed) = feed_for_n1(Some("old-token"));
+    let r = serve_router(
+        None,
+        (index, feed.with_token_file(Some(token_file.clone()))),
+    )
+    .await;
+    let mut n = node(REPLICA, "1729", &[], None).await;
+    let _uplink = spawn_uplink(
+        &n.agent,
+        UplinkConfig::new(r.addr.clone(), Some("new-token".into())),
+    );
+    publish(&mut n, &frames).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        r.index.hashes(REPLICA).is_empty(),
+        "not the router's token yet"
+    );
+    std::fs::write(&token_file, "new-token\n").expect("write");
+    eventually("the rotated token", || r.index.hashes(REPLICA) == want).await;
+}
+
+#[tokio::test]
+async fn the_router_serves_renewed_certificates_without_a_restart() {
+    let frames = frames();
+    let want = final_set(&frames);
+    let ca = TestCa::new("llmgw test CA");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = |name: &str| dir.path().join(name);
+    let install = |id: &Pem| {
+        std::fs::write(path("tls.crt"), &id.cert).expect("write");
+        std::fs::write(path("tls.key"), &id.key).expect("write");
+    };
+    // First a certificate that does not name the address the agent dials.
+    install(&ca.leaf(
+        &["elsewhere.example"],
+        rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+    ));
+    let paths = llmgw::feed::tls::FeedTlsPaths {
+        check_node: true,
+        cert: path("tls.crt"),
+        key: path("tls.key"),
+        client_ca: None,
+    };
+    let tls = FeedTls::load(&paths).expect("loads");
+    let r = router_tls(None, None, Some(tls)).await;
+    let mut n = node(REPLICA, "1729", &[], None).await;
+    let mut config = UplinkConfig::new(r.addr.clone(), None);
+    config.tls = Some(client_tls(&ca, None));
+    let _uplink = spawn_uplink(&n.agent, config);
+    publish(&mut n, &frames).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        r.index.hashes(REPLICA).is_empty(),
+        "the agent rejects that name"
+    );
+    // Renewed for the right name: the next handshake uses it.
+    install(&ca.server());
+    eventually("the renewed certificate", || {
+        r.index.hashes(REPLICA) == want
+    })
+    .await;
 }

@@ -120,6 +120,7 @@ pub async fn serve(
         },
     )
     .expect_settings(&settings.models)
+    .with_token_file(settings.feed_token_file.clone())
     .with_tls(
         settings
             .feed_tls

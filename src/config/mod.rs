@@ -343,6 +343,8 @@ pub struct Settings {
     pub feed_addr: SocketAddr,
     /// The shared token of agents; `None` accepts any.
     pub feed_token: Option<String>,
+    /// Where `feed_token` was read from: read again for each agent stream (rotation).
+    pub feed_token_file: Option<PathBuf>,
     pub feed_grace: Duration,
     /// TLS on the feed port (`None`: plain text).
     pub feed_tls: Option<FeedTlsPaths>,
@@ -377,23 +379,26 @@ impl Settings {
         override_with(&mut scheduler.fallbacks, args.fallbacks);
 
         let models = resolve_models(args, &file)?;
-        let feed_token = match (
+        let (feed_token, feed_token_file) = match (
             &args.feed_token,
             args.feed_token_file
                 .as_ref()
                 .or(file.feed_token_file.as_ref()),
         ) {
-            (Some(token), _) => Some(token.trim().to_owned()),
-            (None, Some(path)) => Some(
-                std::fs::read_to_string(path)
-                    .map_err(|source| ConfigError::Read {
-                        path: path.clone(),
-                        source,
-                    })?
-                    .trim()
-                    .to_owned(),
+            (Some(token), _) => (Some(token.trim().to_owned()), None),
+            (None, Some(path)) => (
+                Some(
+                    std::fs::read_to_string(path)
+                        .map_err(|source| ConfigError::Read {
+                            path: path.clone(),
+                            source,
+                        })?
+                        .trim()
+                        .to_owned(),
+                ),
+                Some(path.clone()),
             ),
-            (None, None) => None,
+            (None, None) => (None, None),
         };
         let feed_tls = resolve_feed_tls(args, &file)?;
         let settings = Settings {
@@ -508,6 +513,7 @@ impl Settings {
                 .or(file.feed_addr)
                 .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 9003))),
             feed_token,
+            feed_token_file,
             feed_grace: args
                 .feed_grace
                 .or(file.feed_grace)

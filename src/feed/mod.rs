@@ -34,6 +34,7 @@ pub mod tls;
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -181,6 +182,8 @@ pub struct FeedService {
     expected: Arc<HashMap<String, HashSettings>>,
     /// TLS on the feed port; `None` serves plain text.
     tls: Option<tls::FeedTls>,
+    /// The file the token came from, read again for each stream (a rotated Secret).
+    token_file: Option<Arc<PathBuf>>,
     pub metrics: FeedMetrics,
 }
 
@@ -222,7 +225,34 @@ impl FeedService {
             kick: Arc::new(tokio::sync::broadcast::channel(64).0),
             expected: Arc::default(),
             tls: None,
+            token_file: None,
             metrics: FeedMetrics::default(),
+        }
+    }
+
+    /// Reads the token from `path` again for each agent stream, so that a rotated token is
+    /// accepted without a restart; while the file cannot be read the configured token stands.
+    pub fn with_token_file(mut self, path: Option<PathBuf>) -> Self {
+        self.token_file = path.map(Arc::new);
+        self
+    }
+
+    /// The token agents must present now.
+    fn current_token(&self) -> Option<String> {
+        let fallback = || self.config.token.clone();
+        let Some(path) = &self.token_file else {
+            return fallback();
+        };
+        match std::fs::read_to_string(path.as_path()) {
+            Ok(text) if !text.trim().is_empty() => Some(text.trim().to_owned()),
+            Ok(_) => {
+                tracing::warn!(path = %path.display(), "feed token file is empty; keeping the token read at start");
+                fallback()
+            }
+            Err(error) => {
+                tracing::warn!(path = %path.display(), %error, "cannot read the feed token file; keeping the token read at start");
+                fallback()
+            }
         }
     }
 
@@ -633,7 +663,7 @@ impl FeedService {
     }
 
     fn check_token<T>(&self, req: &Request<T>) -> Result<(), Status> {
-        let Some(token) = &self.config.token else {
+        let Some(token) = self.current_token() else {
             return Ok(());
         };
         let presented = req

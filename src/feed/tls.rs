@@ -11,6 +11,9 @@
 //! exactly, ASCII case ignored); otherwise any agent with a valid certificate could speak for
 //! another node's replicas. [`FeedTls::with_node_check`] turns that off.
 //!
+//! Certificates loaded from files ([`FeedTls::load`]) are checked for changes at each new
+//! connection and rebuilt when they changed, so renewed certificates need no restart.
+//!
 //! # Concurrency model
 //! One accept task owns the listener; each handshake runs in its own task (bounded by
 //! [`HANDSHAKE_TIMEOUT`]) so a slow or silent client never holds up the others; finished
@@ -77,6 +80,55 @@ pub struct FeedTls {
     acceptor: TlsAcceptor,
     client_auth: bool,
     check_node: bool,
+    /// Set when loaded from files: they are checked for changes at each connection.
+    reload: Option<Arc<Reload>>,
+}
+
+/// A file's modification time and length, `None` while it cannot be read.
+type Stamp = Option<(std::time::SystemTime, u64)>;
+
+/// The files of a [`FeedTls`] and the acceptor last built from them.
+struct Reload {
+    paths: FeedTlsPaths,
+    current: parking_lot::Mutex<(Vec<Stamp>, TlsAcceptor)>,
+}
+
+impl Reload {
+    fn stamps(paths: &FeedTlsPaths) -> Vec<Stamp> {
+        [
+            Some(&paths.cert),
+            Some(&paths.key),
+            paths.client_ca.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|p| {
+            let m = std::fs::metadata(p).ok()?;
+            Some((m.modified().ok()?, m.len()))
+        })
+        .collect()
+    }
+
+    /// The acceptor for a new connection: rebuilt first if a file changed since the last
+    /// build (certificates renewed by cert-manager or a rotated Secret). A change that does
+    /// not load (a file half written) keeps the previous acceptor and is retried at the next
+    /// connection. Connections are rare (one per agent reconnect), so checking costs nothing.
+    fn acceptor(&self) -> TlsAcceptor {
+        let mut current = self.current.lock();
+        let stamps = Reload::stamps(&self.paths);
+        if stamps != current.0 {
+            match FeedTls::load_files(&self.paths) {
+                Ok(fresh) => {
+                    tracing::info!(cert = %self.paths.cert.display(), "feed TLS files changed: reloaded");
+                    *current = (stamps, fresh.acceptor);
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "feed TLS files changed but do not load; keeping the previous ones");
+                }
+            }
+        }
+        current.1.clone()
+    }
 }
 
 impl std::fmt::Debug for FeedTls {
@@ -112,13 +164,31 @@ fn certs(pem: &[u8], what: &'static str) -> Result<Vec<CertificateDer<'static>>,
 }
 
 impl FeedTls {
-    /// Reads the files named in `paths`.
+    /// Reads the files named in `paths`, and reads them again when they change.
     pub fn load(paths: &FeedTlsPaths) -> Result<FeedTls, FeedTlsError> {
+        let stamps = Reload::stamps(paths);
+        let mut tls = FeedTls::load_files(paths)?;
+        tls.reload = Some(Arc::new(Reload {
+            paths: paths.clone(),
+            current: parking_lot::Mutex::new((stamps, tls.acceptor.clone())),
+        }));
+        Ok(tls)
+    }
+
+    fn load_files(paths: &FeedTlsPaths) -> Result<FeedTls, FeedTlsError> {
         let ca = paths.client_ca.as_deref().map(read).transpose()?;
         Ok(
             FeedTls::from_pem(&read(&paths.cert)?, &read(&paths.key)?, ca.as_deref())?
                 .with_node_check(paths.check_node),
         )
+    }
+
+    /// The acceptor for the next connection.
+    fn acceptor(&self) -> TlsAcceptor {
+        match &self.reload {
+            Some(reload) => reload.acceptor(),
+            None => self.acceptor.clone(),
+        }
     }
 
     /// From PEM text: the server's chain and key, and optionally the CA that signs agents'
@@ -158,6 +228,7 @@ impl FeedTls {
             acceptor: TlsAcceptor::from(Arc::new(config)),
             client_auth: client_ca.is_some(),
             check_node: true,
+            reload: None,
         })
     }
 
@@ -291,7 +362,7 @@ async fn accept_loop(
             return;
         }
         let _ = tcp.set_nodelay(true);
-        let acceptor = tls.acceptor.clone();
+        let acceptor = tls.acceptor();
         let tx = tx.clone();
         let refused = refused.clone();
         handshakes.spawn(async move {

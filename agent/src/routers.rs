@@ -1,0 +1,157 @@
+//! Routers found through DNS: `--router-service HOST:PORT` names every router at once, as a
+//! Kubernetes headless Service does (one address per router pod). The agent streams to each
+//! address the name resolves to and follows the answer: a router that appears gets its own
+//! uplink (Hello and snapshots, like any new stream), one that leaves the answer has its
+//! uplink stopped. So routers can run as a Deployment and scale without touching the agents.
+//!
+//! A failed or empty lookup changes nothing: DNS trouble must not cut the index feed of
+//! routers that are still there. With TLS the agent connects to the address but checks the
+//! router's certificate against the service's host name.
+//!
+//! # Concurrency model
+//! One task per service name ([`follow`]). It owns the uplink tasks it starts (one per address,
+//! each [`crate::uplink::run`]) and aborts them when their address leaves the answer or when
+//! the follower itself is dropped.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+
+use crate::daemon::Agent;
+use crate::metrics::{RouterLabel, ServiceLabel};
+use crate::uplink::UplinkConfig;
+
+/// Looks a `HOST:PORT` name up.
+pub trait Resolve: Send + Sync + 'static {
+    fn resolve(&self, target: &str) -> impl Future<Output = io::Result<Vec<SocketAddr>>> + Send;
+}
+
+/// The system resolver (`getaddrinfo` through tokio).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Dns;
+
+impl Resolve for Dns {
+    fn resolve(&self, target: &str) -> impl Future<Output = io::Result<Vec<SocketAddr>>> + Send {
+        let target = target.to_owned();
+        async move { Ok(tokio::net::lookup_host(target).await?.collect()) }
+    }
+}
+
+/// One `--router-service`.
+#[derive(Debug, Clone)]
+pub struct RouterService {
+    /// `HOST:PORT`.
+    pub target: String,
+    /// How often the name is resolved again.
+    pub interval: Duration,
+    /// Settings for each address's uplink (its `router` is replaced by the address).
+    pub uplink: UplinkConfig,
+}
+
+/// The uplinks of one service, aborted together when dropped.
+struct Uplinks {
+    agent: Arc<Agent>,
+    running: BTreeMap<SocketAddr, JoinHandle<()>>,
+}
+
+impl Uplinks {
+    fn stop(&mut self, addr: &SocketAddr) {
+        if let Some(task) = self.running.remove(addr) {
+            task.abort();
+            // A departed router's series would only mislead.
+            let label = RouterLabel {
+                router: addr.to_string(),
+            };
+            self.agent.metrics.uplink_connected.remove(&label);
+            self.agent.metrics.event_to_router.remove(&label);
+        }
+    }
+}
+
+impl Drop for Uplinks {
+    fn drop(&mut self) {
+        let addrs: Vec<SocketAddr> = self.running.keys().copied().collect();
+        for addr in &addrs {
+            self.stop(addr);
+        }
+    }
+}
+
+/// Resolves `service.target` every `service.interval` and keeps one uplink per address.
+/// Runs until dropped.
+pub async fn follow(agent: Arc<Agent>, service: RouterService, resolver: impl Resolve) {
+    let host = match crate::config::split_host_port(&service.target) {
+        Ok((host, _)) => host.to_owned(),
+        Err(error) => {
+            // Checked when the configuration was read; reaching this is a caller's mistake.
+            tracing::error!(%error, "not following the router service");
+            return;
+        }
+    };
+    let label = ServiceLabel {
+        service: service.target.clone(),
+    };
+    let mut uplinks = Uplinks {
+        agent: Arc::clone(&agent),
+        running: BTreeMap::new(),
+    };
+    let mut tick = tokio::time::interval(service.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let found: BTreeSet<SocketAddr> = match resolver.resolve(&service.target).await {
+            Ok(addrs) if !addrs.is_empty() => addrs.into_iter().collect(),
+            Ok(_) => {
+                tracing::warn!(
+                    service = service.target,
+                    kept = uplinks.running.len(),
+                    "router service resolved to no address; keeping the routers we have"
+                );
+                continue;
+            }
+            Err(error) => {
+                tracing::warn!(
+                    service = service.target,
+                    %error,
+                    kept = uplinks.running.len(),
+                    "cannot resolve the router service; keeping the routers we have"
+                );
+                continue;
+            }
+        };
+        let gone: Vec<SocketAddr> = uplinks
+            .running
+            .keys()
+            .filter(|a| !found.contains(a))
+            .copied()
+            .collect();
+        for addr in gone {
+            tracing::info!(service = service.target, router = %addr, "router left the service");
+            uplinks.stop(&addr);
+        }
+        for addr in found {
+            if uplinks.running.contains_key(&addr) {
+                continue;
+            }
+            tracing::info!(service = service.target, router = %addr, "router joined the service");
+            let config = UplinkConfig {
+                router: addr.to_string(),
+                tls_server_name: Some(host.clone()),
+                ..service.uplink.clone()
+            };
+            let task = tokio::spawn(crate::uplink::run(Arc::clone(&agent), config));
+            uplinks.running.insert(addr, task);
+        }
+        let count = i64::try_from(uplinks.running.len()).unwrap_or(i64::MAX);
+        agent
+            .metrics
+            .router_addresses
+            .get_or_create(&label)
+            .set(count);
+    }
+}
