@@ -37,6 +37,16 @@ validate-deploy: $(ENVOY)
 	@test -d $(VALIDATE)/node_modules || npm ci --prefix $(VALIDATE) --no-audit --no-fund
 	node $(VALIDATE)/validate.mjs
 
+# Container images (docker/*.Dockerfile). CI builds them only where a Docker daemon answers and
+# the base images can be pulled (docker/build-if-available.sh).
+IMAGE_TAG ?= dev
+.PHONY: images images-if-docker
+images:
+	docker build -f docker/router.Dockerfile -t llmgw-router:$(IMAGE_TAG) .
+	docker build -f docker/agent.Dockerfile -t llmgw-agent:$(IMAGE_TAG) .
+images-if-docker:
+	docker/build-if-available.sh
+
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
