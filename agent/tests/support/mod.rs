@@ -1,0 +1,257 @@
+//! Shared by the agent's integration tests: a router's feed service over an index stand-in, an
+//! engine publisher with an agent mirroring it, and the recorded vLLM stream.
+#![allow(dead_code)] // each test binary uses its own subset
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use llmgw::blockhash::ExternalHash;
+use llmgw::feed::tls::FeedTls;
+use llmgw::feed::{FeedConfig, FeedService};
+use llmgw::kvindex::{KvEventSink, Medium};
+use llmgw_agent::capture::{Capture, Frame};
+use llmgw_agent::config::{AgentArgs, EngineSpec};
+use llmgw_agent::daemon::Agent;
+use llmgw_agent::uplink::{self, UplinkConfig};
+use llmgw_agent::wire::{KvEvent, decode_batch};
+use llmgw_agent::zmq::{Publisher, ReplyShape};
+use parking_lot::Mutex;
+use tokio::task::JoinHandle;
+use tonic::transport::ClientTlsConfig;
+
+pub const REPLICA: &str = "10.0.0.5:8000";
+
+pub type Copies = HashMap<(ExternalHash, Medium), u32>;
+
+/// The index stand-in: copies per replica, exactly as the sink contract counts them.
+#[derive(Default)]
+pub struct Index {
+    pub held: Mutex<HashMap<String, Copies>>,
+}
+
+impl KvEventSink for Index {
+    fn stored(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
+        let mut h = self.held.lock();
+        let r = h.entry(replica.to_owned()).or_default();
+        for x in hashes {
+            *r.entry((*x, medium)).or_insert(0) += 1;
+        }
+    }
+    fn removed(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
+        let mut h = self.held.lock();
+        let r = h.entry(replica.to_owned()).or_default();
+        for x in hashes {
+            match r.get_mut(&(*x, medium)) {
+                Some(n) if *n > 1 => *n -= 1,
+                Some(_) => {
+                    r.remove(&(*x, medium));
+                }
+                None => panic!("router removed {x} from {replica} without holding it"),
+            }
+        }
+    }
+    fn cleared(&self, replica: &str) {
+        self.held.lock().remove(replica);
+    }
+}
+
+impl Index {
+    pub fn hashes(&self, replica: &str) -> HashSet<u64> {
+        self.held
+            .lock()
+            .get(replica)
+            .map(|r| r.keys().map(|(h, _)| h.0).collect())
+            .unwrap_or_default()
+    }
+}
+
+pub struct Router {
+    pub index: Arc<Index>,
+    pub feed: FeedService,
+    pub addr: String,
+    pub task: JoinHandle<()>,
+}
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        self.feed.shutdown();
+        self.task.abort();
+    }
+}
+
+/// A router feed on `addr` (a free port when `None`) that knows `REPLICA` on node "n1".
+pub async fn router(addr: Option<&str>, token: Option<&str>) -> Router {
+    router_tls(addr, token, None).await
+}
+
+/// The same, serving TLS when `tls` is given.
+pub async fn router_tls(addr: Option<&str>, token: Option<&str>, tls: Option<FeedTls>) -> Router {
+    let (index, feed) = feed_for_n1(token);
+    serve_router(addr, (index, feed.with_tls(tls))).await
+}
+
+/// An index stand-in and a feed service knowing `REPLICA` on node "n1".
+pub fn feed_for_n1(token: Option<&str>) -> (Arc<Index>, FeedService) {
+    let index = Arc::new(Index::default());
+    let nodes = [(
+        "n1".to_owned(),
+        [REPLICA.to_owned()].into_iter().collect::<HashSet<_>>(),
+    )]
+    .into_iter()
+    .collect();
+    let feed = FeedService::new(
+        index.clone(),
+        FeedConfig {
+            token: token.map(str::to_owned),
+            nodes,
+            grace: Duration::from_secs(60),
+        },
+    );
+    (index, feed)
+}
+
+/// Serves `feed` on `addr` (a free port when `None`).
+pub async fn serve_router(addr: Option<&str>, (index, feed): (Arc<Index>, FeedService)) -> Router {
+    let listener = tokio::net::TcpListener::bind(addr.unwrap_or("127.0.0.1:0"))
+        .await
+        .expect("router binds");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let svc = feed.clone();
+    let task = tokio::spawn(async move {
+        let _ = svc.serve_with_listener(listener).await;
+    });
+    Router {
+        index,
+        feed,
+        addr,
+        task,
+    }
+}
+
+pub fn frames() -> Vec<Frame> {
+    Capture::parse(&llmgw::fixtures::read("vllm-0.32.0-capture.jsonl"))
+        .expect("capture")
+        .frames
+}
+
+pub fn final_set(frames: &[Frame]) -> HashSet<u64> {
+    let mut held: HashMap<u64, u32> = HashMap::new();
+    for f in frames {
+        for e in decode_batch(&f.payload).expect("decodes").events {
+            match e {
+                KvEvent::BlockStored(s) => {
+                    for h in s.block_hashes {
+                        *held.entry(h.0).or_default() += 1;
+                    }
+                }
+                KvEvent::BlockRemoved(r) => {
+                    for h in r.block_hashes {
+                        if let Some(n) = held.get_mut(&h.0) {
+                            *n -= 1;
+                            if *n == 0 {
+                                held.remove(&h.0);
+                            }
+                        }
+                    }
+                }
+                KvEvent::AllBlocksCleared(_) => held.clear(),
+                KvEvent::Unknown { .. } => {}
+            }
+        }
+    }
+    held.into_keys().collect()
+}
+
+pub struct Node {
+    pub agent: Arc<Agent>,
+    pub publisher: Publisher,
+    pub uplinks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        for u in &self.uplinks {
+            u.abort();
+        }
+    }
+}
+
+/// An engine publisher and an agent on node "n1" mirroring it as `replica`, uplinked to
+/// `routers`.
+pub async fn node(replica: &str, seed: &str, routers: &[&Router], token: Option<&str>) -> Node {
+    node_tls(replica, seed, routers, token, None).await
+}
+
+/// The same, with TLS (and a client identity) towards the routers.
+pub async fn node_tls(
+    replica: &str,
+    seed: &str,
+    routers: &[&Router],
+    token: Option<&str>,
+    tls: Option<ClientTlsConfig>,
+) -> Node {
+    let publisher = Publisher::start(
+        "tcp://127.0.0.1:0",
+        false,
+        Some("tcp://127.0.0.1:0"),
+        "kv",
+        ReplyShape::WithTopic,
+        1000,
+    )
+    .await
+    .expect("publisher");
+    let spec: EngineSpec = format!(
+        "{replica}={},replay={}",
+        publisher.endpoint,
+        publisher.replay_endpoint.clone().expect("replay")
+    )
+    .parse()
+    .expect("spec");
+    let config = AgentArgs {
+        node: Some("n1".into()),
+        engines: vec![spec],
+        topic: Some("kv".into()),
+        hash_seed: Some(seed.into()),
+        block_size: std::num::NonZeroUsize::new(32),
+        ..AgentArgs::default()
+    }
+    .resolve()
+    .expect("config");
+    let agent = Arc::new(Agent::start(config).await.expect("agent"));
+    let uplinks = routers
+        .iter()
+        .map(|r| {
+            let mut cfg = UplinkConfig::new(r.addr.clone(), token.map(str::to_owned));
+            cfg.tls = tls.clone();
+            cfg.backoff_initial = Duration::from_millis(20);
+            cfg.backoff_max = Duration::from_millis(200);
+            tokio::spawn(uplink::run(Arc::clone(&agent), cfg))
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    Node {
+        agent,
+        publisher,
+        uplinks,
+    }
+}
+
+pub async fn publish(node: &mut Node, frames: &[Frame]) {
+    for f in frames {
+        node.publisher
+            .publish(f.seq, &f.payload)
+            .await
+            .expect("publish");
+    }
+}
+
+pub async fn eventually(what: &str, cond: impl Fn() -> bool) {
+    for _ in 0..300 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
