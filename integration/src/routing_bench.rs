@@ -76,7 +76,9 @@ impl Policy {
             Policy::RoundRobin => "Envoy `ROUND_ROBIN`, no ext_proc",
             Policy::LeastLoaded => "llmgw, `--weight-prefix 0`, no agent",
             Policy::ApproxPrefix => "llmgw without `--model` hash settings or agent (prefix tree)",
-            Policy::LlmgwPrecise => "llmgw + llmgw-agent (KV index from the sims' events)",
+            Policy::LlmgwPrecise => {
+                "llmgw + llmgw-agent (KV index from the sims' events), tokenizing in process"
+            }
             Policy::VllmRouter(VllmRouterPolicy::RoundRobin) => "vllm-router `round_robin`",
             Policy::VllmRouter(VllmRouterPolicy::CacheAware) => "vllm-router `cache_aware`",
             Policy::VllmRouter(VllmRouterPolicy::KvAware) => {

@@ -813,3 +813,80 @@ async fn a_cached_prefix_cuts_time_to_first_token() {
     assert!(cold >= Duration::from_millis(400), "cold {cold:?}");
     assert!(warm * 3 < cold, "warm {warm:?} vs cold {cold:?}");
 }
+
+/// The router's in-process tokenizer, given the simulator's tokenizer.json and chat template,
+/// agrees with the simulator's own `/tokenize` on completions and varied chats: the router checks
+/// its first answers against the replica, and none disagrees.
+#[tokio::test]
+async fn the_routers_local_tokenizer_agrees_with_the_sims_tokenize() {
+    use llmgw::openai::{EndpointKind, parse_request};
+    use llmgw::tokenize::{LocalTokenizer, Tokenizer, TokenizerConfig};
+    use std::sync::atomic::Ordering;
+
+    let s = sim(&[]);
+    let assets = llmgw_integration::repo_root().join("integration/assets");
+    let local = LocalTokenizer::load(
+        &assets.join("tokenizer.json"),
+        Some(&assets.join("chat_template.jinja")),
+    )
+    .expect("loads");
+    let t = Tokenizer::new(TokenizerConfig::default()).with_local("tiny", local);
+    let replica = s.addr.to_string();
+    let bodies = [
+        (
+            EndpointKind::Completions,
+            json!({"model": "tiny", "prompt": "Licensed under the Apache License, Version 2.0"}),
+        ),
+        (
+            EndpointKind::Completions,
+            json!({"model": "tiny", "prompt": "  leading spaces\nand lines\t"}),
+        ),
+        (
+            EndpointKind::ChatCompletions,
+            json!({"model": "tiny", "messages": [
+            {"role": "system", "content": "You are a careful assistant."},
+            {"role": "user", "content": "What does the license grant?"}]}),
+        ),
+        (
+            EndpointKind::ChatCompletions,
+            json!({"model": "tiny", "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]},
+            {"role": "assistant", "content": null},
+            {"role": "user", "content": "ünïcödé and emoji 🦀"}]}),
+        ),
+        (
+            EndpointKind::ChatCompletions,
+            json!({"model": "tiny", "add_generation_prompt": false, "messages": [
+            {"role": "user", "content": "no generation prompt"}]}),
+        ),
+        (
+            EndpointKind::ChatCompletions,
+            json!({"model": "tiny", "add_generation_prompt": false,
+            "continue_final_message": true, "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "The answer is"}]}),
+        ),
+    ];
+    for (kind, body) in &bodies {
+        let request = parse_request(*kind, body.to_string().as_bytes()).expect("parses");
+        t.tokens(&request, &[&replica]).await.expect("tokens");
+    }
+    let stats = t.stats();
+    let n = bodies.len() as u64;
+    assert_eq!(
+        stats.local.load(Ordering::Relaxed),
+        n,
+        "all answered in process"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while stats.local_checks.load(Ordering::Relaxed) < n && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        stats.local_checks.load(Ordering::Relaxed),
+        n,
+        "each checked with the sim"
+    );
+    assert_eq!(stats.local_mismatches.load(Ordering::Relaxed), 0);
+    assert!(t.tokenizes_chat_locally("tiny"));
+}

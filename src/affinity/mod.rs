@@ -386,7 +386,7 @@ impl Collector for StateCollector {
             gauge.set(i64::try_from(value).unwrap_or(i64::MAX));
             gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
         }
-        let counters: [(&str, &str, &std::sync::atomic::AtomicU64); 5] = [
+        let counters: [(&str, &str, &std::sync::atomic::AtomicU64); 8] = [
             (
                 "llmgw_tokenize_cache_hits",
                 "Tokenizations answered from the cache",
@@ -407,6 +407,21 @@ impl Collector for StateCollector {
                 "llmgw_tokenize_timeouts",
                 "Tokenizations that missed their deadline",
                 &stats.timeouts,
+            ),
+            (
+                "llmgw_tokenize_local",
+                "Requests tokenized in process (tokenizer.json and chat template)",
+                &stats.local,
+            ),
+            (
+                "llmgw_tokenize_local_checks",
+                "In-process tokenizations compared with a replica's /tokenize",
+                &stats.local_checks,
+            ),
+            (
+                "llmgw_tokenize_local_mismatches",
+                "Comparisons that disagreed (each turns in-process tokenization off for its model and kind)",
+                &stats.local_mismatches,
             ),
         ];
         for (name, help, value) in counters {

@@ -2,8 +2,9 @@
 //! block size, salt encoding) and, optionally, a local tokenizer for completion prompts.
 //!
 //! Given on the command line as `--model MODEL=block_size=16,algo=sha256_cbor,seed=1729` (keys
-//! in any order; `salt=untagged` for vLLM < 0.31, `tokenizer=PATH` for a tokenizer.json), or in
-//! the YAML file under `models:`. A model without an entry is routed by the approximate tier.
+//! in any order; `salt=untagged` for vLLM < 0.31, `tokenizer=PATH` for a tokenizer.json or a
+//! model directory, `chat_template=PATH` for a Jinja file overriding the one in the
+//! tokenizer's `tokenizer_config.json`), or in the YAML file under `models:`. A model without an entry is routed by the approximate tier.
 
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
@@ -23,17 +24,21 @@ use super::HashersByModel;
 pub struct ModelSettings {
     pub model: String,
     pub hashing: HashSettings,
-    /// A `tokenizer.json` for completion prompts (chat still calls `/tokenize`).
+    /// A `tokenizer.json` (or a model directory) to tokenize in process.
     pub tokenizer: Option<PathBuf>,
+    /// A chat template overriding the one in `tokenizer_config.json` (needs `tokenizer`).
+    pub chat_template: Option<PathBuf>,
 }
 
 /// Why a model's settings are unusable.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelSettingsError {
     #[error(
-        "--model {0:?}: expected MODEL=block_size=N[,algo=A][,seed=S][,salt=tagged|untagged][,tokenizer=PATH]"
+        "--model {0:?}: expected MODEL=block_size=N[,algo=A][,seed=S][,salt=tagged|untagged][,tokenizer=PATH][,chat_template=PATH]"
     )]
     Syntax(String),
+    #[error("--model {0:?}: chat_template needs tokenizer")]
+    TemplateWithoutTokenizer(String),
     #[error("--model {spec:?}: unknown key {key:?}")]
     UnknownKey { spec: String, key: String },
     #[error("--model {spec:?}: block_size must be a positive integer")]
@@ -66,6 +71,7 @@ impl FromStr for ModelSettings {
         let mut seed = None;
         let mut salt_encoding = SaltEncoding::default();
         let mut tokenizer = None;
+        let mut chat_template = None;
         for pair in rest.split(',') {
             let (key, value) = pair.split_once('=').ok_or_else(syntax)?;
             let hashing_error = |source| ModelSettingsError::Hashing {
@@ -84,6 +90,7 @@ impl FromStr for ModelSettings {
                 "seed" => seed = Some(value.to_owned()),
                 "salt" => salt_encoding = value.parse().map_err(hashing_error)?,
                 "tokenizer" => tokenizer = Some(PathBuf::from(value)),
+                "chat_template" => chat_template = Some(PathBuf::from(value)),
                 other => {
                     return Err(ModelSettingsError::UnknownKey {
                         spec: spec.to_owned(),
@@ -95,6 +102,11 @@ impl FromStr for ModelSettings {
         let block_size = block_size.ok_or(ModelSettingsError::BlockSize {
             spec: spec.to_owned(),
         })?;
+        if chat_template.is_some() && tokenizer.is_none() {
+            return Err(ModelSettingsError::TemplateWithoutTokenizer(
+                spec.to_owned(),
+            ));
+        }
         Ok(ModelSettings {
             model: model.to_owned(),
             hashing: HashSettings {
@@ -104,6 +116,7 @@ impl FromStr for ModelSettings {
                 salt_encoding,
             },
             tokenizer,
+            chat_template,
         })
     }
 }
@@ -123,6 +136,8 @@ pub struct FileModel {
     pub salt_encoding: String,
     #[serde(default)]
     pub tokenizer: Option<PathBuf>,
+    #[serde(default)]
+    pub chat_template: Option<PathBuf>,
 }
 
 fn default_algo() -> String {
@@ -141,6 +156,9 @@ impl TryFrom<FileModel> for ModelSettings {
             model: file.name.clone(),
             source,
         };
+        if file.chat_template.is_some() && file.tokenizer.is_none() {
+            return Err(ModelSettingsError::TemplateWithoutTokenizer(file.name));
+        }
         Ok(ModelSettings {
             hashing: HashSettings {
                 algo: file.hash_algo.parse().map_err(hashing_error)?,
@@ -149,6 +167,7 @@ impl TryFrom<FileModel> for ModelSettings {
                 salt_encoding: file.salt_encoding.parse().map_err(hashing_error)?,
             },
             tokenizer: file.tokenizer.clone(),
+            chat_template: file.chat_template.clone(),
             model: file.name,
         })
     }
@@ -176,12 +195,13 @@ pub fn with_local_tokenizers(
 ) -> Result<Tokenizer, ModelSettingsError> {
     for m in models {
         if let Some(path) = &m.tokenizer {
-            let local = LocalTokenizer::from_file(path).map_err(|source| {
-                ModelSettingsError::Tokenizer {
-                    model: m.model.clone(),
-                    source,
-                }
-            })?;
+            let local =
+                LocalTokenizer::load(path, m.chat_template.as_deref()).map_err(|source| {
+                    ModelSettingsError::Tokenizer {
+                        model: m.model.clone(),
+                        source,
+                    }
+                })?;
             tokenizer = tokenizer.with_local(m.model.clone(), local);
         }
     }
@@ -206,6 +226,17 @@ mod tests {
         assert_eq!(d.hashing.algo, HashAlgo::Sha256Cbor);
         assert_eq!(d.hashing.seed, None);
         assert_eq!(d.hashing.salt_encoding, SaltEncoding::Tagged);
+        let t: ModelSettings = "m=block_size=16,tokenizer=/models/m,chat_template=/t/chat.jinja"
+            .parse()
+            .expect("tokenizer and template");
+        assert_eq!(
+            t.tokenizer.as_deref(),
+            Some(std::path::Path::new("/models/m"))
+        );
+        assert_eq!(
+            t.chat_template.as_deref(),
+            Some(std::path::Path::new("/t/chat.jinja"))
+        );
     }
 
     #[test]
@@ -216,6 +247,10 @@ mod tests {
             ("m=seed=1", "block_size"),
             ("m=block_size=0", "block_size"),
             ("m=block_size=16,colour=red", "colour"),
+            (
+                "m=block_size=16,chat_template=t.jinja",
+                "chat_template needs tokenizer",
+            ),
             ("m=block_size=16,algo=sha256", "sha256"),
         ] {
             let err = spec.parse::<ModelSettings>().unwrap_err().to_string();

@@ -7,13 +7,25 @@
 //! past it the caller falls back to the approximate tier, while the call itself runs on in its
 //! own task and its late answer still fills the cache for the next request.
 //!
+//! A model may also be tokenized in process ([`LocalTokenizer`]: its `tokenizer.json` and chat
+//! template), which saves the round trip to a busy replica before every pick. Local answers are
+//! trusted but checked: the first [`LOCAL_CHECKS_FIRST`] per model and kind (completion, chat),
+//! then one in [`LOCAL_CHECK_EVERY`], are compared in the background with a replica's
+//! `/tokenize`; one disagreement turns local tokenization of that kind off for the model (logged,
+//! counted in `llmgw_tokenize_local_mismatches_total`), and its requests go to `/tokenize` again.
+//! Requests whose rendering depends on more than messages and flags (`tools`,
+//! `chat_template_kwargs`) always go to `/tokenize`.
+//!
 //! Concurrency: the cache is one `parking_lot::Mutex` held for a map operation; HTTP calls run
-//! in spawned tasks and report back through a oneshot channel.
+//! in spawned tasks and report back through a oneshot channel. Local tokenization runs on the
+//! caller's task; its on/off switches and counters are atomics.
 
+mod chat;
 mod local;
 #[cfg(test)]
 mod tests;
 
+pub use chat::{ChatOptions, ChatTemplate, ChatTemplateError};
 pub use local::{LocalTokenizer, LocalTokenizerError};
 
 use std::collections::HashMap;
@@ -78,6 +90,55 @@ pub struct TokenizeStats {
     pub calls: AtomicU64,
     pub call_errors: AtomicU64,
     pub timeouts: AtomicU64,
+    /// Requests tokenized in process.
+    pub local: AtomicU64,
+    /// Local answers compared with a replica's `/tokenize`.
+    pub local_checks: AtomicU64,
+    /// Of those, the ones that disagreed (each turns local tokenization off for its kind).
+    pub local_mismatches: AtomicU64,
+}
+
+/// Local answers checked against `/tokenize` first, per model and kind …
+pub const LOCAL_CHECKS_FIRST: u64 = 8;
+/// … then one in this many.
+pub const LOCAL_CHECK_EVERY: u64 = 64;
+
+/// Completion prompts or chats: checked and switched off separately, since a wrong chat
+/// template says nothing about the tokenizer itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LocalKind {
+    Completion = 0,
+    Chat = 1,
+}
+
+impl LocalKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            LocalKind::Completion => "completion",
+            LocalKind::Chat => "chat",
+        }
+    }
+}
+
+/// One model's local tokenizer with, per kind, whether it is still trusted and how many
+/// answers it has given.
+struct LocalModel {
+    tokenizer: LocalTokenizer,
+    enabled: [std::sync::atomic::AtomicBool; 2],
+    answered: [AtomicU64; 2],
+}
+
+impl LocalModel {
+    fn usable(&self, kind: LocalKind) -> bool {
+        self.enabled[kind as usize].load(Ordering::Relaxed)
+            && (kind == LocalKind::Completion || self.tokenizer.has_chat_template())
+    }
+
+    /// Whether the answer just given should be checked against a replica.
+    fn due_for_check(&self, kind: LocalKind) -> bool {
+        let n = self.answered[kind as usize].fetch_add(1, Ordering::Relaxed);
+        n < LOCAL_CHECKS_FIRST || n.is_multiple_of(LOCAL_CHECK_EVERY)
+    }
 }
 
 /// Token ids of a request.
@@ -101,6 +162,12 @@ impl TokenCache {
 
     fn get(&mut self, key: CacheKey) -> Option<Tokens> {
         self.entries.get(&key).cloned()
+    }
+
+    fn remove(&mut self, key: CacheKey) {
+        if let Some(old) = self.entries.pop(&key) {
+            self.bytes -= Self::entry_bytes(&old);
+        }
     }
 
     fn insert(&mut self, key: CacheKey, tokens: Tokens) {
@@ -194,8 +261,8 @@ pub struct Tokenizer {
     client: reqwest::Client,
     cache: Arc<Mutex<TokenCache>>,
     stats: Arc<TokenizeStats>,
-    /// Models whose completion prompts are tokenized in process.
-    local: HashMap<String, LocalTokenizer>,
+    /// Models tokenized in process.
+    local: HashMap<String, Arc<LocalModel>>,
 }
 
 impl Tokenizer {
@@ -217,10 +284,26 @@ impl Tokenizer {
         }
     }
 
-    /// Tokenizes `model`'s completion prompts with `tokenizer` instead of calling `/tokenize`.
+    /// Tokenizes `model`'s completion prompts (and chats, when `tokenizer` has a chat
+    /// template) with `tokenizer` instead of calling `/tokenize`.
     pub fn with_local(mut self, model: impl Into<String>, tokenizer: LocalTokenizer) -> Self {
-        self.local.insert(model.into(), tokenizer);
+        let local = LocalModel {
+            tokenizer,
+            enabled: [
+                std::sync::atomic::AtomicBool::new(true),
+                std::sync::atomic::AtomicBool::new(true),
+            ],
+            answered: [AtomicU64::new(0), AtomicU64::new(0)],
+        };
+        self.local.insert(model.into(), Arc::new(local));
         self
+    }
+
+    /// Whether `model`'s chats are tokenized in process now (false after a disagreement).
+    pub fn tokenizes_chat_locally(&self, model: &str) -> bool {
+        self.local
+            .get(model)
+            .is_some_and(|l| l.usable(LocalKind::Chat))
     }
 
     pub fn stats(&self) -> &Arc<TokenizeStats> {
@@ -240,19 +323,14 @@ impl Tokenizer {
         request: &ParsedRequest,
         replicas: &[&str],
     ) -> Result<Tokens, TokenizeError> {
-        match &request.input {
-            RequestInput::Completion(Prompt::TokenIds(ids)) => {
-                return Ok(Arc::from(ids.as_slice()));
-            }
-            RequestInput::Completion(Prompt::Text(text))
-                if self.local.contains_key(&request.model) =>
-            {
-                return self.tokens_locally(&request.model, text);
-            }
-            _ => {}
+        if let RequestInput::Completion(Prompt::TokenIds(ids)) = &request.input {
+            return Ok(Arc::from(ids.as_slice()));
         }
         // Writing the body once gives both the cache key and the bytes to send.
         let body = tokenize_body(request);
+        if let Some((local, kind)) = self.local_for(request) {
+            return self.tokens_locally(&local, kind, request, body, replicas);
+        }
         let key = xxhash_rust::xxh3::xxh3_128(&body);
         if let Some(tokens) = self.cache.lock().get(key) {
             self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
@@ -290,23 +368,112 @@ impl Tokenizer {
 }
 
 impl Tokenizer {
-    fn tokens_locally(&self, model: &str, text: &str) -> Result<Tokens, TokenizeError> {
-        let local = self.local.get(model).ok_or(TokenizeError::NoReplica)?;
-        let key = xxhash_rust::xxh3::xxh3_128_with_seed(text.as_bytes(), local_seed(model));
+    /// The local tokenizer that may answer `request`, if any.
+    fn local_for(&self, request: &ParsedRequest) -> Option<(Arc<LocalModel>, LocalKind)> {
+        let local = self.local.get(&request.model)?;
+        let kind = match &request.input {
+            RequestInput::Completion(Prompt::Text(_)) => LocalKind::Completion,
+            // Tools and template kwargs reach templates in ways not reproduced here.
+            RequestInput::Chat(chat)
+                if chat.tools.is_none() && chat.chat_template_kwargs.is_none() =>
+            {
+                LocalKind::Chat
+            }
+            _ => return None,
+        };
+        local.usable(kind).then(|| (Arc::clone(local), kind))
+    }
+
+    fn tokens_locally(
+        &self,
+        local: &Arc<LocalModel>,
+        kind: LocalKind,
+        request: &ParsedRequest,
+        body: Vec<u8>,
+        replicas: &[&str],
+    ) -> Result<Tokens, TokenizeError> {
+        let key = xxhash_rust::xxh3::xxh3_128_with_seed(&body, local_seed(&request.model));
         if let Some(tokens) = self.cache.lock().get(key) {
             self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
             return Ok(tokens);
         }
         self.stats.cache_misses.fetch_add(1, Ordering::Relaxed);
-        let tokens: Tokens = local
-            .encode_prompt(text)
+        let encoded = match &request.input {
+            RequestInput::Completion(Prompt::Text(text)) => {
+                local.tokenizer.encode_prompt(text.as_str())
+            }
+            RequestInput::Chat(chat) => local.tokenizer.encode_chat(
+                chat.messages.get(),
+                ChatOptions {
+                    add_generation_prompt: chat.add_generation_prompt.unwrap_or(true),
+                    continue_final_message: chat.continue_final_message.unwrap_or(false),
+                },
+            ),
+            RequestInput::Completion(Prompt::TokenIds(ids)) => Ok(ids.clone()),
+        };
+        let tokens: Tokens = encoded
             .map_err(|e| TokenizeError::Call {
                 replica: "local".to_owned(),
                 reason: e.to_string(),
             })?
             .into();
+        self.stats.local.fetch_add(1, Ordering::Relaxed);
         self.cache.lock().insert(key, Arc::clone(&tokens));
+        if !replicas.is_empty() && local.due_for_check(kind) {
+            self.check_in_background(local, kind, request, body, key, &tokens, replicas);
+        }
         Ok(tokens)
+    }
+
+    /// Compares a local answer with a replica's `/tokenize`; on disagreement switches that
+    /// kind off for the model and drops the cached local answer.
+    #[allow(clippy::too_many_arguments)]
+    fn check_in_background(
+        &self,
+        local: &Arc<LocalModel>,
+        kind: LocalKind,
+        request: &ParsedRequest,
+        body: Vec<u8>,
+        key: CacheKey,
+        tokens: &Tokens,
+        replicas: &[&str],
+    ) {
+        let (client, cache, stats) = (
+            self.client.clone(),
+            Arc::clone(&self.cache),
+            Arc::clone(&self.stats),
+        );
+        let (local, model, ours) = (Arc::clone(local), request.model.clone(), Arc::clone(tokens));
+        let replicas: Vec<String> = replicas.iter().map(|r| (*r).to_owned()).collect();
+        tokio::spawn(async move {
+            let theirs = match call_first_reachable(&client, &replicas, body, &stats).await {
+                Ok(theirs) => theirs,
+                // No verdict: the replica could not answer (it may reject the request too).
+                Err(_) => return,
+            };
+            stats.local_checks.fetch_add(1, Ordering::Relaxed);
+            if theirs == ours {
+                return;
+            }
+            stats.local_mismatches.fetch_add(1, Ordering::Relaxed);
+            local.enabled[kind as usize].store(false, Ordering::Relaxed);
+            cache.lock().remove(key);
+            let first_difference = ours
+                .iter()
+                .zip(theirs.iter())
+                .position(|(a, b)| a != b)
+                .unwrap_or(ours.len().min(theirs.len()));
+            tracing::error!(
+                model,
+                kind = kind.as_str(),
+                local_tokens = ours.len(),
+                replica_tokens = theirs.len(),
+                first_difference,
+                "local tokenization disagrees with the replica's /tokenize: using /tokenize for \
+                 this model from now on (check the tokenizer.json and chat template given to \
+                 --model)"
+            );
+        });
     }
 }
 

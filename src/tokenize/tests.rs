@@ -19,6 +19,8 @@ struct Fake {
     bodies: Arc<parking_lot::Mutex<Vec<Value>>>,
     delay: Duration,
     status: Option<StatusCode>,
+    /// Fixed token ids to answer with, instead of the made-up ones below.
+    answer: Option<Vec<u32>>,
 }
 
 async fn tokenize(State(fake): State<Fake>, Json(body): Json<Value>) -> (StatusCode, Json<Value>) {
@@ -27,6 +29,9 @@ async fn tokenize(State(fake): State<Fake>, Json(body): Json<Value>) -> (StatusC
     tokio::time::sleep(fake.delay).await;
     if let Some(status) = fake.status {
         return (status, Json(json!({"error": {"message": "nope"}})));
+    }
+    if let Some(tokens) = &fake.answer {
+        return (StatusCode::OK, Json(json!({"tokens": tokens})));
     }
     // Token ids: the byte length of the prompt or of the messages' JSON, then 1 2 3.
     let n = body["prompt"]
@@ -204,10 +209,154 @@ fn the_cache_stays_within_its_byte_bound() {
     assert_eq!(cache.bytes, 264 * 2 + 104);
 }
 
+fn assets() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("integration/assets")
+}
+
 fn sim_tokenizer() -> LocalTokenizer {
-    let path =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("integration/assets/tokenizer.json");
-    LocalTokenizer::from_file(&path).expect("the simulator's tokenizer loads")
+    LocalTokenizer::from_file(&assets().join("tokenizer.json"))
+        .expect("the simulator's tokenizer loads")
+}
+
+/// The simulator's tokenizer with its chat template (special tokens from the
+/// tokenizer_config.json beside it).
+fn sim_chat_tokenizer() -> LocalTokenizer {
+    LocalTokenizer::load(
+        &assets().join("tokenizer.json"),
+        Some(&assets().join("chat_template.jinja")),
+    )
+    .expect("loads")
+}
+
+fn chat(model: &str, messages: Value) -> ParsedRequest {
+    let body = json!({"model": model, "messages": messages}).to_string();
+    parse_request(EndpointKind::ChatCompletions, body.as_bytes()).expect("parses")
+}
+
+fn conversation() -> Value {
+    json!([
+        {"role": "system", "content": "You are a careful assistant."},
+        {"role": "user", "content": "What does the license grant?"}
+    ])
+}
+
+#[tokio::test]
+async fn a_chat_template_tokenizes_chats_locally_and_a_replica_that_agrees_keeps_it_on() {
+    let local = sim_chat_tokenizer();
+    let messages = conversation();
+    let want = local
+        .encode_chat(
+            &messages.to_string(),
+            ChatOptions {
+                add_generation_prompt: true,
+                continue_final_message: false,
+            },
+        )
+        .expect("encodes");
+    assert_eq!(
+        want[0], 1,
+        "the template starts with BOS (token 1): {want:?}"
+    );
+    let fake = Fake {
+        answer: Some(want.clone()),
+        ..Fake::default()
+    };
+    let addr = serve(fake.clone()).await.to_string();
+    let t = tokenizer(1000).with_local("m", local);
+    assert!(t.tokenizes_chat_locally("m"));
+    let got = t
+        .tokens(&chat("m", messages), &[&addr])
+        .await
+        .expect("tokens");
+    assert_eq!(&got[..], &want[..]);
+    // The answer came from here; the replica was only asked to check it.
+    for _ in 0..100 {
+        if t.stats().local_checks.load(Ordering::Relaxed) == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(t.stats().local.load(Ordering::Relaxed), 1);
+    assert_eq!(t.stats().local_checks.load(Ordering::Relaxed), 1);
+    assert_eq!(t.stats().local_mismatches.load(Ordering::Relaxed), 0);
+    assert!(t.tokenizes_chat_locally("m"));
+    let sent = fake.bodies.lock()[0].clone();
+    assert_eq!(
+        sent["messages"],
+        conversation(),
+        "checked with the same request"
+    );
+    // Tools reach templates in ways not reproduced here: such requests go to /tokenize.
+    let body = json!({"model": "m", "messages": conversation(), "tools": []}).to_string();
+    let with_tools = parse_request(EndpointKind::ChatCompletions, body.as_bytes()).expect("parses");
+    t.tokens(&with_tools, &[&addr]).await.expect("tokens");
+    assert_eq!(t.stats().local.load(Ordering::Relaxed), 1);
+}
+
+#[tokio::test]
+async fn a_replica_that_disagrees_turns_local_chat_tokenization_off() {
+    let fake = Fake::default(); // made-up ids: never what the template gives
+    let addr = serve(fake.clone()).await.to_string();
+    let t = tokenizer(1000).with_local("m", sim_chat_tokenizer());
+    let local_answer = t
+        .tokens(&chat("m", conversation()), &[&addr])
+        .await
+        .expect("tokens");
+    assert_eq!(local_answer[0], 1, "answered locally first");
+    for _ in 0..100 {
+        if !t.tokenizes_chat_locally("m") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!t.tokenizes_chat_locally("m"), "switched off");
+    assert_eq!(t.stats().local_mismatches.load(Ordering::Relaxed), 1);
+    // The same chat now gets the replica's answer, not the cached local one.
+    let again = t
+        .tokens(&chat("m", conversation()), &[&addr])
+        .await
+        .expect("tokens");
+    assert_ne!(again, local_answer);
+    assert_eq!(again[1..], [1, 2, 3]);
+    // Completion prompts were not judged by a chat mismatch.
+    let before = t.stats().local.load(Ordering::Relaxed);
+    t.tokens(&completion("hello"), &[&addr])
+        .await
+        .expect("tokens");
+    assert_eq!(t.stats().local.load(Ordering::Relaxed), before + 1);
+}
+
+#[test]
+fn without_a_chat_template_chats_are_not_local_and_a_model_dir_finds_its_config() {
+    let t = tokenizer(10).with_local("m", sim_tokenizer());
+    assert!(!t.tokenizes_chat_locally("m"));
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::copy(
+        assets().join("tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .expect("copy");
+    let template = std::fs::read_to_string(assets().join("chat_template.jinja")).expect("read");
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        json!({"bos_token": {"content": "<|bos|>"}, "eos_token": "<|eos|>", "chat_template": template})
+            .to_string(),
+    )
+    .expect("write");
+    let from_dir = LocalTokenizer::load(dir.path(), None).expect("loads");
+    assert!(from_dir.has_chat_template());
+    let opts = ChatOptions {
+        add_generation_prompt: true,
+        continue_final_message: false,
+    };
+    let m = conversation().to_string();
+    assert_eq!(
+        from_dir.encode_chat(&m, opts).expect("encodes"),
+        sim_chat_tokenizer().encode_chat(&m, opts).expect("encodes")
+    );
+    std::fs::write(dir.path().join("tokenizer_config.json"), "{not json").expect("write");
+    let err = LocalTokenizer::load(dir.path(), None).expect_err("bad config");
+    assert!(err.to_string().contains("tokenizer_config.json"), "{err}");
 }
 
 #[tokio::test]

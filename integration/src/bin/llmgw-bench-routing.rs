@@ -372,8 +372,14 @@ async fn start_stack(
                     cmd.args(["--weight-prefix", "0"]);
                 }
                 Policy::LlmgwPrecise => {
-                    cmd.arg("--model")
-                        .arg(format!("{MODEL}=block_size={BLOCK_SIZE},seed={SEED}"));
+                    // The model's own tokenizer and chat template, as a user gives them: the
+                    // router tokenizes in process (checking a sample against /tokenize).
+                    let assets = llmgw_integration::repo_root().join("integration/assets");
+                    cmd.arg("--model").arg(format!(
+                        "{MODEL}=block_size={BLOCK_SIZE},seed={SEED},tokenizer={},chat_template={}",
+                        assets.join("tokenizer.json").display(),
+                        assets.join("chat_template.jinja").display()
+                    ));
                 }
                 // No hash settings: the affinity slot can only use the prefix tree.
                 _ => {}

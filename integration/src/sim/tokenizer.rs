@@ -1,14 +1,15 @@
 //! The simulated model's tokenizer: a byte-level BPE loaded with Hugging Face's `tokenizers`
 //! from a `tokenizer.json` (the repo ships `integration/assets/tokenizer.json`; `--tokenizer`
-//! picks another), and a chat template rendered the way `transformers` renders one (Jinja with
-//! `trim_blocks` and `lstrip_blocks`, through minijinja), so chat turns share prefixes exactly
-//! as they do on a real model.
+//! picks another), and a chat template rendered the way `transformers` renders one (the
+//! router's own [`ChatTemplate`]), so chat turns share prefixes exactly as they do on a real
+//! model.
 //!
 //! Concurrency: a [`SimTokenizer`] is immutable after construction and shared by reference
 //! (`Arc`) between HTTP handlers; every method takes `&self`.
 
 use std::path::Path;
 
+use llmgw::tokenize::{ChatTemplate, ChatTemplateError};
 use serde_json::Value;
 
 /// The tokenizer the simulator ships (trained by `assets/train_tokenizer.py`).
@@ -17,6 +18,7 @@ pub const DEFAULT_TOKENIZER_JSON: &str = include_str!("../../assets/tokenizer.js
 /// The default chat template: a BOS, then `<|start|>role\ncontent<|end|>\n` per message.
 pub const DEFAULT_CHAT_TEMPLATE: &str = include_str!("../../assets/chat_template.jinja");
 
+/// The shipped tokenizer's special tokens (also in `assets/tokenizer_config.json`).
 const BOS: &str = "<|bos|>";
 const EOS: &str = "<|eos|>";
 
@@ -35,6 +37,15 @@ pub enum TokenizerError {
     UnknownToken(u64),
 }
 
+impl From<ChatTemplateError> for TokenizerError {
+    fn from(e: ChatTemplateError) -> Self {
+        match e {
+            ChatTemplateError::Template(t) => TokenizerError::Template(t),
+            ChatTemplateError::Render(r) => TokenizerError::Render(r),
+        }
+    }
+}
+
 /// How to render a chat request (the fields vLLM passes to `apply_chat_template`).
 #[derive(Debug, Clone, Copy)]
 pub struct ChatOptions {
@@ -46,7 +57,7 @@ pub struct ChatOptions {
 /// Tokenizer plus chat template.
 pub struct SimTokenizer {
     tok: tokenizers::Tokenizer,
-    templates: minijinja::Environment<'static>,
+    template: ChatTemplate,
     vocab_size: u32,
     /// Tokens that decode to a plain word with a leading space: what the simulated model emits.
     word_ids: Vec<u32>,
@@ -99,21 +110,7 @@ impl SimTokenizer {
     fn from_parts(json: &[u8], template: String) -> Result<Self, TokenizerError> {
         let tok = tokenizers::Tokenizer::from_bytes(json)
             .map_err(|e| TokenizerError::Load(e.to_string()))?;
-        let mut templates = minijinja::Environment::new();
-        templates.set_trim_blocks(true);
-        templates.set_lstrip_blocks(true);
-        templates.add_function(
-            "raise_exception",
-            |msg: String| -> Result<(), minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        templates
-            .add_template_owned("chat", template)
-            .map_err(|e| TokenizerError::Template(e.to_string()))?;
+        let template = ChatTemplate::new(template, BOS, EOS)?;
         let vocab_size = tok.get_vocab_size(true) as u32;
         let mut word_ids: Vec<u32> = tok
             .get_vocab(false)
@@ -131,7 +128,7 @@ impl SimTokenizer {
         }
         Ok(SimTokenizer {
             tok,
-            templates,
+            template,
             vocab_size,
             word_ids,
         })
@@ -177,48 +174,11 @@ impl SimTokenizer {
         messages: &[Value],
         opts: ChatOptions,
     ) -> Result<String, TokenizerError> {
-        let messages: Vec<Value> = messages.iter().map(normalize_message).collect();
-        let template = self
-            .templates
-            .get_template("chat")
-            .map_err(|e| TokenizerError::Template(e.to_string()))?;
-        let ctx = minijinja::context! {
-            messages => &messages,
-            add_generation_prompt => opts.add_generation_prompt,
-            bos_token => BOS,
-            eos_token => EOS,
+        let opts = llmgw::tokenize::ChatOptions {
+            add_generation_prompt: opts.add_generation_prompt,
+            continue_final_message: opts.continue_final_message,
         };
-        let mut rendered = template
-            .render(ctx)
-            .map_err(|e| TokenizerError::Render(e.to_string()))?;
-        if opts.continue_final_message {
-            let final_content = messages
-                .last()
-                .and_then(|m| m.get("content"))
-                .and_then(Value::as_str)
-                .unwrap_or_default();
-            // transformers: cut right after the final message's content.
-            let stripped = final_content.trim();
-            match rendered.rfind(stripped) {
-                Some(loc) if !stripped.is_empty() => {
-                    let lstripped = final_content.trim_start();
-                    let end = if rendered[loc..].starts_with(lstripped) {
-                        loc + lstripped.len()
-                    } else {
-                        loc + stripped.len()
-                    };
-                    rendered.truncate(end);
-                }
-                _ => {
-                    return Err(TokenizerError::Render(
-                        "continue_final_message is set but the final message does not appear \
-                         in the chat history"
-                            .into(),
-                    ));
-                }
-            }
-        }
-        Ok(rendered)
+        Ok(self.template.render(messages, opts)?)
     }
 
     /// Renders and tokenizes a chat (vLLM's chat-style `/tokenize` and chat completions).
@@ -230,30 +190,6 @@ impl SimTokenizer {
         let text = self.render_chat(messages, opts)?;
         self.encode(&text, opts.add_special_tokens)
     }
-}
-
-/// vLLM's "string" content format: a list of parts becomes their texts joined by newlines;
-/// `null` content becomes empty.
-fn normalize_message(message: &Value) -> Value {
-    let mut message = message.clone();
-    if let Some(obj) = message.as_object_mut() {
-        let content = match obj.get("content") {
-            Some(Value::Array(parts)) => Value::String(
-                parts
-                    .iter()
-                    .filter_map(|p| match p {
-                        Value::String(s) => Some(s.as_str()),
-                        other => other.get("text").and_then(Value::as_str),
-                    })
-                    .collect::<Vec<_>>()
-                    .join("\n"),
-            ),
-            Some(Value::Null) | None => Value::String(String::new()),
-            Some(other) => other.clone(),
-        };
-        obj.insert("content".into(), content);
-    }
-    message
 }
 
 #[cfg(test)]
