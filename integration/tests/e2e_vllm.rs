@@ -424,7 +424,7 @@ struct Router {
     _process: ChildGuard,
 }
 
-fn start_router(out: &Path, replicas: &[(SocketAddr, &str)]) -> Result<Router> {
+fn start_router(out: &Path, model: &Path, replicas: &[(SocketAddr, &str)]) -> Result<Router> {
     let mut cmd = Command::new(bin_path("llmgw-router"));
     cmd.arg("serve")
         .args(["--grpc-addr", "127.0.0.1:0"])
@@ -437,8 +437,13 @@ fn start_router(out: &Path, replicas: &[(SocketAddr, &str)]) -> Result<Router> {
         // Every routing check below must be earned by the index (real events), not by the
         // credit a recent pick gets.
         .args(["--speculative-ttl", "0s"])
+        // The model directory: the router tokenizes in process (tokenizer.json and the
+        // chat_template.jinja beside it) and checks its answers against vLLM's /tokenize.
         .arg("--model")
-        .arg(format!("{MODEL}=block_size={BLOCK},seed={SEED}"));
+        .arg(format!(
+            "{MODEL}=block_size={BLOCK},seed={SEED},tokenizer={}",
+            model.display()
+        ));
     for (addr, node) in replicas {
         cmd.arg("--replica").arg(format!("{MODEL}={addr}@{node}"));
     }
@@ -902,7 +907,11 @@ async fn start(settings: &Settings) -> Result<(Stack, String)> {
     );
     let http = reqwest::Client::new();
     let (pa, pb) = (Ports::pick(), Ports::pick());
-    let router = start_router(&settings.out, &[(pa.http, "node-a"), (pb.http, "node-b")])?;
+    let router = start_router(
+        &settings.out,
+        &settings.model,
+        &[(pa.http, "node-a"), (pb.http, "node-b")],
+    )?;
     let t0 = Instant::now();
     let a = Engine::start(settings, "A", "node-a", pa, router.feed)?;
     let b = Engine::start(settings, "B", "node-b", pb, router.feed)?;
@@ -991,10 +1000,55 @@ async fn checks(report: &mut Report, s: &Stack) {
         .await;
     report
         .run(
+            "router's in-process tokenization (completions, chats) agrees with vLLM's /tokenize",
+            local_tokenization_agrees(s),
+        )
+        .await;
+    report
+        .run(
             "engine B killed: leaves the candidates, restarted, index empty then refilled",
             kill_b(s),
         )
         .await;
+}
+
+/// Every request above was tokenized in process and the first of each kind compared with
+/// vLLM's own `/tokenize` in the background: none may have disagreed.
+async fn local_tokenization_agrees(s: &Stack) -> Result<String> {
+    let count = |m: &str, name: &str| metric(m, name, &[]).unwrap_or(0.0);
+    let before = s.router_metrics().await?;
+    let before_checks = count(&before, "llmgw_tokenize_local_checks_total");
+    // One more of each kind, so that checks are due even if the ones above were cached.
+    let fresh = format!("fresh {}", document("local-tokenization", 40));
+    s.routed("/v1/completions", &completion(&fresh, 4)).await?;
+    s.routed(
+        "/v1/chat/completions",
+        &chat(&[json!({"role": "user", "content": fresh})], 4),
+    )
+    .await?;
+    let checks = s
+        .wait_for("the background checks", Duration::from_secs(30), || async {
+            let m = s.router_metrics().await?;
+            Ok(count(&m, "llmgw_tokenize_local_checks_total") >= before_checks + 2.0)
+        })
+        .await;
+    let m = s.router_metrics().await?;
+    let (local, checked, mismatches) = (
+        count(&m, "llmgw_tokenize_local_total"),
+        count(&m, "llmgw_tokenize_local_checks_total"),
+        count(&m, "llmgw_tokenize_local_mismatches_total"),
+    );
+    checks?;
+    ensure!(local >= 2.0, "nothing tokenized in process ({local})");
+    ensure!(
+        mismatches == 0.0,
+        "{mismatches} of {checked} checks disagreed with vLLM's /tokenize (router.log names the \
+         model and kind)"
+    );
+    Ok(format!(
+        "{local} requests tokenized in process, {checked} compared with vLLM's /tokenize, 0 \
+         disagreed"
+    ))
 }
 
 async fn hash_check(s: &Stack) -> Result<String> {

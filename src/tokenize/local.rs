@@ -3,9 +3,10 @@
 //! trip; [`super::Tokenizer`] checks a sample of the answers against a replica's `/tokenize`
 //! and stops using one that disagrees.
 //!
-//! Loading follows vLLM: the template is `chat_template=PATH` when given, else the
-//! `chat_template` of the `tokenizer_config.json` beside the tokenizer; `bos_token` and
-//! `eos_token` come from that file too. Without a template, chat goes to `/tokenize`.
+//! Loading follows vLLM and `transformers`: the template is `chat_template=PATH` when given,
+//! else the `chat_template` of the `tokenizer_config.json` beside the tokenizer, else a
+//! `chat_template.jinja` beside it (what recent `save_pretrained` writes); `bos_token` and
+//! `eos_token` come from `tokenizer_config.json`. Without a template, chat goes to `/tokenize`.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -93,7 +94,14 @@ impl LocalTokenizer {
                     .and_then(|t| t.get("template"))
                     .and_then(Value::as_str)
                     .map(str::to_owned),
-                _ => None,
+                _ => {
+                    let beside = file.with_file_name("chat_template.jinja");
+                    match std::fs::read_to_string(&beside) {
+                        Ok(t) => Some(t),
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                        Err(e) => return Err(load_error(&beside, e)),
+                    }
+                }
             },
         };
         if let Some(source) = source {
