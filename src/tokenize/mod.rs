@@ -17,8 +17,9 @@
 //! `chat_template_kwargs`) always go to `/tokenize`.
 //!
 //! Concurrency: the cache is one `parking_lot::Mutex` held for a map operation; HTTP calls run
-//! in spawned tasks and report back through a oneshot channel. Local tokenization runs on the
-//! caller's task; its on/off switches and counters are atomics.
+//! in spawned tasks and report back through a oneshot channel. Local tokenization of short
+//! inputs runs on the caller's task, of long ones on tokio's blocking pool under the same
+//! deadline as a call; its on/off switches and counters are atomics.
 
 mod chat;
 mod local;
@@ -102,6 +103,25 @@ pub struct TokenizeStats {
 pub const LOCAL_CHECKS_FIRST: u64 = 8;
 /// … then one in this many.
 pub const LOCAL_CHECK_EVERY: u64 = 64;
+
+/// Requests whose `/tokenize` body is at most this long are tokenized on the caller's task
+/// (a few hundred µs at most); longer ones on the blocking pool, under the tokenize deadline.
+const LOCAL_INLINE_BYTES: usize = 1024;
+
+/// What a local tokenizer is given, owned so that it can move to the blocking pool.
+enum LocalInput {
+    Prompt(String),
+    Chat(String, ChatOptions),
+}
+
+impl LocalInput {
+    fn encode(&self, tokenizer: &LocalTokenizer) -> Result<Vec<u32>, LocalTokenizerError> {
+        match self {
+            LocalInput::Prompt(text) => tokenizer.encode_prompt(text),
+            LocalInput::Chat(messages, opts) => tokenizer.encode_chat(messages, *opts),
+        }
+    }
+}
 
 /// Completion prompts or chats: checked and switched off separately, since a wrong chat
 /// template says nothing about the tokenizer itself.
@@ -329,7 +349,9 @@ impl Tokenizer {
         // Writing the body once gives both the cache key and the bytes to send.
         let body = tokenize_body(request);
         if let Some((local, kind)) = self.local_for(request) {
-            return self.tokens_locally(&local, kind, request, body, replicas);
+            return self
+                .tokens_locally(&local, kind, request, body, replicas)
+                .await;
         }
         let key = xxhash_rust::xxh3::xxh3_128(&body);
         if let Some(tokens) = self.cache.lock().get(key) {
@@ -384,7 +406,7 @@ impl Tokenizer {
         local.usable(kind).then(|| (Arc::clone(local), kind))
     }
 
-    fn tokens_locally(
+    async fn tokens_locally(
         &self,
         local: &Arc<LocalModel>,
         kind: LocalKind,
@@ -398,27 +420,61 @@ impl Tokenizer {
             return Ok(tokens);
         }
         self.stats.cache_misses.fetch_add(1, Ordering::Relaxed);
-        let encoded = match &request.input {
+        let input = match &request.input {
             RequestInput::Completion(Prompt::Text(text)) => {
-                local.tokenizer.encode_prompt(text.as_str())
+                LocalInput::Prompt(text.as_str().to_owned())
             }
-            RequestInput::Chat(chat) => local.tokenizer.encode_chat(
-                chat.messages.get(),
+            RequestInput::Chat(chat) => LocalInput::Chat(
+                chat.messages.get().to_owned(),
                 ChatOptions {
                     add_generation_prompt: chat.add_generation_prompt.unwrap_or(true),
                     continue_final_message: chat.continue_final_message.unwrap_or(false),
                 },
             ),
-            RequestInput::Completion(Prompt::TokenIds(ids)) => Ok(ids.clone()),
+            RequestInput::Completion(Prompt::TokenIds(ids)) => {
+                return Ok(Arc::from(ids.as_slice()));
+            }
         };
-        let tokens: Tokens = encoded
-            .map_err(|e| TokenizeError::Call {
-                replica: "local".to_owned(),
-                reason: e.to_string(),
-            })?
-            .into();
-        self.stats.local.fetch_add(1, Ordering::Relaxed);
-        self.cache.lock().insert(key, Arc::clone(&tokens));
+        let job = {
+            let (local, cache, stats) = (
+                Arc::clone(local),
+                Arc::clone(&self.cache),
+                Arc::clone(&self.stats),
+            );
+            move || -> Result<Tokens, TokenizeError> {
+                let tokens: Tokens = input
+                    .encode(&local.tokenizer)
+                    .map_err(|e| TokenizeError::Call {
+                        replica: "local".to_owned(),
+                        reason: e.to_string(),
+                    })?
+                    .into();
+                stats.local.fetch_add(1, Ordering::Relaxed);
+                cache.lock().insert(key, Arc::clone(&tokens));
+                Ok(tokens)
+            }
+        };
+        let tokens = if body.len() <= LOCAL_INLINE_BYTES {
+            job()?
+        } else {
+            // Long inputs take milliseconds (a 1 MB prompt, a quarter second): off the
+            // runtime's workers, and under the same deadline as a /tokenize call. A late answer
+            // still fills the cache.
+            match tokio::time::timeout(self.config.deadline, tokio::task::spawn_blocking(job)).await
+            {
+                Ok(Ok(result)) => result?,
+                Ok(Err(join)) => {
+                    return Err(TokenizeError::Call {
+                        replica: "local".to_owned(),
+                        reason: join.to_string(),
+                    });
+                }
+                Err(_) => {
+                    self.stats.timeouts.fetch_add(1, Ordering::Relaxed);
+                    return Err(TokenizeError::Timeout(self.config.deadline));
+                }
+            }
+        };
         if !replicas.is_empty() && local.due_for_check(kind) {
             self.check_in_background(local, kind, request, body, key, &tokens, replicas);
         }

@@ -354,6 +354,23 @@ fn without_a_chat_template_chats_are_not_local_and_a_model_dir_finds_its_config(
         from_dir.encode_chat(&m, opts).expect("encodes"),
         sim_chat_tokenizer().encode_chat(&m, opts).expect("encodes")
     );
+    // transformers' newer layout: the template in its own file beside the tokenizer.
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        json!({"bos_token": "<|bos|>", "eos_token": "<|eos|>"}).to_string(),
+    )
+    .expect("write");
+    assert!(
+        !LocalTokenizer::load(dir.path(), None)
+            .expect("loads")
+            .has_chat_template()
+    );
+    std::fs::write(dir.path().join("chat_template.jinja"), &template).expect("write");
+    let from_file = LocalTokenizer::load(dir.path(), None).expect("loads");
+    assert_eq!(
+        from_file.encode_chat(&m, opts).expect("encodes"),
+        sim_chat_tokenizer().encode_chat(&m, opts).expect("encodes")
+    );
     std::fs::write(dir.path().join("tokenizer_config.json"), "{not json").expect("write");
     let err = LocalTokenizer::load(dir.path(), None).expect_err("bad config");
     assert!(err.to_string().contains("tokenizer_config.json"), "{err}");
@@ -389,4 +406,32 @@ fn a_missing_tokenizer_file_is_a_clear_error() {
         err.to_string().contains("/nonexistent/tokenizer.json"),
         "{err}"
     );
+}
+
+#[tokio::test]
+async fn a_long_prompt_is_tokenized_off_the_runtime_under_the_deadline() {
+    let local = sim_tokenizer();
+    let prompt = "Licensed under the Apache License, Version 2.0. ".repeat(2000); // ~96 KB
+    let want = local.encode_prompt(&prompt).expect("encodes");
+    // Far past a 1 ms deadline: routed without tokens, but the answer still fills the cache.
+    let t = tokenizer(1).with_local("m", local.clone());
+    let request = completion(&prompt);
+    assert_eq!(
+        t.tokens(&request, &[]).await.unwrap_err(),
+        TokenizeError::Timeout(Duration::from_millis(1))
+    );
+    for _ in 0..500 {
+        if t.cache_bytes() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let got = t.tokens(&request, &[]).await.expect("from the cache");
+    assert_eq!(&got[..], &want[..]);
+    assert_eq!(t.stats().cache_hits.load(Ordering::Relaxed), 1);
+    assert_eq!(t.stats().timeouts.load(Ordering::Relaxed), 1);
+    // With time enough, the blocking pool's answer comes back directly.
+    let generous = tokenizer(30_000).with_local("m", local);
+    let got = generous.tokens(&request, &[]).await.expect("tokens");
+    assert_eq!(&got[..], &want[..]);
 }
