@@ -1,7 +1,9 @@
 //! In-process tokenization (`tokenize::LocalTokenizer`), what a precise pick costs when the
 //! router tokenizes itself instead of calling a replica's `/tokenize`: a chat like the routing
 //! benchmark's (a ~700-token system prompt, then five turns) rendered with the chat template and
-//! encoded, and an 8 KB completion prompt. Uncached: every call tokenizes from scratch.
+//! encoded, cold (a system prompt never seen) and as the next turn of a conversation (only the
+//! new message is new: the pieces between special tokens are cached), and an 8 KB completion
+//! prompt (uncached).
 //!
 //! `cargo bench -p llmgw --bench tokenize`
 
@@ -21,24 +23,26 @@ fn tokenizer() -> LocalTokenizer {
     .expect("the simulator's tokenizer and template load")
 }
 
-/// The routing benchmark's conversation after `turns` turns.
-fn conversation(turns: usize) -> String {
+/// The routing benchmark's conversation after `turns` turns, for `tenant`, whose last user
+/// message carries `nonce`.
+fn conversation(tenant: u64, turns: usize, nonce: u64) -> String {
     let rules: Vec<String> = (0..45)
         .map(|r| {
             format!(
-                "Rule {r} of tenant 0: answer politely about topic {}.",
+                "Rule {r} of tenant {tenant}: answer politely about topic {}.",
                 r * 7 % 13
             )
         })
         .collect();
     let mut messages = vec![
-        json!({"role": "system", "content": format!("You are the assistant of tenant 0. {}", rules.join(" "))}),
+        json!({"role": "system", "content": format!("You are the assistant of tenant {tenant}. {}", rules.join(" "))}),
         json!({"role": "user", "content": "Conversation 7: what is rule 7?"}),
     ];
     for turn in 0..turns {
         messages.push(json!({"role": "assistant", "content": "Rule seven says to answer politely about topic ten, always."}));
         messages.push(json!({"role": "user", "content": format!("Turn {turn}: and then?")}));
     }
+    messages.push(json!({"role": "user", "content": format!("Request {nonce}: and then?")}));
     serde_json::Value::Array(messages).to_string()
 }
 
@@ -48,10 +52,34 @@ fn bench(c: &mut Criterion) {
         add_generation_prompt: true,
         continue_final_message: false,
     };
-    let chat = conversation(4);
-    let tokens = local.encode_chat(&chat, opts).expect("encodes").len();
-    c.bench_function(&format!("tokenize/local_chat_{tokens}_tokens"), |b| {
-        b.iter(|| local.encode_chat(black_box(&chat), opts).expect("encodes"))
+    let tokens = local
+        .encode_chat(&conversation(0, 4, 0), opts)
+        .expect("encodes")
+        .len();
+    let mut nonce = 0;
+    c.bench_function(
+        &format!("tokenize/local_chat_next_turn_{tokens}_tokens"),
+        |b| {
+            b.iter_batched(
+                || {
+                    nonce += 1;
+                    conversation(0, 4, nonce)
+                },
+                |chat| local.encode_chat(black_box(&chat), opts).expect("encodes"),
+                criterion::BatchSize::SmallInput,
+            )
+        },
+    );
+    let mut tenant = 1;
+    c.bench_function(&format!("tokenize/local_chat_cold_{tokens}_tokens"), |b| {
+        b.iter_batched(
+            || {
+                tenant += 1;
+                conversation(tenant, 4, 0)
+            },
+            |chat| local.encode_chat(black_box(&chat), opts).expect("encodes"),
+            criterion::BatchSize::SmallInput,
+        )
     });
     let prompt: String = "Licensed under the Apache License, Version 2.0. "
         .repeat(8192 / 48)

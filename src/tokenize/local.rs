@@ -3,6 +3,13 @@
 //! trip; [`super::Tokenizer`] checks a sample of the answers against a replica's `/tokenize`
 //! and stops using one that disagrees.
 //!
+//! A rendered chat is encoded piece by piece between its special tokens, with each piece's ids
+//! cached: a conversation's system prompt and earlier turns are tokenized once, not on every
+//! turn. This is exact because `tokenizers` itself splits a text at its (non-normalized) added
+//! tokens first and encodes every piece on its own; the same leftmost-longest matching is
+//! used here, and only for tokenizers whose added tokens strip no whitespace and need no word
+//! boundary (otherwise the whole text is encoded at once).
+//!
 //! Loading follows vLLM and `transformers`: the template is `chat_template=PATH` when given,
 //! else the `chat_template` of the `tokenizer_config.json` beside the tokenizer, else a
 //! `chat_template.jinja` beside it (what recent `save_pretrained` writes); `bos_token` and
@@ -11,9 +18,59 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use aho_corasick::{AhoCorasick, MatchKind};
+use lru::LruCache;
+use parking_lot::Mutex;
 use serde_json::Value;
 
+use super::TokenCache;
 use super::chat::{ChatOptions, ChatTemplate};
+
+/// Bytes of token ids the per-piece cache of one model may hold.
+const PIECE_CACHE_BYTES: usize = 16 << 20;
+
+/// Finds the added tokens `tokenizers` splits a text at, as it does.
+struct Splitter {
+    matcher: AhoCorasick,
+    ids: Vec<u32>,
+    pieces: Mutex<TokenCache>,
+}
+
+impl Splitter {
+    /// `None` when some added token would make piecewise encoding differ from the library's:
+    /// one that strips neighbouring whitespace or must stand as a single word.
+    fn new(tokenizer: &tokenizers::Tokenizer) -> Option<Splitter> {
+        let added = tokenizer.get_added_tokens_decoder();
+        let mut split_at: Vec<(&str, u32)> = Vec::new();
+        for (id, token) in &added {
+            if token.normalized {
+                continue; // matched later, inside each piece, by the library itself
+            }
+            if token.lstrip || token.rstrip || token.single_word {
+                return None;
+            }
+            split_at.push((token.content.as_str(), *id));
+        }
+        if split_at.is_empty() {
+            return None;
+        }
+        // A fixed order, so that equal-length ties resolve the same way every time.
+        split_at.sort_unstable_by_key(|(_, id)| *id);
+        let matcher = AhoCorasick::builder()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build(split_at.iter().map(|(content, _)| content))
+            .ok()?;
+        Some(Splitter {
+            matcher,
+            ids: split_at.into_iter().map(|(_, id)| id).collect(),
+            pieces: Mutex::new(TokenCache {
+                max_bytes: PIECE_CACHE_BYTES,
+                bytes: 0,
+                entries: LruCache::unbounded(),
+            }),
+        })
+    }
+}
 
 /// Why a local tokenizer could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -33,6 +90,7 @@ pub enum LocalTokenizerError {
 pub struct LocalTokenizer {
     inner: Arc<tokenizers::Tokenizer>,
     chat: Option<Arc<ChatTemplate>>,
+    splitter: Option<Arc<Splitter>>,
 }
 
 fn load_error(path: &Path, reason: impl ToString) -> LocalTokenizerError {
@@ -58,10 +116,17 @@ fn special_token(config: &Value, key: &str) -> String {
 impl LocalTokenizer {
     /// A `tokenizer.json` alone: completion prompts only.
     pub fn from_file(path: &Path) -> Result<Self, LocalTokenizerError> {
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| load_error(path, e))?;
+        let mut inner = tokenizers::Tokenizer::from_file(path).map_err(|e| load_error(path, e))?;
+        // As transformers loads a fast tokenizer: no truncation or padding of its own.
+        inner
+            .with_truncation(None)
+            .map_err(|e| load_error(path, e))?;
+        inner.with_padding(None);
+        let splitter = Splitter::new(&inner).map(Arc::new);
         Ok(LocalTokenizer {
             inner: Arc::new(inner),
             chat: None,
+            splitter,
         })
     }
 
@@ -141,7 +206,62 @@ impl LocalTokenizer {
         let messages: Vec<Value> = serde_json::from_str(messages)
             .map_err(|e| LocalTokenizerError::Messages(e.to_string()))?;
         let text = template.render(&messages, opts)?;
-        self.encode(&text, false)
+        match &self.splitter {
+            Some(splitter) => self.encode_pieces(splitter, &text),
+            None => self.encode(&text, false),
+        }
+    }
+
+    /// `text` without added special tokens, piece by piece between the added tokens, each
+    /// piece's ids from the cache when it was seen before.
+    fn encode_pieces(
+        &self,
+        splitter: &Splitter,
+        text: &str,
+    ) -> Result<Vec<u32>, LocalTokenizerError> {
+        let mut ids = Vec::with_capacity(text.len() / 3);
+        let piece = |ids: &mut Vec<u32>, piece: &str| -> Result<(), LocalTokenizerError> {
+            if piece.is_empty() {
+                return Ok(());
+            }
+            let key = xxhash_rust::xxh3::xxh3_128(piece.as_bytes());
+            if let Some(cached) = splitter.pieces.lock().get(key) {
+                ids.extend_from_slice(&cached);
+                return Ok(());
+            }
+            let encoded: super::Tokens = self.encode(piece, false)?.into();
+            ids.extend_from_slice(&encoded);
+            splitter.pieces.lock().insert(key, encoded);
+            Ok(())
+        };
+        let mut at = 0;
+        for m in splitter.matcher.find_iter(text) {
+            piece(&mut ids, &text[at..m.start()])?;
+            ids.push(splitter.ids[m.pattern().as_usize()]);
+            at = m.end();
+        }
+        piece(&mut ids, &text[at..])?;
+        Ok(ids)
+    }
+
+    /// `text` piece by piece, when this tokenizer splits (for tests).
+    #[cfg(test)]
+    pub(super) fn encode_piecewise(
+        &self,
+        text: &str,
+    ) -> Option<Result<Vec<u32>, LocalTokenizerError>> {
+        self.splitter.as_ref().map(|s| self.encode_pieces(s, text))
+    }
+
+    /// The whole text at once (what the pieces must add up to).
+    #[cfg(test)]
+    pub(super) fn encode_whole(&self, text: &str) -> Result<Vec<u32>, LocalTokenizerError> {
+        self.encode(text, false)
+    }
+
+    /// Whether chats are encoded piece by piece.
+    pub fn splits_at_added_tokens(&self) -> bool {
+        self.splitter.is_some()
     }
 
     fn encode(
@@ -161,6 +281,7 @@ impl std::fmt::Debug for LocalTokenizer {
         f.debug_struct("LocalTokenizer")
             .field("vocab", &self.inner.get_vocab_size(true))
             .field("chat_template", &self.chat.is_some())
+            .field("piecewise", &self.splitter.is_some())
             .finish()
     }
 }

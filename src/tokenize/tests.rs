@@ -435,3 +435,70 @@ async fn a_long_prompt_is_tokenized_off_the_runtime_under_the_deadline() {
     let got = generous.tokens(&request, &[]).await.expect("tokens");
     assert_eq!(&got[..], &want[..]);
 }
+
+mod piecewise {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// Text made of words, whitespace, unicode, the tokenizer's added tokens and near misses
+    /// of them, in any order.
+    fn text() -> impl Strategy<Value = String> {
+        let part = prop_oneof![
+            "[a-zA-Z]{1,12}",
+            Just(" ".to_owned()),
+            Just("  ".to_owned()),
+            Just("\n".to_owned()),
+            Just("\n\n ".to_owned()),
+            Just("ünï 🦀".to_owned()),
+            Just("<|bos|>".to_owned()),
+            Just("<|eos|>".to_owned()),
+            Just("<|start|>".to_owned()),
+            Just("<|end|>".to_owned()),
+            Just("<unk>".to_owned()),
+            Just("<|end".to_owned()),
+            Just("|>".to_owned()),
+            Just("<|".to_owned()),
+        ];
+        proptest::collection::vec(part, 0..24).prop_map(|parts| parts.concat())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        #[test]
+        fn pieces_between_added_tokens_add_up_to_the_whole_text(text in text()) {
+            let t = sim_chat_tokenizer();
+            prop_assert!(t.splits_at_added_tokens());
+            let whole = t.encode_whole(&text).expect("encodes");
+            // Twice: the second time the pieces come from the cache.
+            for _ in 0..2 {
+                let pieces = t.encode_piecewise(&text).expect("splits").expect("encodes");
+                prop_assert_eq!(&pieces, &whole);
+            }
+        }
+    }
+
+    #[test]
+    fn a_conversation_is_encoded_piecewise_as_it_is_whole() {
+        let t = sim_chat_tokenizer();
+        let opts = ChatOptions {
+            add_generation_prompt: true,
+            continue_final_message: false,
+        };
+        let source = std::fs::read_to_string(assets().join("chat_template.jinja")).expect("read");
+        let template = ChatTemplate::new(source, "<|bos|>", "<|eos|>").expect("template");
+        let mut messages = conversation().as_array().expect("array").clone();
+        for turn in 0..4 {
+            messages.push(json!({"role": "assistant", "content": format!("Reply {turn}.")}));
+            messages.push(
+                json!({"role": "user", "content": format!("Turn {turn}: and <|end|> then?")}),
+            );
+            let m = Value::Array(messages.clone()).to_string();
+            let text = template.render(&messages, opts).expect("renders");
+            assert_eq!(
+                t.encode_chat(&m, opts).expect("encodes"),
+                t.encode_whole(&text).expect("encodes")
+            );
+        }
+    }
+}
