@@ -7,7 +7,9 @@ use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use llmgw_agent::capture::{Capture, Frame};
+mod support;
+use support::{final_set, frames};
+
 use llmgw_agent::wire::{KvEvent, decode_batch};
 use llmgw_agent::zmq::{Publisher, ReplyShape};
 
@@ -19,12 +21,6 @@ fn bin() -> Command {
         }
     }
     c
-}
-
-fn frames() -> Vec<Frame> {
-    Capture::parse(&llmgw::fixtures::read("vllm-0.32.0-capture.jsonl"))
-        .expect("capture")
-        .frames
 }
 
 struct Killed(Child);
@@ -209,32 +205,7 @@ async fn serve_mirrors_the_recorded_stream_and_exposes_it_on_the_admin_port() {
             publisher.publish(f.seq, &f.payload).await.expect("publish");
         }
     }
-    // The final set, computed from the events.
-    let mut held = std::collections::HashMap::<u64, u32>::new();
-    for f in &frames {
-        for e in decode_batch(&f.payload).expect("decodes").events {
-            match e {
-                KvEvent::BlockStored(s) => {
-                    for h in s.block_hashes {
-                        *held.entry(h.0).or_default() += 1;
-                    }
-                }
-                KvEvent::BlockRemoved(r) => {
-                    for h in r.block_hashes {
-                        if let Some(n) = held.get_mut(&h.0) {
-                            *n -= 1;
-                            if *n == 0 {
-                                held.remove(&h.0);
-                            }
-                        }
-                    }
-                }
-                KvEvent::AllBlocksCleared(_) => held.clear(),
-                KvEvent::Unknown { .. } => {}
-            }
-        }
-    }
-    let want: HashSet<u64> = held.into_keys().collect();
+    let want = final_set(&frames);
     let mut got = HashSet::new();
     for _ in 0..100 {
         if let Some(body) = http_get(admin, "/debug/engines/r0:8000/blocks")

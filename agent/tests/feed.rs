@@ -302,6 +302,11 @@ fn client_tls(ca: &TestCa, identity: Option<&Pem>) -> ClientTlsConfig {
     }
 }
 
+/// An agent on node "n1" streaming to `r` over TLS with `id` as its client certificate.
+async fn mtls_node(r: &Router, ca: &TestCa, id: Option<&Pem>, token: &str) -> Node {
+    node_tls(REPLICA, "1729", &[r], Some(token), Some(client_tls(ca, id))).await
+}
+
 fn refused(r: &Router, reason: &'static str) -> u64 {
     r.feed
         .metrics
@@ -316,14 +321,7 @@ async fn an_agent_with_a_good_client_certificate_streams_over_mutual_tls() {
     let ca = TestCa::new("llmgw test CA");
     let r = mtls_router(&ca).await;
     let id = ca.client("n1");
-    let mut n = node_tls(
-        REPLICA,
-        "1729",
-        &[&r],
-        Some("s3cret"),
-        Some(client_tls(&ca, Some(&id))),
-    )
-    .await;
+    let mut n = mtls_node(&r, &ca, Some(&id), "s3cret").await;
     publish(&mut n, &frames).await;
     let want = final_set(&frames);
     eventually("the index over mTLS", || r.index.hashes(REPLICA) == want).await;
@@ -340,14 +338,7 @@ async fn the_token_is_still_checked_over_mutual_tls() {
     let ca = TestCa::new("llmgw test CA");
     let r = mtls_router(&ca).await;
     let id = ca.client("n1");
-    let mut n = node_tls(
-        REPLICA,
-        "1729",
-        &[&r],
-        Some("guess"),
-        Some(client_tls(&ca, Some(&id))),
-    )
-    .await;
+    let mut n = mtls_node(&r, &ca, Some(&id), "guess").await;
     publish(&mut n, &frames).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
@@ -367,14 +358,7 @@ async fn agents_without_a_client_certificate_or_with_another_cas_are_refused() {
     let ca = TestCa::new("llmgw test CA");
     let r = mtls_router(&ca).await;
 
-    let mut anonymous = node_tls(
-        REPLICA,
-        "1729",
-        &[&r],
-        Some("s3cret"),
-        Some(client_tls(&ca, None)),
-    )
-    .await;
+    let mut anonymous = mtls_node(&r, &ca, None, "s3cret").await;
     publish(&mut anonymous, &frames).await;
     eventually("a no_client_cert refusal", || {
         refused(&r, "no_client_cert") >= 1
@@ -384,14 +368,7 @@ async fn agents_without_a_client_certificate_or_with_another_cas_are_refused() {
 
     let other = TestCa::new("someone else's CA");
     let foreign = other.client("n1");
-    let mut stranger = node_tls(
-        REPLICA,
-        "1729",
-        &[&r],
-        Some("s3cret"),
-        Some(client_tls(&ca, Some(&foreign))),
-    )
-    .await;
+    let mut stranger = mtls_node(&r, &ca, Some(&foreign), "s3cret").await;
     publish(&mut stranger, &frames).await;
     eventually("a bad_client_cert refusal", || {
         refused(&r, "bad_client_cert") >= 1
@@ -467,14 +444,7 @@ async fn a_certificate_naming_the_node_in_its_cn_only_is_accepted() {
     let ca = TestCa::new("llmgw test CA");
     let r = mtls_router(&ca).await;
     let id = ca.client_cn_only("n1");
-    let mut n = node_tls(
-        REPLICA,
-        "1729",
-        &[&r],
-        Some("s3cret"),
-        Some(client_tls(&ca, Some(&id))),
-    )
-    .await;
+    let mut n = mtls_node(&r, &ca, Some(&id), "s3cret").await;
     publish(&mut n, &frames).await;
     let want = final_set(&frames);
     eventually("the index", || r.index.hashes(REPLICA) == want).await;
@@ -487,14 +457,7 @@ async fn with_the_node_check_off_any_valid_certificate_may_claim_a_node() {
     let ca = TestCa::new("llmgw test CA");
     let r = mtls_router_checking(&ca, false).await;
     let id = ca.client("agent-cert-named-otherwise");
-    let mut n = node_tls(
-        REPLICA,
-        "1729",
-        &[&r],
-        Some("s3cret"),
-        Some(client_tls(&ca, Some(&id))),
-    )
-    .await;
+    let mut n = mtls_node(&r, &ca, Some(&id), "s3cret").await;
     publish(&mut n, &frames).await;
     let want = final_set(&frames);
     eventually("the index", || r.index.hashes(REPLICA) == want).await;
