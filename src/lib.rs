@@ -9,6 +9,7 @@ pub mod affinity;
 pub mod app;
 pub mod blockhash;
 pub mod config;
+pub mod cputime;
 pub mod discovery;
 pub mod extproc;
 pub mod feed;

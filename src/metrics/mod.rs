@@ -3,6 +3,9 @@
 //! * `llmgw_decisions_total{outcome}`: every routing decision by outcome ([`Outcome`]).
 //! * `llmgw_pick_duration_seconds`: time from a complete request to the routing answer (parse +
 //!   filters + scorers + picker).
+//! * `llmgw_pick_cpu_seconds`: the CPU time of that decision (its own polls, plus tokenization
+//!   done for it on the blocking pool; [`crate::cputime`]), so waiting and preemption by other
+//!   work are not counted.
 //! * `llmgw_imbalance_guard_total`, `llmgw_prefix_unavailable_total`.
 //! * Per replica, read from the pool at scrape time: `llmgw_replica_in_flight`,
 //!   `llmgw_replica_healthy`, and, while the last scrape is fresh, `llmgw_replica_waiting`,
@@ -124,6 +127,7 @@ pub struct Metrics {
     /// hashing or lock on the request path) and every outcome is exported from the start.
     decisions: [Counter; Outcome::ALL.len()],
     pick_duration: Histogram,
+    pick_cpu: Histogram,
     imbalance_guard: Counter,
     prefix_unavailable: Counter,
     /// `llmgw_served_reports` by [`Served`], made at start-up like `decisions`.
@@ -153,6 +157,13 @@ impl Metrics {
             "llmgw_pick_duration_seconds",
             "Time from a complete request to the routing answer",
             pick_duration.clone(),
+        );
+        // 1 µs … ~0.5 s.
+        let pick_cpu = Histogram::new(exponential_buckets(1e-6, 2.0, 20));
+        registry.register(
+            "llmgw_pick_cpu_seconds",
+            "CPU time of a routing decision (its polls and the tokenization it offloaded)",
+            pick_cpu.clone(),
         );
         let imbalance_guard = Counter::default();
         registry.register(
@@ -184,6 +195,7 @@ impl Metrics {
             registry,
             decisions,
             pick_duration,
+            pick_cpu,
             imbalance_guard,
             prefix_unavailable,
             served,
@@ -199,8 +211,10 @@ impl Metrics {
         self.decisions[outcome.index()].inc();
     }
 
-    pub fn observe_pick(&self, started: Instant) {
+    /// One decision: its wall-clock time since `started`, and the CPU time it used.
+    pub fn observe_pick(&self, started: Instant, cpu: std::time::Duration) {
         self.pick_duration.observe(started.elapsed().as_secs_f64());
+        self.pick_cpu.observe(cpu.as_secs_f64());
     }
 
     pub fn imbalance_guard_fired(&self) {
@@ -346,12 +360,14 @@ mod tests {
         let metrics = Metrics::new(Arc::clone(&pool));
         metrics.record(Outcome::Routed);
         metrics.record(Outcome::Saturated);
-        metrics.observe_pick(Instant::now());
+        metrics.observe_pick(Instant::now(), Duration::from_micros(12));
         let text = metrics.encode().unwrap();
         for expected in [
             "llmgw_decisions_total{outcome=\"routed\"} 1",
             "llmgw_decisions_total{outcome=\"saturated\"} 1",
             "llmgw_pick_duration_seconds_count 1",
+            "llmgw_pick_cpu_seconds_sum 0.000012",
+            "llmgw_pick_cpu_seconds_count 1",
             "llmgw_replica_in_flight{replica=\"127.0.0.1:8001\"} 1",
             "llmgw_replica_healthy{replica=\"127.0.0.1:8001\"} 1",
             "llmgw_replica_waiting{replica=\"127.0.0.1:8001\"} 3.0",

@@ -18,6 +18,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 use tracing::field::Empty;
 
+use crate::cputime::CpuTimed;
 use crate::extproc::{Picker, Rejection, Routed, RoutingRequest};
 use crate::metrics::{Metrics, Outcome, Served};
 use crate::openai::{EndpointKind, parse_request};
@@ -160,8 +161,9 @@ impl Picker for Router {
             );
         }
         let started = Instant::now();
-        let result = self.route(request, &span).instrument(span.clone()).await;
-        self.metrics.observe_pick(started);
+        let (result, cpu) =
+            CpuTimed::new(self.route(request, &span).instrument(span.clone())).await;
+        self.metrics.observe_pick(started, cpu);
         let (decision, outcome) = match result {
             Ok(routed) => routed,
             Err(rejection) => {

@@ -74,6 +74,18 @@ async fn completions_and_chat_are_routed_and_counted() {
         text.contains("llmgw_decisions_total{outcome=\"routed\"} 2"),
         "{text}"
     );
+    // Both decisions timed, in CPU as in wall-clock time, and CPU spent is never zero.
+    assert!(
+        text.contains("llmgw_pick_duration_seconds_count 2"),
+        "{text}"
+    );
+    assert!(text.contains("llmgw_pick_cpu_seconds_count 2"), "{text}");
+    let cpu_sum: f64 = text
+        .lines()
+        .find_map(|line| line.strip_prefix("llmgw_pick_cpu_seconds_sum "))
+        .and_then(|v| v.parse().ok())
+        .expect("llmgw_pick_cpu_seconds_sum");
+    assert!(cpu_sum > 0.0 && cpu_sum < 1.0, "{cpu_sum}");
 }
 
 #[tokio::test]

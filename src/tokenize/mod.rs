@@ -38,6 +38,7 @@ use lru::LruCache;
 use parking_lot::Mutex;
 use serde::Deserialize;
 
+use crate::cputime::{self, ThreadCpu};
 use crate::openai::{ParsedRequest, Prompt, RequestInput};
 
 /// Settings of the tokenizer client.
@@ -441,7 +442,8 @@ impl Tokenizer {
                 Arc::clone(&self.cache),
                 Arc::clone(&self.stats),
             );
-            move || -> Result<Tokens, TokenizeError> {
+            move || -> Result<(Tokens, Duration), TokenizeError> {
+                let cpu = ThreadCpu::start();
                 let tokens: Tokens = input
                     .encode(&local.tokenizer)
                     .map_err(|e| TokenizeError::Call {
@@ -451,18 +453,23 @@ impl Tokenizer {
                     .into();
                 stats.local.fetch_add(1, Ordering::Relaxed);
                 cache.lock().insert(key, Arc::clone(&tokens));
-                Ok(tokens)
+                Ok((tokens, cpu.elapsed()))
             }
         };
         let tokens = if body.len() <= LOCAL_INLINE_BYTES {
-            job()?
+            job()?.0
         } else {
             // Long inputs take milliseconds (a 1 MB prompt, a quarter second): off the
             // runtime's workers, and under the same deadline as a /tokenize call. A late answer
             // still fills the cache.
             match tokio::time::timeout(self.config.deadline, tokio::task::spawn_blocking(job)).await
             {
-                Ok(Ok(result)) => result?,
+                Ok(Ok(result)) => {
+                    let (tokens, cpu) = result?;
+                    // This decision's CPU, though another thread spent it.
+                    cputime::charge_offloaded(cpu);
+                    tokens
+                }
                 Ok(Err(join)) => {
                     return Err(TokenizeError::Call {
                         replica: "local".to_owned(),

@@ -8,10 +8,12 @@
 //!
 //! For each prompt size, requests go out open-loop at a fixed rate, the three paths interleaved
 //! so that they share the machine's state; each path's p50/p99 is reported and the added latency
-//! is the difference from the baseline's. Router CPU per request is the router process's CPU
-//! time (all threads, from /proc) during the buffered requests, minus its idle CPU (health
-//! checks and scrapes) over a window of the same length, divided by the requests. The mean pick
-//! time is `llmgw_pick_duration_seconds` (parse + scheduling) from the router's own metrics.
+//! is the difference from the baseline's. Then, for the CPU, each routed path runs alone at the
+//! same rate: router CPU per request is the router process's CPU time (all threads, from /proc)
+//! during those requests, minus its idle CPU (health checks and scrapes) over a window of the
+//! same length, divided by the requests. Two numbers from the router's own metrics over the same
+//! requests: decision CPU, `llmgw_pick_cpu_seconds` (the CPU time of parse + scheduling, waiting
+//! and preemption excluded), and the wall-clock mean pick, `llmgw_pick_duration_seconds`.
 //!
 //! The HTTP client is a minimal HTTP/1.1 keep-alive client over TCP, so that the client's own
 //! cost stays small and identical for every path.
@@ -100,9 +102,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
 
     let mut results = Vec::new();
     println!(
-        "\n| prompt | path | p50 ms | p99 ms | added p50 ms | added p99 ms | router CPU µs/req | mean pick µs |"
+        "\n| prompt | path | p50 ms | p99 ms | added p50 ms | added p99 ms | router CPU µs/req | decision CPU µs | mean pick µs |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for &size in &args.sizes {
         let prompt = prompt_of(size);
         let clients: Vec<Client> = envoys.iter().map(|e| Client::new(e.listen)).collect();
@@ -112,32 +114,21 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 client.post(&body(&prompt, i)).await?;
             }
         }
-        let picks_before = pick_stats(router.admin).await?;
-        let cpu_before = process_cpu(router.pid)?;
-        let started = Instant::now();
-        let latencies = measure(&clients, &prompt, &args).await?;
-        let window = started.elapsed();
-        let cpu_busy = process_cpu(router.pid)? - cpu_before;
-        let picks_after = pick_stats(router.admin).await?;
-        // Idle CPU over a window as long as the measurement.
-        let idle_before = process_cpu(router.pid)?;
-        tokio::time::sleep(window).await;
-        let cpu_idle = process_cpu(router.pid)? - idle_before;
-        let routed = (args.requests * 2) as f64; // buffered + full duplex both go through llmgw
-        let cpu_per_request_us = (cpu_busy - cpu_idle).max(0.0) / routed * 1e6;
-        let picks = picks_after.1 - picks_before.1;
-        let mean_pick_us = if picks > 0.0 {
-            (picks_after.0 - picks_before.0) / picks * 1e6
-        } else {
-            f64::NAN
-        };
+        let paths: Vec<(&'static str, Client)> = PATHS.into_iter().zip(clients).collect();
+        let latencies = measure(&paths, &prompt, &args, 1_000_000).await?;
+        let mut cpu = HashMap::new();
+        for (phase, routed_path) in paths.iter().enumerate().skip(1) {
+            let first_id = 1_000_000 * (phase + 1);
+            let cost = measure_cpu(&router, routed_path, &prompt, &args, first_id).await?;
+            cpu.insert(routed_path.0, cost);
+        }
 
         let base = summary(&latencies["baseline"]);
         for path in PATHS {
             let s = summary(&latencies[path]);
             let routed_path = path != "baseline";
             println!(
-                "| {} | {path} | {:.3} | {:.3} | {} | {} | {} | {} |",
+                "| {} | {path} | {:.3} | {:.3} | {} | {} | {} | {} | {} |",
                 size_label(size),
                 s.p50,
                 s.p99,
@@ -151,16 +142,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 } else {
                     "–".into()
                 },
-                if routed_path {
-                    format!("{cpu_per_request_us:.1}")
-                } else {
-                    "–".into()
-                },
-                if routed_path {
-                    format!("{mean_pick_us:.1}")
-                } else {
-                    "–".into()
-                },
+                cpu.get(path)
+                    .map_or("–".into(), |c| format!("{:.1}", c.router_us_per_request)),
+                cpu.get(path)
+                    .map_or("–".into(), |c| format!("{:.1}", c.decision_us)),
+                cpu.get(path)
+                    .map_or("–".into(), |c| format!("{:.1}", c.mean_pick_us)),
             );
             results.push(serde_json::json!({
                 "prompt_bytes": size,
@@ -170,19 +157,17 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 "p99_ms": s.p99,
                 "added_p50_ms": routed_path.then_some(s.p50 - base.p50),
                 "added_p99_ms": routed_path.then_some(s.p99 - base.p99),
+                "router_cpu_us_per_request": cpu.get(path).map(|c| c.router_us_per_request),
+                "router_cpu_busy_s": cpu.get(path).map(|c| c.busy_s),
+                "router_cpu_idle_s": cpu.get(path).map(|c| c.idle_s),
+                "decision_cpu_us": cpu.get(path).map(|c| c.decision_us),
+                "mean_pick_us": cpu.get(path).map(|c| c.mean_pick_us),
             }));
         }
-        results.push(serde_json::json!({
-            "prompt_bytes": size,
-            "router_cpu_us_per_request": cpu_per_request_us,
-            "router_cpu_busy_s": cpu_busy,
-            "router_cpu_idle_s": cpu_idle,
-            "mean_pick_us": mean_pick_us,
-        }));
     }
     println!(
-        "\nrate {} req/s per path, {} requests per path and size, paths interleaved; \
-         router CPU counts buffered and full-duplex requests together; router flags {:?}.",
+        "\nrate {} req/s per path, {} requests per path and size; latency with the paths \
+         interleaved, CPU with each routed path alone; router flags {:?}.",
         args.rate, args.requests, args.router_args
     );
     if let Some(path) = &args.json {
@@ -192,22 +177,23 @@ async fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Sends `requests` per path at `rate` per path, open loop, round-robin over the paths.
+/// Sends `requests` per path at `rate` per path, open loop, round-robin over the paths; request
+/// bodies are numbered from `first_id`, so that no two phases send the same prompt.
 async fn measure(
-    clients: &[Client],
+    paths: &[(&'static str, Client)],
     prompt: &str,
     args: &Args,
+    first_id: usize,
 ) -> anyhow::Result<HashMap<&'static str, Vec<f64>>> {
-    let interval = Duration::from_secs_f64(1.0 / (args.rate * clients.len() as f64));
+    let interval = Duration::from_secs_f64(1.0 / (args.rate * paths.len() as f64));
     let results: Arc<Mutex<HashMap<&'static str, Vec<f64>>>> = Arc::default();
     let mut tasks = tokio::task::JoinSet::new();
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-    for i in 0..args.requests * clients.len() {
+    for i in 0..args.requests * paths.len() {
         ticker.tick().await;
-        let path = PATHS[i % clients.len()];
-        let client = clients[i % clients.len()].clone();
-        let body = body(prompt, 1_000_000 + i);
+        let (path, client) = paths[i % paths.len()].clone();
+        let body = body(prompt, first_id + i);
         let results = Arc::clone(&results);
         tasks.spawn(async move {
             let started = Instant::now();
@@ -222,6 +208,51 @@ async fn measure(
     }
     let results = std::mem::take(&mut *results.lock());
     Ok(results)
+}
+
+/// What one routed path costs the router, per request.
+struct CpuCost {
+    router_us_per_request: f64,
+    busy_s: f64,
+    idle_s: f64,
+    decision_us: f64,
+    mean_pick_us: f64,
+}
+
+/// Router CPU of `requests` requests on one path alone (at `rate`), less the idle CPU of a
+/// window as long; and the decisions' own CPU and wall-clock means from the router's metrics.
+async fn measure_cpu(
+    router: &RouterProcess,
+    path: &(&'static str, Client),
+    prompt: &str,
+    args: &Args,
+    first_id: usize,
+) -> anyhow::Result<CpuCost> {
+    let picks_before = pick_stats(router.admin).await?;
+    let cpu_before = process_cpu(router.pid)?;
+    let started = Instant::now();
+    measure(std::slice::from_ref(path), prompt, args, first_id).await?;
+    let window = started.elapsed();
+    let busy_s = process_cpu(router.pid)? - cpu_before;
+    let picks_after = pick_stats(router.admin).await?;
+    let idle_before = process_cpu(router.pid)?;
+    tokio::time::sleep(window).await;
+    let idle_s = process_cpu(router.pid)? - idle_before;
+    let picks = picks_after.count - picks_before.count;
+    let per_pick = |after: f64, before: f64| {
+        if picks > 0.0 {
+            (after - before) / picks * 1e6
+        } else {
+            f64::NAN
+        }
+    };
+    Ok(CpuCost {
+        router_us_per_request: (busy_s - idle_s).max(0.0) / args.requests as f64 * 1e6,
+        busy_s,
+        idle_s,
+        decision_us: per_pick(picks_after.cpu_s, picks_before.cpu_s),
+        mean_pick_us: per_pick(picks_after.wall_s, picks_before.wall_s),
+    })
 }
 
 struct Summary {
@@ -413,8 +444,16 @@ async fn wait_ready(admin: SocketAddr) -> anyhow::Result<()> {
     bail!("envoy at {admin} never became ready")
 }
 
-/// `llmgw_pick_duration_seconds` (sum, count).
-async fn pick_stats(admin: SocketAddr) -> anyhow::Result<(f64, f64)> {
+/// The router's decision totals so far.
+struct PickStats {
+    count: f64,
+    /// `llmgw_pick_duration_seconds_sum`.
+    wall_s: f64,
+    /// `llmgw_pick_cpu_seconds_sum`.
+    cpu_s: f64,
+}
+
+async fn pick_stats(admin: SocketAddr) -> anyhow::Result<PickStats> {
     let (_, text) = Client::new(admin).get("/metrics").await?;
     let text = String::from_utf8_lossy(&text);
     let value = |name: &str| {
@@ -425,10 +464,11 @@ async fn pick_stats(admin: SocketAddr) -> anyhow::Result<(f64, f64)> {
             })
             .unwrap_or(0.0)
     };
-    Ok((
-        value("llmgw_pick_duration_seconds_sum "),
-        value("llmgw_pick_duration_seconds_count "),
-    ))
+    Ok(PickStats {
+        count: value("llmgw_pick_duration_seconds_count "),
+        wall_s: value("llmgw_pick_duration_seconds_sum "),
+        cpu_s: value("llmgw_pick_cpu_seconds_sum "),
+    })
 }
 
 /// CPU seconds used by every thread of `pid` so far (`/proc/<pid>/task/*/schedstat`, ns).
