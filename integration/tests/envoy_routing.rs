@@ -147,6 +147,13 @@ async fn default_config_obeys_picks_ignores_spoofing_and_fails_open() {
     picks_spoofing_and_failover("envoy.yaml", &[], false).await;
 }
 
+/// `--worker-threads 1`: the whole router (ext_proc, health checks, scrapes, admin) on tokio's
+/// current-thread scheduler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_config_on_one_router_thread() {
+    picks_spoofing_and_failover("envoy.yaml", &["--worker-threads", "1"], false).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn original_dst_config_obeys_picks_ignores_spoofing_and_fails_open() {
     // Full duplex fails open only while Envoy knows llmgw is down (see the configuration).
