@@ -15,6 +15,10 @@
 //! Per policy: TTFT percentiles of the requests sent after the warm-up, the sims' own prefix
 //! cache hit rate (`vllm:prefix_cache_*` deltas) over the same span, throughput, and the
 //! router's (and Envoy's) CPU per request from `/proc/PID/stat`.
+//!
+//! Last, the hit-rate ceiling: the same conversations at the same instants sent straight to one
+//! more sim whose cache never evicts (and without the latency model), so that every prefix any
+//! earlier request computed is still there. No router can beat its hit rate.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -101,6 +105,9 @@ struct Args {
     /// Where the report, the TTFT samples and Envoy configs go.
     #[arg(long, default_value = "target/bench-routing")]
     out_dir: PathBuf,
+    /// Skip the hit-rate ceiling run (one sim with an unbounded cache) at the end.
+    #[arg(long)]
+    no_ceiling: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -197,10 +204,27 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 
+    let ceiling = if args.no_ceiling {
+        String::new()
+    } else {
+        println!("\n== hit-rate ceiling: one sim whose cache never evicts ==");
+        let ceiling = measure_ceiling(&args, rate, &http).await?;
+        let line = match ceiling.hit_rate {
+            Some(hit_rate) => format!(
+                "Hit-rate ceiling: {:.1} % (the same conversations at the same instants, straight \
+                 to one sim whose cache never evicts; no router can do better).\n",
+                hit_rate * 100.0
+            ),
+            None => "Hit-rate ceiling: no requests measured.\n".to_string(),
+        };
+        println!("{line}");
+        line
+    };
+
     let table = markdown_table(&reports);
     let machine_after = machine_state();
     let report = format!(
-        "{table}\n{calibration}; {} replicas × {} blocks; {} tenants, {} turns per \
+        "{table}\n{ceiling}{calibration}; {} replicas × {} blocks; {} tenants, {} turns per \
          conversation; {} s per policy, first {} s not measured; seed {}; llmgw-router extra \
          flags {:?}.\n\
          machine before: {machine_before}\nmachine after: {machine_after}\n{}",
@@ -263,6 +287,44 @@ fn start_sims(args: &Args) -> Vec<SimHandle> {
             spawn_sim_with_env(sim_args, [("PYTHONHASHSEED", SEED)])
         })
         .collect()
+}
+
+/// The workload at `rate` straight to one sim with room for every block the run computes and
+/// no latency model: the most any router could get from the replicas' prefix caches.
+async fn measure_ceiling(
+    args: &Args,
+    rate: f64,
+    http: &reqwest::Client,
+) -> anyhow::Result<PolicyReport> {
+    // The same context limit as the measured sims, so that the same requests are refused.
+    let max_model_len = ((args.blocks_per_replica.saturating_sub(1)) * BLOCK_SIZE)
+        .min(8192)
+        .to_string();
+    let block_size = BLOCK_SIZE.to_string();
+    let sim_args: Vec<&str> = vec![
+        "--served-model-name",
+        MODEL,
+        "--block-size",
+        &block_size,
+        "--num-gpu-blocks-override",
+        "1000000",
+        "--max-model-len",
+        &max_model_len,
+        "--sim-no-latency",
+    ];
+    let sim = spawn_sim_with_env(sim_args, [("PYTHONHASHSEED", SEED)]);
+    let stack = Stack {
+        url: sim.url(),
+        llmgw_admin: None,
+        router_pids: Vec::new(),
+        envoy_pid: None,
+        _guards: Vec::new(),
+    };
+    let sims = std::slice::from_ref(&sim);
+    let (report, _, _) = measure_policy(Policy::RoundRobin, &stack, args, rate, sims, http)
+        .await
+        .context("measuring the hit-rate ceiling")?;
+    Ok(report)
 }
 
 /// Requests per second the sims complete under Envoy round robin with many conversations in
