@@ -36,9 +36,9 @@ struct ServeCommand {
     #[command(flatten)]
     telemetry: TelemetryArgs,
     /// Threads that run the router's async work (default: one per core). 1 runs everything on
-    /// one thread (tokio's current-thread scheduler): no wake-ups between threads, so the least
-    /// CPU and latency per request for a router that needs less than a core; more threads for
-    /// more requests per second than one core can route.
+    /// one thread (tokio's current-thread scheduler): no wake-ups between threads, so less CPU
+    /// per request for a router that needs less than a core; more threads for more requests
+    /// per second than one core can route.
     #[arg(long, env = "LLMGW_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..))]
     worker_threads: Option<u16>,
 }

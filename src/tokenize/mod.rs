@@ -442,8 +442,7 @@ impl Tokenizer {
                 Arc::clone(&self.cache),
                 Arc::clone(&self.stats),
             );
-            move || -> Result<(Tokens, Duration), TokenizeError> {
-                let cpu = ThreadCpu::start();
+            move || -> Result<Tokens, TokenizeError> {
                 let tokens: Tokens = input
                     .encode(&local.tokenizer)
                     .map_err(|e| TokenizeError::Call {
@@ -453,22 +452,26 @@ impl Tokenizer {
                     .into();
                 stats.local.fetch_add(1, Ordering::Relaxed);
                 cache.lock().insert(key, Arc::clone(&tokens));
-                Ok((tokens, cpu.elapsed()))
+                Ok(tokens)
             }
         };
         let tokens = if body.len() <= LOCAL_INLINE_BYTES {
-            job()?.0
+            job()?
         } else {
             // Long inputs take milliseconds (a 1 MB prompt, a quarter second): off the
             // runtime's workers, and under the same deadline as a /tokenize call. A late answer
             // still fills the cache.
-            match tokio::time::timeout(self.config.deadline, tokio::task::spawn_blocking(job)).await
+            let timed_job = move || {
+                let cpu = ThreadCpu::start();
+                (job(), cpu.elapsed())
+            };
+            match tokio::time::timeout(self.config.deadline, tokio::task::spawn_blocking(timed_job))
+                .await
             {
-                Ok(Ok(result)) => {
-                    let (tokens, cpu) = result?;
+                Ok(Ok((result, cpu))) => {
                     // This decision's CPU, though another thread spent it.
                     cputime::charge_offloaded(cpu);
-                    tokens
+                    result?
                 }
                 Ok(Err(join)) => {
                     return Err(TokenizeError::Call {

@@ -430,10 +430,18 @@ async fn a_long_prompt_is_tokenized_off_the_runtime_under_the_deadline() {
     assert_eq!(&got[..], &want[..]);
     assert_eq!(t.stats().cache_hits.load(Ordering::Relaxed), 1);
     assert_eq!(t.stats().timeouts.load(Ordering::Relaxed), 1);
-    // With time enough, the blocking pool's answer comes back directly.
+    // With time enough, the blocking pool's answer comes back directly, and its CPU time is
+    // charged to the decision awaiting it (the awaiting thread itself does almost nothing).
+    let direct = crate::cputime::ThreadCpu::start();
+    local.encode_prompt(&prompt).expect("encodes");
+    let direct = direct.elapsed();
     let generous = tokenizer(30_000).with_local("m", local);
-    let got = generous.tokens(&request, &[]).await.expect("tokens");
-    assert_eq!(&got[..], &want[..]);
+    let (got, spent) = crate::cputime::CpuTimed::new(generous.tokens(&request, &[])).await;
+    assert_eq!(&got.expect("tokens")[..], &want[..]);
+    assert!(
+        spent >= direct / 2,
+        "charged {spent:?}, encoding takes {direct:?}"
+    );
 }
 
 mod piecewise {
