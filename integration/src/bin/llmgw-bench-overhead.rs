@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Parser;
+use llmgw_integration::routing_bench::plain_envoy_config;
 use llmgw_integration::{
     ChildGuard, bin_path, envoy_bin, free_port, repo_root, retarget_envoy_config, spawn_sim,
 };
@@ -346,56 +347,12 @@ fn repo_config(name: &str) -> anyhow::Result<String> {
     std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))
 }
 
-/// Envoy → replicas, round robin, nothing in between: the same listener, buffer limits and
-/// cluster as `envoy/envoy.yaml`, without the ext_proc filter.
+/// Envoy → replicas, round robin, nothing in between: the routing bench's plain Envoy (the same
+/// listener, buffer limits and cluster as `envoy/envoy.yaml`, without the ext_proc filter), on
+/// the default ports, which `start_envoy` moves.
 fn baseline_config() -> String {
-    r#"
-admin:
-  address:
-    socket_address: {address: 127.0.0.1, port_value: 9901}
-static_resources:
-  listeners:
-  - name: llm
-    address:
-      socket_address: {address: 127.0.0.1, port_value: 10000}
-    per_connection_buffer_limit_bytes: 33554432
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: llm
-          codec_type: AUTO
-          route_config:
-            name: llm
-            virtual_hosts:
-            - name: llm
-              domains: ["*"]
-              routes:
-              - match: {prefix: "/"}
-                route: {cluster: vllm_replicas, timeout: 0s}
-          http_filters:
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: vllm_replicas
-    type: STATIC
-    connect_timeout: 1s
-    lb_policy: ROUND_ROBIN
-    per_connection_buffer_limit_bytes: 33554432
-    load_assignment:
-      cluster_name: vllm_replicas
-      endpoints:
-      - lb_endpoints:
-        - endpoint:
-            address:
-              socket_address: {address: 127.0.0.1, port_value: 8001}
-        - endpoint:
-            address:
-              socket_address: {address: 127.0.0.1, port_value: 8002}
-"#
-    .to_string()
+    let defaults = [8001, 8002].map(|port| SocketAddr::from(([127, 0, 0, 1], port)));
+    plain_envoy_config("ROUND_ROBIN", 10000, 9901, &defaults)
 }
 
 fn start_envoy(
