@@ -103,10 +103,11 @@ run-stack: $(ENVOY)
 
 # Latency llmgw adds (Envoy → llmgw → replica over Envoy → replica, round robin; 8 KB and
 # 200 KB prompts, BUFFERED and FULL_DUPLEX_STREAMED) and router CPU per request.
+# `make bench-overhead BENCH_OVERHEAD_ARGS="--uds --sizes 8192"` (llmgw-bench-overhead --help).
 .PHONY: bench-overhead
 bench-overhead: $(ENVOY)
 	$(CARGO) build --release --workspace --bins
-	target/release/llmgw-bench-overhead --json target/bench-overhead.json
+	target/release/llmgw-bench-overhead --json target/bench-overhead.json $(BENCH_OVERHEAD_ARGS)
 
 # Router and agent memory and CPU, and routing-decision latency, at 4, 64 and 256 replicas:
 # synthetic engines (vLLM-format KV events on ZMQ, idle /health and /metrics) in the bench

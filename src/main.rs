@@ -107,6 +107,11 @@ fn serve(command: &ServeCommand) -> anyhow::Result<()> {
              --k8s-service MODEL=NAMESPACE/SERVICE:PORT"
         );
     }
+    let uds = settings
+        .grpc_uds
+        .as_ref()
+        .map(|path| format!(" grpc_uds={}", path.display()))
+        .unwrap_or_default();
     runtime.block_on(llmgw::app::serve(settings, shutdown_signal(), |bound| {
         // Tests and scripts read this line to learn the ports (useful with port 0).
         let health = bound
@@ -114,7 +119,7 @@ fn serve(command: &ServeCommand) -> anyhow::Result<()> {
             .map(|addr| format!(" grpc_health={addr}"))
             .unwrap_or_default();
         println!(
-            "llmgw-router listening grpc={} admin={} feed={}{health}",
+            "llmgw-router listening grpc={} admin={} feed={}{health}{uds}",
             bound.grpc, bound.admin, bound.feed
         );
     }))?;

@@ -88,6 +88,18 @@ pub fn retarget_envoy_config(
         )
 }
 
+/// An Envoy configuration whose `llmgw` cluster reaches the router over the Unix socket `socket`
+/// (the router's `--grpc-uds`) instead of TCP port 9002.
+pub fn envoy_config_over_uds(text: &str, socket: &std::path::Path) -> String {
+    const TCP: &str = "socket_address: {address: 127.0.0.1, port_value: 9002}";
+    assert_eq!(
+        text.matches(TCP).count(),
+        1,
+        "expected one llmgw endpoint at 127.0.0.1:9002"
+    );
+    text.replace(TCP, &format!("pipe: {{path: {}}}", socket.display()))
+}
+
 /// A loopback address with a free port.
 pub fn free_addr() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], free_port()))

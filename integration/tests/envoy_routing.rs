@@ -7,12 +7,13 @@
 mod router_support;
 
 use std::collections::HashSet;
+use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::StreamExt;
-use llmgw_integration::{envoy_bin, free_port, repo_root};
+use llmgw_integration::{envoy_bin, envoy_config_over_uds, free_port, repo_root};
 use router_support::*;
 
 #[test]
@@ -44,22 +45,34 @@ fn every_envoy_config_in_the_repo_validates() {
 /// Replica `a` serves `tiny`; replica `b` serves `tiny` and `other`, but the router is told
 /// only `other=b`. So with llmgw up, `tiny` must always land on `a` and `other` on `b` (Envoy's
 /// own balancing would spread them); with llmgw down, anything lands anywhere and succeeds.
+///
+/// With `uds`, the router also listens on that Unix socket and Envoy reaches it only there.
 async fn picks_spoofing_and_failover(
     config: &str,
     router_flags: &[&str],
     envoy_checks_llmgw: bool,
+    uds: Option<&Path>,
 ) {
     let a = sim("a", &["tiny"], 0, &[]);
     let b = sim("b", &["tiny", "other"], 0, &[]);
     let evil = echo_server("evil").await;
     let grpc = free_port();
+    let mut flags: Vec<&str> = router_flags.to_vec();
+    let uds_flag = uds.map(|path| path.to_str().expect("utf-8 socket path"));
+    if let Some(path) = uds_flag {
+        flags.extend(["--grpc-uds", path]);
+    }
     let router = start_router(
         grpc,
         &[format!("tiny={}", a.addr), format!("other={}", b.addr)],
-        router_flags,
+        &flags,
     );
     router.wait_healthy(&[a.addr, b.addr]).await;
-    let envoy = start_envoy(config, grpc, [a.addr, b.addr]).await;
+    let envoy = start_envoy_with(config, grpc, [a.addr, b.addr], |text| match uds {
+        Some(path) => envoy_config_over_uds(&text, path),
+        None => text,
+    })
+    .await;
     if envoy_checks_llmgw {
         envoy.wait_llmgw_marked_up().await;
     }
@@ -144,25 +157,37 @@ async fn picks_spoofing_and_failover(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn default_config_obeys_picks_ignores_spoofing_and_fails_open() {
-    picks_spoofing_and_failover("envoy.yaml", &[], false).await;
+    picks_spoofing_and_failover("envoy.yaml", &[], false, None).await;
+}
+
+/// `--grpc-uds`: Envoy's llmgw cluster is a `pipe` address, the router's TCP port unused; a
+/// stale socket file left by an earlier (killed) run is replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_config_over_a_unix_socket() {
+    let socket = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("llmgw-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&socket);
+    drop(std::os::unix::net::UnixListener::bind(&socket).expect("a stale socket"));
+    picks_spoofing_and_failover("envoy.yaml", &[], false, Some(&socket)).await;
+    let _ = std::fs::remove_file(&socket);
 }
 
 /// `--worker-threads 1`: the whole router (ext_proc, health checks, scrapes, admin) on tokio's
 /// current-thread scheduler.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn default_config_on_one_router_thread() {
-    picks_spoofing_and_failover("envoy.yaml", &["--worker-threads", "1"], false).await;
+    picks_spoofing_and_failover("envoy.yaml", &["--worker-threads", "1"], false, None).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn original_dst_config_obeys_picks_ignores_spoofing_and_fails_open() {
     // Full duplex fails open only while Envoy knows llmgw is down (see the configuration).
-    picks_spoofing_and_failover("envoy-original-dst.yaml", &["--fallbacks", "0"], true).await;
+    picks_spoofing_and_failover("envoy-original-dst.yaml", &["--fallbacks", "0"], true, None).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gie_config_obeys_picks_ignores_spoofing_and_fails_open() {
-    picks_spoofing_and_failover("envoy-gie.yaml", &[], true).await;
+    picks_spoofing_and_failover("envoy-gie.yaml", &[], true, None).await;
 }
 
 /// The value of one sample line of a Prometheus text, 0 when absent.

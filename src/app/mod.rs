@@ -9,11 +9,13 @@
 //! together on the shutdown signal; the background tasks are aborted when [`serve`] returns.
 
 use std::net::SocketAddr;
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use thiserror::Error;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, UnixListener};
 use tokio::task::JoinSet;
 use tonic_health::ServingStatus;
 
@@ -45,6 +47,12 @@ pub enum ServeError {
     #[error("cannot listen on {addr}: {source}")]
     Bind {
         addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot listen on Unix socket {}: {source}", path.display())]
+    BindUnix {
+        path: std::path::PathBuf,
         #[source]
         source: std::io::Error,
     },
@@ -195,6 +203,7 @@ pub async fn serve(
         Some(addr) => Some((bind(addr).await?, addr)),
         None => None,
     };
+    let uds_listener = settings.grpc_uds.as_deref().map(bind_unix).transpose()?;
     let admin_listener = bind(settings.admin_addr).await?;
     let feed_listener = bind(settings.feed_addr).await?;
     let bound = BoundAddrs {
@@ -223,6 +232,7 @@ pub async fn serve(
     });
     let mut grpc_stop = stop_rx.clone();
     let mut admin_stop = stop_rx.clone();
+    let mut uds_stop = stop_rx.clone();
 
     // Kubernetes gRPC probes on their own port: the same health services, nothing else.
     let health_only = health_listener.map(|(listener, _)| {
@@ -244,11 +254,27 @@ pub async fn serve(
     // TCP_NODELAY must be set on the accepted sockets here: tonic ignores `Server::tcp_nodelay`
     // for a caller-supplied listener, and with Nagle on, an answer written while an earlier small
     // write (a WINDOW_UPDATE, the header answer) is unacknowledged waits for Envoy's delayed ACK.
+    let ext_proc = ext_proc.into_server();
+    // The same services on the Unix socket, for an Envoy beside the router.
+    let uds = uds_listener.map(|(listener, path)| {
+        let server = tonic::transport::Server::builder()
+            .initial_stream_window_size(Some(GRPC_STREAM_WINDOW))
+            .initial_connection_window_size(Some(GRPC_CONNECTION_WINDOW))
+            .add_service(health_service.clone())
+            .add_service(ext_proc.clone())
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::UnixListenerStream::new(listener),
+                async move {
+                    let _ = uds_stop.wait_for(|stop| *stop).await;
+                },
+            );
+        (tokio::spawn(server), path)
+    });
     let grpc = tonic::transport::Server::builder()
         .initial_stream_window_size(Some(GRPC_STREAM_WINDOW))
         .initial_connection_window_size(Some(GRPC_CONNECTION_WINDOW))
         .add_service(health_service)
-        .add_service(ext_proc.into_server())
+        .add_service(ext_proc)
         .serve_with_incoming_shutdown(
             tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
             async move {
@@ -272,6 +298,13 @@ pub async fn serve(
     feed.shutdown();
     feed_task.abort();
     background.abort_all();
+    if let Some((uds, path)) = uds {
+        match uds.await {
+            Ok(result) => result?,
+            Err(error) => tracing::warn!(%error, "gRPC Unix-socket server task failed"),
+        }
+        let _ = std::fs::remove_file(&path);
+    }
     if let Some(health_only) = health_only {
         match health_only.await {
             Ok(result) => result?,
@@ -287,6 +320,26 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener, ServeError> {
     TcpListener::bind(addr)
         .await
         .map_err(|source| ServeError::Bind { addr, source })
+}
+
+/// Binds a Unix socket at `path`, first removing a socket file left there by an earlier run (but
+/// never a file of another kind).
+fn bind_unix(path: &Path) -> Result<(UnixListener, PathBuf), ServeError> {
+    let error = |source| ServeError::BindUnix {
+        path: path.to_owned(),
+        source,
+    };
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(error(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "a file that is not a socket is in the way",
+            )));
+        }
+        std::fs::remove_file(path).map_err(error)?;
+    }
+    let listener = UnixListener::bind(path).map_err(error)?;
+    Ok((listener, path.to_owned()))
 }
 
 fn local_addr(listener: &TcpListener, addr: SocketAddr) -> Result<SocketAddr, ServeError> {

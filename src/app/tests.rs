@@ -389,3 +389,48 @@ async fn a_health_only_port_and_the_inference_pool_identity() {
     let _ = stop_tx.send(());
     server.await.unwrap().unwrap();
 }
+
+/// `--grpc-uds`: listening once bound, the socket file removed on shutdown; a file of another
+/// kind in the way is an error naming the path, and is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_socket_listener_and_what_is_in_its_way() {
+    let replica = fake_replica(Arc::new(AtomicBool::new(true))).await;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("llmgw.sock");
+    let settings = |uds: &Path| {
+        Settings::resolve(&ServeArgs {
+            replicas: vec![format!("tiny={replica}")],
+            grpc_addr: Some("127.0.0.1:0".parse().unwrap()),
+            admin_addr: Some("127.0.0.1:0".parse().unwrap()),
+            feed_addr: Some("127.0.0.1:0".parse().unwrap()),
+            grpc_uds: Some(uds.to_owned()),
+            ..ServeArgs::default()
+        })
+        .unwrap()
+    };
+    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve(
+        settings(&socket),
+        async move {
+            let _ = stop_rx.await;
+        },
+        move |bound| {
+            let _ = bound_tx.send(bound);
+        },
+    ));
+    bound_rx.await.unwrap();
+    std::os::unix::net::UnixStream::connect(&socket).expect("listening on the socket");
+    stop_tx.send(()).unwrap();
+    server.await.unwrap().unwrap();
+    assert!(!socket.exists(), "socket file left behind");
+
+    let in_the_way = dir.path().join("notes.txt");
+    std::fs::write(&in_the_way, "keep me").unwrap();
+    let error = serve(settings(&in_the_way), std::future::pending(), |_| {})
+        .await
+        .expect_err("a regular file is in the way");
+    assert!(matches!(error, ServeError::BindUnix { .. }), "{error}");
+    assert!(error.to_string().contains("notes.txt"), "{error}");
+    assert_eq!(std::fs::read_to_string(&in_the_way).unwrap(), "keep me");
+}

@@ -114,6 +114,11 @@ pub struct ServeArgs {
     /// ext_proc port too).
     #[arg(long, env = "LLMGW_GRPC_HEALTH_PORT")]
     pub grpc_health_port: Option<u16>,
+    /// Also serve ext_proc (and the gRPC health services) on this Unix socket, for an Envoy on
+    /// the same host or in the same pod (a `pipe` address in its cluster): no TCP stack between
+    /// them. A stale socket file there is replaced.
+    #[arg(long, env = "LLMGW_GRPC_UDS")]
+    pub grpc_uds: Option<PathBuf>,
     /// Replicas from a Kubernetes Service, repeatable: MODEL=NAMESPACE/SERVICE:PORT. The ready
     /// endpoints of the Service's EndpointSlices, at the pods' vLLM PORT, with their nodes;
     /// needs RBAC to list endpointslices (discovery.k8s.io) in NAMESPACE.
@@ -245,6 +250,7 @@ pub struct ServeArgs {
 pub struct FileConfig {
     pub grpc_addr: Option<SocketAddr>,
     pub grpc_health_addr: Option<SocketAddr>,
+    pub grpc_uds: Option<PathBuf>,
     pub admin_addr: Option<SocketAddr>,
     pub pool_name: Option<String>,
     pub pool_namespace: Option<String>,
@@ -315,6 +321,8 @@ pub struct Settings {
     pub grpc_addr: SocketAddr,
     /// A listener serving only the gRPC health services, if wanted.
     pub grpc_health_addr: Option<SocketAddr>,
+    /// A Unix socket serving what `grpc_addr` serves, if wanted.
+    pub grpc_uds: Option<PathBuf>,
     pub admin_addr: SocketAddr,
     /// The InferencePool this router picks for, if named.
     pub pool: Option<PoolIdentity>,
@@ -421,6 +429,7 @@ impl Settings {
                 .k8s_poll_interval
                 .or(file.k8s_poll_interval)
                 .unwrap_or(Duration::from_secs(5)),
+            grpc_uds: args.grpc_uds.clone().or(file.grpc_uds.clone()),
             grpc_health_addr: args
                 .grpc_health_port
                 .map(every_interface)

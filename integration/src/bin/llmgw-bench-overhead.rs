@@ -29,7 +29,8 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use llmgw_integration::routing_bench::plain_envoy_config;
 use llmgw_integration::{
-    ChildGuard, bin_path, envoy_bin, free_port, repo_root, retarget_envoy_config, spawn_sim,
+    ChildGuard, bin_path, envoy_bin, envoy_config_over_uds, free_port, repo_root,
+    retarget_envoy_config, spawn_sim,
 };
 use parking_lot::Mutex;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -57,6 +58,9 @@ struct Args {
     /// load-based picking alone (no tokenization for the prefix slot).
     #[arg(long = "router-arg", allow_hyphen_values = true)]
     router_args: Vec<String>,
+    /// Envoy reaches the router over a Unix socket (`llmgw-router --grpc-uds`) instead of TCP.
+    #[arg(long)]
+    uds: bool,
 }
 
 const PATHS: [&str; 3] = ["baseline", "buffered", "full_duplex"];
@@ -84,14 +88,30 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let replicas = [sims[0].addr, sims[1].addr];
 
     let grpc_port = free_port();
-    let router = start_router(grpc_port, &replicas, &args.router_args)?;
+    let socket = args
+        .uds
+        .then(|| std::env::temp_dir().join(format!("llmgw-bench-{}.sock", std::process::id())));
+    let mut router_args = args.router_args.clone();
+    if let Some(socket) = &socket {
+        router_args.extend(["--grpc-uds".to_owned(), socket.display().to_string()]);
+    }
+    let router = start_router(grpc_port, &replicas, &router_args)?;
     tokio::time::sleep(Duration::from_millis(1500)).await;
+    let to_router = |config: String| match &socket {
+        Some(socket) => envoy_config_over_uds(&config, socket),
+        None => config,
+    };
 
     let baseline = start_envoy("baseline", &baseline_config(), replicas, grpc_port)?;
-    let buffered = start_envoy("buffered", &repo_config("envoy.yaml")?, replicas, grpc_port)?;
+    let buffered = start_envoy(
+        "buffered",
+        &to_router(repo_config("envoy.yaml")?),
+        replicas,
+        grpc_port,
+    )?;
     let full_duplex = start_envoy(
         "full_duplex",
-        &repo_config("envoy-original-dst.yaml")?,
+        &to_router(repo_config("envoy-original-dst.yaml")?),
         replicas,
         grpc_port,
     )?;
@@ -168,8 +188,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     println!(
         "\nrate {} req/s per path, {} requests per path and size; latency with the paths \
-         interleaved, CPU with each routed path alone; router flags {:?}.",
-        args.rate, args.requests, args.router_args
+         interleaved, CPU with each routed path alone; Envoy to router over {}; router flags \
+         {:?}.",
+        args.rate,
+        args.requests,
+        if args.uds { "a Unix socket" } else { "TCP" },
+        args.router_args
     );
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&results)?)?;

@@ -195,11 +195,21 @@ static CONFIGS: AtomicUsize = AtomicUsize::new(0);
 /// Starts Envoy with `envoy/<config>` rewritten to: the router's gRPC port, fresh listener and
 /// admin ports, and `replicas` as the replica cluster's hosts (replacing 8001 and 8002).
 pub async fn start_envoy(config: &str, grpc_port: u16, replicas: [SocketAddr; 2]) -> EnvoyProcess {
+    start_envoy_with(config, grpc_port, replicas, |text| text).await
+}
+
+/// [`start_envoy`], with `edit` applied to the configuration's text before the ports are moved.
+pub async fn start_envoy_with(
+    config: &str,
+    grpc_port: u16,
+    replicas: [SocketAddr; 2],
+    edit: impl FnOnce(String) -> String,
+) -> EnvoyProcess {
     let text =
         std::fs::read_to_string(repo_root().join("envoy").join(config)).expect("read envoy config");
     let listen = free_port();
     let admin = free_port();
-    let text = retarget_envoy_config(&text, listen, admin, grpc_port, replicas);
+    let text = retarget_envoy_config(&edit(text), listen, admin, grpc_port, replicas);
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("envoy-configs");
     std::fs::create_dir_all(&dir).expect("config dir");
     let path = dir.join(format!(
