@@ -52,7 +52,7 @@ pub enum ServeError {
     },
     #[error("cannot listen on Unix socket {}: {source}", path.display())]
     BindUnix {
-        path: std::path::PathBuf,
+        path: PathBuf,
         #[source]
         source: std::io::Error,
     },
@@ -190,7 +190,8 @@ pub async fn serve(
             destination_header: settings.destination_header.clone(),
             max_body_bytes: settings.max_body_bytes,
         },
-    );
+    )
+    .into_server();
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
@@ -251,36 +252,32 @@ pub async fn serve(
 
     // BUFFERED bodies arrive as one message: with h2's default 64 KiB stream window a 200 KB
     // prompt would wait for several WINDOW_UPDATE round trips. Envoy's own windows are large.
-    // TCP_NODELAY must be set on the accepted sockets here: tonic ignores `Server::tcp_nodelay`
-    // for a caller-supplied listener, and with Nagle on, an answer written while an earlier small
-    // write (a WINDOW_UPDATE, the header answer) is unacknowledged waits for Envoy's delayed ACK.
-    let ext_proc = ext_proc.into_server();
-    // The same services on the Unix socket, for an Envoy beside the router.
-    let uds = uds_listener.map(|(listener, path)| {
-        let server = tonic::transport::Server::builder()
+    let ext_proc_server = || {
+        tonic::transport::Server::builder()
             .initial_stream_window_size(Some(GRPC_STREAM_WINDOW))
             .initial_connection_window_size(Some(GRPC_CONNECTION_WINDOW))
             .add_service(health_service.clone())
             .add_service(ext_proc.clone())
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::UnixListenerStream::new(listener),
-                async move {
-                    let _ = uds_stop.wait_for(|stop| *stop).await;
-                },
-            );
-        (tokio::spawn(server), path)
-    });
-    let grpc = tonic::transport::Server::builder()
-        .initial_stream_window_size(Some(GRPC_STREAM_WINDOW))
-        .initial_connection_window_size(Some(GRPC_CONNECTION_WINDOW))
-        .add_service(health_service)
-        .add_service(ext_proc)
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+    };
+    // The same services on the Unix socket, for an Envoy beside the router.
+    let uds = uds_listener.map(|(listener, path)| {
+        let server = ext_proc_server().serve_with_incoming_shutdown(
+            tokio_stream::wrappers::UnixListenerStream::new(listener),
             async move {
-                let _ = grpc_stop.wait_for(|stop| *stop).await;
+                let _ = uds_stop.wait_for(|stop| *stop).await;
             },
         );
+        (tokio::spawn(server), path)
+    });
+    // TCP_NODELAY must be set on the accepted sockets here: tonic ignores `Server::tcp_nodelay`
+    // for a caller-supplied listener, and with Nagle on, an answer written while an earlier small
+    // write (a WINDOW_UPDATE, the header answer) is unacknowledged waits for Envoy's delayed ACK.
+    let grpc = ext_proc_server().serve_with_incoming_shutdown(
+        tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+        async move {
+            let _ = grpc_stop.wait_for(|stop| *stop).await;
+        },
+    );
     let admin_state = Arc::new(AdminState {
         pool,
         metrics,

@@ -318,3 +318,31 @@ fn kubernetes_services_from_file_and_flags() {
         Err(ConfigError::K8sService(spec)) if spec == "lora=vllm-lora"
     ));
 }
+
+#[test]
+fn the_unix_socket_comes_from_the_flag_or_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_file(&dir, "grpc_uds: /run/llmgw/file.sock\n");
+    let from_file = ServeArgs {
+        config: Some(path.clone()),
+        replicas: vec!["tiny=127.0.0.1:8001".to_string()],
+        ..ServeArgs::default()
+    };
+    assert_eq!(
+        Settings::resolve(&from_file).unwrap().grpc_uds,
+        Some(PathBuf::from("/run/llmgw/file.sock"))
+    );
+    let flag_wins = ServeArgs {
+        grpc_uds: Some(PathBuf::from("/run/llmgw/flag.sock")),
+        ..from_file
+    };
+    assert_eq!(
+        Settings::resolve(&flag_wins).unwrap().grpc_uds,
+        Some(PathBuf::from("/run/llmgw/flag.sock"))
+    );
+    let neither = ServeArgs {
+        replicas: vec!["tiny=127.0.0.1:8001".to_string()],
+        ..ServeArgs::default()
+    };
+    assert_eq!(Settings::resolve(&neither).unwrap().grpc_uds, None);
+}
