@@ -82,6 +82,11 @@ async fn a_chat_follows_its_replica_turn_after_turn_and_the_index_stays_true() {
     let mut owner = None;
     for turn in 0..4 {
         let body = json!({"model": "tiny", "messages": messages, "max_tokens": 8});
+        if turn > 0 {
+            // The previous turn's blocks have reached the router's index (the agent streams
+            // them a few milliseconds after the engine step), so this turn is the index's call.
+            assert!(system::converged(&system, Duration::from_secs(10)).await);
+        }
         let (served, answer) = via_envoy(&system, "/v1/chat/completions", &body).await;
         if let Some(owner) = &owner {
             assert_eq!(&served, owner, "turn {turn}");
