@@ -100,6 +100,32 @@ pub fn envoy_config_over_uds(text: &str, socket: &std::path::Path) -> String {
     text.replace(TCP, &format!("pipe: {{path: {}}}", socket.display()))
 }
 
+/// `envoy/envoy.yaml` with the request body STREAMED and
+/// `send_body_without_waiting_for_header_response`: Envoy sends the headers and the body chunks
+/// without waiting, and llmgw holds the header answer until the body is complete (one round
+/// trip, no echo).
+pub fn envoy_config_streamed_ahead(text: &str) -> String {
+    const BUFFERED: &str = "request_body_mode: BUFFERED";
+    const FAIL_OPEN: &str = "              failure_mode_allow: true\n";
+    assert_eq!(
+        text.matches(BUFFERED).count(),
+        1,
+        "expected one BUFFERED ext_proc filter"
+    );
+    assert_eq!(
+        text.matches(FAIL_OPEN).count(),
+        1,
+        "expected one failure_mode_allow"
+    );
+    text.replace(BUFFERED, "request_body_mode: STREAMED")
+        .replace(
+            FAIL_OPEN,
+            &format!(
+                "{FAIL_OPEN}              send_body_without_waiting_for_header_response: true\n"
+            ),
+        )
+}
+
 /// A loopback address with a free port.
 pub fn free_addr() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], free_port()))

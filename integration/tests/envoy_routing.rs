@@ -13,7 +13,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::StreamExt;
-use llmgw_integration::{envoy_bin, envoy_config_over_uds, free_port, repo_root};
+use llmgw_integration::{
+    envoy_bin, envoy_config_over_uds, envoy_config_streamed_ahead, free_port, repo_root,
+};
 use router_support::*;
 
 #[test]
@@ -46,21 +48,30 @@ fn every_envoy_config_in_the_repo_validates() {
 /// only `other=b`. So with llmgw up, `tiny` must always land on `a` and `other` on `b` (Envoy's
 /// own balancing would spread them); with llmgw down, anything lands anywhere and succeeds.
 ///
-/// With `uds`, the router also listens on that Unix socket and Envoy reaches it only there.
+/// How Envoy is wired to the router, beyond the configuration file.
+#[derive(Clone, Copy)]
+enum Wiring<'a> {
+    /// As the file says.
+    AsIs,
+    /// The router also listens on this Unix socket and Envoy reaches it only there.
+    Uds(&'a Path),
+    /// The body STREAMED with `send_body_without_waiting_for_header_response`.
+    StreamedAhead,
+}
+
 async fn picks_spoofing_and_failover(
     config: &str,
     router_flags: &[&str],
     envoy_checks_llmgw: bool,
-    uds: Option<&Path>,
+    wiring: Wiring<'_>,
 ) {
     let a = sim("a", &["tiny"], 0, &[]);
     let b = sim("b", &["tiny", "other"], 0, &[]);
     let evil = echo_server("evil").await;
     let grpc = free_port();
     let mut flags: Vec<&str> = router_flags.to_vec();
-    let uds_flag = uds.map(|path| path.to_str().expect("utf-8 socket path"));
-    if let Some(path) = uds_flag {
-        flags.extend(["--grpc-uds", path]);
+    if let Wiring::Uds(path) = wiring {
+        flags.extend(["--grpc-uds", path.to_str().expect("utf-8 socket path")]);
     }
     let router = start_router(
         grpc,
@@ -68,9 +79,10 @@ async fn picks_spoofing_and_failover(
         &flags,
     );
     router.wait_healthy(&[a.addr, b.addr]).await;
-    let envoy = start_envoy_with(config, grpc, [a.addr, b.addr], |text| match uds {
-        Some(path) => envoy_config_over_uds(&text, path),
-        None => text,
+    let envoy = start_envoy_with(config, grpc, [a.addr, b.addr], |text| match wiring {
+        Wiring::AsIs => text,
+        Wiring::Uds(path) => envoy_config_over_uds(&text, path),
+        Wiring::StreamedAhead => envoy_config_streamed_ahead(&text),
     })
     .await;
     if envoy_checks_llmgw {
@@ -157,7 +169,14 @@ async fn picks_spoofing_and_failover(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn default_config_obeys_picks_ignores_spoofing_and_fails_open() {
-    picks_spoofing_and_failover("envoy.yaml", &[], false, None).await;
+    picks_spoofing_and_failover("envoy.yaml", &[], false, Wiring::AsIs).await;
+}
+
+/// STREAMED with `send_body_without_waiting_for_header_response`: the pick rides on the held
+/// header answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_ahead_config_obeys_picks_ignores_spoofing_and_fails_open() {
+    picks_spoofing_and_failover("envoy.yaml", &[], false, Wiring::StreamedAhead).await;
 }
 
 /// `--grpc-uds`: Envoy's llmgw cluster is a `pipe` address, the router's TCP port unused; a
@@ -168,7 +187,7 @@ async fn default_config_over_a_unix_socket() {
         .join(format!("llmgw-{}.sock", std::process::id()));
     let _ = std::fs::remove_file(&socket);
     drop(std::os::unix::net::UnixListener::bind(&socket).expect("a stale socket"));
-    picks_spoofing_and_failover("envoy.yaml", &[], false, Some(&socket)).await;
+    picks_spoofing_and_failover("envoy.yaml", &[], false, Wiring::Uds(&socket)).await;
     let _ = std::fs::remove_file(&socket);
 }
 
@@ -176,18 +195,30 @@ async fn default_config_over_a_unix_socket() {
 /// current-thread scheduler.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn default_config_on_one_router_thread() {
-    picks_spoofing_and_failover("envoy.yaml", &["--worker-threads", "1"], false, None).await;
+    picks_spoofing_and_failover(
+        "envoy.yaml",
+        &["--worker-threads", "1"],
+        false,
+        Wiring::AsIs,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn original_dst_config_obeys_picks_ignores_spoofing_and_fails_open() {
     // Full duplex fails open only while Envoy knows llmgw is down (see the configuration).
-    picks_spoofing_and_failover("envoy-original-dst.yaml", &["--fallbacks", "0"], true, None).await;
+    picks_spoofing_and_failover(
+        "envoy-original-dst.yaml",
+        &["--fallbacks", "0"],
+        true,
+        Wiring::AsIs,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gie_config_obeys_picks_ignores_spoofing_and_fails_open() {
-    picks_spoofing_and_failover("envoy-gie.yaml", &[], true, None).await;
+    picks_spoofing_and_failover("envoy-gie.yaml", &[], true, Wiring::AsIs).await;
 }
 
 /// The value of one sample line of a Prometheus text, 0 when absent.
@@ -553,4 +584,61 @@ async fn full_duplex_streamed_returns_the_body_byte_for_byte() {
     assert_eq!(response.status().as_u16(), 200);
     let text = response.text().await.expect("SSE body");
     assert!(text.contains("[DONE]"), "{text}");
+}
+
+/// STREAMED with `send_body_without_waiting_for_header_response`: a body of many chunks reaches
+/// the picked replica unchanged (llmgw answers each chunk without touching it), and the pick
+/// waited for the whole body (the model is read from its end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_ahead_passes_a_large_body_unchanged() {
+    let a = sim("a", &["tiny"], 0, &[]);
+    let echo = echo_server("echo").await;
+    let grpc = free_port();
+    let router = start_router(
+        grpc,
+        &[format!("tiny={}", a.addr), format!("echo={}", echo.addr)],
+        &[],
+    );
+    router.wait_healthy(&[a.addr, echo.addr]).await;
+    let envoy = start_envoy_with("envoy.yaml", grpc, [a.addr, echo.addr], |text| {
+        envoy_config_streamed_ahead(&text)
+    })
+    .await;
+
+    let prompt: String = (0..100_000)
+        .map(|i| ["ab", "é", "漢", "\\n", "🙂"][i % 5])
+        .collect();
+    // The model comes last, so that only the complete body names it.
+    let body = format!(
+        "{{\"prompt\": {}, \"max_tokens\": 1, \"model\": \"echo\"}}",
+        serde_json::Value::String(prompt)
+    );
+    assert!(body.len() > 200_000);
+    for _ in 0..3 {
+        let response = client()
+            .post(envoy.url("/v1/completions"))
+            .header("content-type", "application/json")
+            .body(body.clone())
+            .send()
+            .await
+            .expect("streamed request");
+        assert_eq!(response.status().as_u16(), 200);
+        assert_eq!(
+            response
+                .headers()
+                .get(REPLICA_HEADER)
+                .and_then(|v| v.to_str().ok()),
+            Some("echo")
+        );
+        let echoed = response.bytes().await.expect("echoed body");
+        assert!(
+            echoed == body.as_bytes(),
+            "the body changed on its way through ext_proc ({} bytes back of {})",
+            echoed.len(),
+            body.len()
+        );
+    }
+    let (status, replica, text) =
+        post(&envoy, "/v1/completions", completion("tiny", "hello"), &[]).await;
+    assert_eq!((status, replica.as_deref()), (200, Some("a")), "{text}");
 }

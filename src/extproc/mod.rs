@@ -11,8 +11,12 @@
 //! * **FULL_DUPLEX_STREAMED** (what Gateway API Inference Extension gateways send): the header
 //!   answer is held until the body is complete, then sent with the routing, followed by the body
 //!   echoed back in order as `streamed_response` chunks of at most [`MAX_CHUNK`] bytes.
-//! * **STREAMED** / **BUFFERED_PARTIAL**: answered chunk by chunk, routing on the last chunk.
-//!   Envoy may have chosen the upstream before then; use BUFFERED instead.
+//! * **STREAMED with `send_body_without_waiting_for_header_response`**: Envoy sends the headers
+//!   and the body chunks without waiting for answers; the header answer is held until the body
+//!   is complete and carries the routing, followed by one pass-through answer per chunk (the
+//!   body is not echoed). One round trip instead of BUFFERED's two.
+//! * **STREAMED** (without that flag) / **BUFFERED_PARTIAL**: answered chunk by chunk, routing
+//!   on the last chunk. Envoy may have chosen the upstream before then; use BUFFERED instead.
 //! * **NONE**, or a request without a body: routed on the headers.
 //!
 //! The response direction is not processed; when Envoy is configured to send it anyway it gets

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! AwaitingHeaders ──headers, no body──────────────────────────────▶ Routed
-//!        │ headers, body follows
+//!        │ headers, body follows (header answer now, or held: full duplex, streamed ahead)
 //!        ▼
 //! CollectingBody ──last chunk / trailers──▶ (pick) ──────────────▶ Routed
 //!        │ too large / rejected                                       │ response messages
@@ -15,7 +15,9 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::service::ext_proc::v3::{HttpHeaders, ProcessingResponse};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpHeaders, ProcessingResponse, ProtocolConfiguration,
+};
 use envoy_types::pb::google::protobuf::value::Kind;
 use futures::Stream;
 use tonic::{Status, Streaming};
@@ -35,14 +37,22 @@ pub enum RequestBodyMode {
     Buffered,
     /// STREAMED or BUFFERED_PARTIAL: chunks, each answered.
     Chunked,
+    /// STREAMED with `send_body_without_waiting_for_header_response`: the chunks follow the
+    /// headers at once, so the header answer is held until the body is complete and then
+    /// carries the routing, followed by one pass-through answer per chunk. One round trip,
+    /// and the body is not echoed.
+    ChunkedAhead,
     /// FULL_DUPLEX_STREAMED: chunks answered when we like, in order, echoed back.
     FullDuplex,
 }
 
 impl RequestBodyMode {
-    fn from_wire(mode: i32) -> RequestBodyMode {
-        match BodySendMode::try_from(mode) {
+    fn from_wire(config: &ProtocolConfiguration) -> RequestBodyMode {
+        match BodySendMode::try_from(config.request_body_mode) {
             Ok(BodySendMode::None) => RequestBodyMode::None,
+            Ok(BodySendMode::Streamed) if config.send_body_without_waiting_for_header_response => {
+                RequestBodyMode::ChunkedAhead
+            }
             Ok(BodySendMode::Streamed | BodySendMode::BufferedPartial) => RequestBodyMode::Chunked,
             Ok(BodySendMode::FullDuplexStreamed | BodySendMode::Grpc) => {
                 RequestBodyMode::FullDuplex
@@ -57,6 +67,8 @@ enum Phase {
     CollectingBody {
         request: RoutingRequest,
         body: BodyChunks,
+        /// Body messages received so far (empty ones included: each is answered).
+        messages: usize,
     },
     Routed,
     Finished,
@@ -105,7 +117,7 @@ impl<P: Picker> StreamState<P> {
     ) -> Result<Vec<ProcessingResponse>, ProtocolError> {
         let message: Inbound = message.into();
         if let Some(config) = &message.protocol_config {
-            self.request_mode = RequestBodyMode::from_wire(config.request_body_mode);
+            self.request_mode = RequestBodyMode::from_wire(config);
             self.echo_response_body = matches!(
                 BodySendMode::try_from(config.response_body_mode),
                 Ok(BodySendMode::FullDuplexStreamed | BodySendMode::Grpc)
@@ -163,9 +175,10 @@ impl<P: Picker> StreamState<P> {
         self.phase = Phase::CollectingBody {
             request,
             body: BodyChunks::default(),
+            messages: 0,
         };
         match self.request_mode {
-            RequestBodyMode::FullDuplex => Ok(Vec::new()),
+            RequestBodyMode::FullDuplex | RequestBodyMode::ChunkedAhead => Ok(Vec::new()),
             _ => Ok(vec![response::request_headers(
                 response::strip_destination(&self.settings.destination_header),
                 None,
@@ -177,7 +190,7 @@ impl<P: Picker> StreamState<P> {
         &mut self,
         chunk: InboundBody,
     ) -> Result<Vec<ProcessingResponse>, ProtocolError> {
-        let Phase::CollectingBody { body, .. } = &mut self.phase else {
+        let Phase::CollectingBody { body, messages, .. } = &mut self.phase else {
             return match self.phase {
                 Phase::AwaitingHeaders => Err(ProtocolError::BeforeHeaders("request body")),
                 // Late chunks after routing (STREAMED mode) pass unchanged.
@@ -198,6 +211,7 @@ impl<P: Picker> StreamState<P> {
         }
         let complete = chunk.end_of_stream || self.request_mode == RequestBodyMode::Buffered;
         body.push(chunk.body);
+        *messages += 1;
         if complete {
             return Ok(self.finish_body(true).await);
         }
@@ -210,7 +224,12 @@ impl<P: Picker> StreamState<P> {
     async fn on_request_trailers(&mut self) -> Result<Vec<ProcessingResponse>, ProtocolError> {
         match self.phase {
             Phase::AwaitingHeaders => Err(ProtocolError::BeforeHeaders("request trailers")),
-            Phase::CollectingBody { .. } if self.request_mode == RequestBodyMode::FullDuplex => {
+            Phase::CollectingBody { .. }
+                if matches!(
+                    self.request_mode,
+                    RequestBodyMode::FullDuplex | RequestBodyMode::ChunkedAhead
+                ) =>
+            {
                 let mut answers = self.finish_body(false).await;
                 if !self.finished() {
                     answers.push(response::request_trailers());
@@ -223,8 +242,11 @@ impl<P: Picker> StreamState<P> {
 
     /// The body is complete: pick, and answer as the mode requires.
     async fn finish_body(&mut self, body_end_of_stream: bool) -> Vec<ProcessingResponse> {
-        let Phase::CollectingBody { mut request, body } =
-            std::mem::replace(&mut self.phase, Phase::Routed)
+        let Phase::CollectingBody {
+            mut request,
+            body,
+            messages,
+        } = std::mem::replace(&mut self.phase, Phase::Routed)
         else {
             return Vec::new();
         };
@@ -235,6 +257,7 @@ impl<P: Picker> StreamState<P> {
                 body,
                 end_of_stream: body_end_of_stream,
             },
+            RequestBodyMode::ChunkedAhead => Answer::HeadersThenContinue { chunks: messages },
             _ => Answer::Body,
         };
         self.route(request, answer).await
@@ -272,6 +295,18 @@ impl<P: Picker> StreamState<P> {
                     metadata,
                 )];
                 answers.extend(response::echo_request_body(&body, end_of_stream));
+                answers
+            }
+            Answer::HeadersThenContinue { chunks } => {
+                let mut answers = Vec::with_capacity(1 + chunks);
+                answers.push(response::request_headers(
+                    response::route_to(header, &routed.destination, &routed.headers, None),
+                    metadata,
+                ));
+                answers.extend(
+                    std::iter::repeat_with(|| response::request_body(Default::default(), None))
+                        .take(chunks),
+                );
                 answers
             }
         }
@@ -328,6 +363,9 @@ enum Answer {
     Body,
     /// The deferred request-headers answer, then the body echoed (FULL_DUPLEX_STREAMED).
     HeadersThenEcho { body: Bytes, end_of_stream: bool },
+    /// The deferred request-headers answer, then a pass-through answer for each body message
+    /// received (STREAMED with `send_body_without_waiting_for_header_response`).
+    HeadersThenContinue { chunks: usize },
 }
 
 fn header_value(header: &envoy_types::pb::envoy::config::core::v3::HeaderValue) -> String {

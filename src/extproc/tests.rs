@@ -327,6 +327,121 @@ async fn full_duplex_with_trailers_routes_on_the_trailers() {
     ));
 }
 
+fn streamed_ahead_headers_msg() -> ProcessingRequest {
+    let mut message = headers_msg(
+        BodySendMode::Streamed,
+        false,
+        &[(DESTINATION_HEADER, "6.6.6.6:1")],
+    );
+    if let Some(config) = message.protocol_config.as_mut() {
+        config.send_body_without_waiting_for_header_response = true;
+    }
+    message
+}
+
+#[tokio::test]
+async fn streamed_ahead_holds_headers_then_continues_each_chunk() {
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    assert!(
+        stream
+            .on_message(streamed_ahead_headers_msg())
+            .await
+            .unwrap()
+            .is_empty(),
+        "the header answer waits for the body"
+    );
+    for chunk in [&b"{\"prompt\":"[..], b""] {
+        assert!(
+            stream
+                .on_message(body_msg(chunk, false))
+                .await
+                .unwrap()
+                .is_empty()
+        );
+    }
+    let answers = stream.on_message(body_msg(b"\"x\"}", true)).await.unwrap();
+
+    assert_eq!(
+        answers.len(),
+        1 + 3,
+        "headers, then one answer per body message"
+    );
+    assert!(matches!(
+        answers[0].response,
+        Some(Answer::RequestHeaders(_))
+    ));
+    assert_routed(&answers[0]); // the client's "6.6.6.6:1" overwritten
+    assert_eq!(
+        set_header(common(&answers[0]), "content-length"),
+        None,
+        "the body passes unchanged"
+    );
+    for answer in &answers[1..] {
+        assert!(matches!(answer.response, Some(Answer::RequestBody(_))));
+        assert_eq!(common(answer), &CommonResponse::default());
+    }
+    assert_eq!(
+        picker.seen.lock()[0].body.as_deref(),
+        Some(b"{\"prompt\":\"x\"}".as_slice())
+    );
+    assert!(stream.holding());
+}
+
+#[tokio::test]
+async fn streamed_without_the_flag_answers_each_message_at_once() {
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    let answers = stream
+        .on_message(headers_msg(BodySendMode::Streamed, false, &[]))
+        .await
+        .unwrap();
+    assert_eq!(answers.len(), 1);
+    assert!(matches!(
+        answers[0].response,
+        Some(Answer::RequestHeaders(_))
+    ));
+    assert_eq!(lb_destination(&answers[0]), None);
+    let answers = stream.on_message(body_msg(b"{", false)).await.unwrap();
+    assert_eq!(answers.len(), 1);
+    assert_eq!(lb_destination(&answers[0]), None);
+    let answers = stream.on_message(body_msg(b"}", true)).await.unwrap();
+    assert_eq!(answers.len(), 1);
+    assert!(matches!(answers[0].response, Some(Answer::RequestBody(_))));
+    assert_routed(&answers[0]);
+}
+
+#[tokio::test]
+async fn streamed_ahead_with_trailers_routes_on_the_trailers() {
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    stream
+        .on_message(streamed_ahead_headers_msg())
+        .await
+        .unwrap();
+    assert!(
+        stream
+            .on_message(body_msg(b"abc", false))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let answers = stream
+        .on_message(ProcessingRequest {
+            request: Some(Message::RequestTrailers(HttpTrailers::default())),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(answers.len(), 3);
+    assert_routed(&answers[0]);
+    assert!(matches!(answers[1].response, Some(Answer::RequestBody(_))));
+    assert!(matches!(
+        answers[2].response,
+        Some(Answer::RequestTrailers(_))
+    ));
+}
+
 #[tokio::test]
 async fn oversized_body_gets_413_json() {
     let picker = Arc::new(FakePicker::default());

@@ -1,12 +1,15 @@
 //! `make bench-overhead`: the latency llmgw adds to a request, and the router CPU it costs.
 //!
-//! Two `llmgw-sim` replicas (no simulated latency), one `llmgw-router`, and three Envoys on
+//! Two `llmgw-sim` replicas (no simulated latency), one `llmgw-router`, and four Envoys on
 //! loopback, all started here:
 //! * **baseline**: Envoy → replica, round robin, no ext_proc;
 //! * **buffered**: `envoy/envoy.yaml` (ext_proc BUFFERED → llmgw → override_host);
+//! * **streamed**: the same with the body STREAMED and
+//!   `send_body_without_waiting_for_header_response` (one round trip: llmgw holds the header
+//!   answer until the body is complete);
 //! * **full_duplex**: `envoy/envoy-original-dst.yaml` (FULL_DUPLEX_STREAMED both ways).
 //!
-//! For each prompt size, requests go out open-loop at a fixed rate, the three paths interleaved
+//! For each prompt size, requests go out open-loop at a fixed rate, the paths interleaved
 //! so that they share the machine's state; each path's p50/p99 is reported and the added latency
 //! is the difference from the baseline's. Then, for the CPU, each routed path runs alone at the
 //! same rate: router CPU per request is the router process's CPU time (all threads, from /proc)
@@ -29,8 +32,8 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use llmgw_integration::routing_bench::plain_envoy_config;
 use llmgw_integration::{
-    ChildGuard, bin_path, envoy_bin, envoy_config_over_uds, free_port, repo_root,
-    retarget_envoy_config, spawn_sim,
+    ChildGuard, bin_path, envoy_bin, envoy_config_over_uds, envoy_config_streamed_ahead, free_port,
+    repo_root, retarget_envoy_config, spawn_sim,
 };
 use parking_lot::Mutex;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -63,7 +66,7 @@ struct Args {
     uds: bool,
 }
 
-const PATHS: [&str; 3] = ["baseline", "buffered", "full_duplex"];
+const PATHS: [&str; 4] = ["baseline", "buffered", "streamed", "full_duplex"];
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -109,13 +112,19 @@ async fn run(args: Args) -> anyhow::Result<()> {
         replicas,
         grpc_port,
     )?;
+    let streamed = start_envoy(
+        "streamed",
+        &to_router(envoy_config_streamed_ahead(&repo_config("envoy.yaml")?)),
+        replicas,
+        grpc_port,
+    )?;
     let full_duplex = start_envoy(
         "full_duplex",
         &to_router(repo_config("envoy-original-dst.yaml")?),
         replicas,
         grpc_port,
     )?;
-    let envoys = [&baseline, &buffered, &full_duplex];
+    let envoys = [&baseline, &buffered, &streamed, &full_duplex];
     for envoy in envoys {
         wait_ready(envoy.admin).await?;
     }
