@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use llmgw_integration::{
-    envoy_bin, envoy_config_over_uds, envoy_config_streamed_ahead, free_port, repo_root,
+    SimHandle, envoy_bin, envoy_config_over_uds, envoy_config_streamed_ahead, free_port, repo_root,
 };
 use router_support::*;
 
@@ -530,33 +530,46 @@ async fn killed_replica_leaves_the_candidates_and_comes_back() {
     assert!(seen.contains("b"), "b never served again: {seen:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn full_duplex_streamed_returns_the_body_byte_for_byte() {
+/// A ~300 KB completion request for the model `echo`, of multi-byte characters; the model comes
+/// last, so that only the complete body names it.
+fn large_echo_body() -> String {
+    let prompt: String = (0..100_000)
+        .map(|i| ["ab", "é", "漢", "\\n", "🙂"][i % 5])
+        .collect();
+    let body = format!(
+        "{{\"prompt\": {}, \"max_tokens\": 1, \"model\": \"echo\"}}",
+        serde_json::Value::String(prompt)
+    );
+    assert!(body.len() > 200_000);
+    body
+}
+
+/// Replica `a` serving `tiny`, an echo replica serving `echo`, and a healthy router (on the
+/// returned gRPC port) that knows both.
+async fn tiny_and_echo_behind_a_router(
+    router_flags: &[&str],
+) -> (SimHandle, EchoServer, u16, RouterProcess) {
     let a = sim("a", &["tiny"], 0, &[]);
     let echo = echo_server("echo").await;
     let grpc = free_port();
     let router = start_router(
         grpc,
         &[format!("tiny={}", a.addr), format!("echo={}", echo.addr)],
-        &["--fallbacks", "0"],
+        router_flags,
     );
     router.wait_healthy(&[a.addr, echo.addr]).await;
-    // The echo replica is reached through ORIGINAL_DST; the plain cluster lists `a` twice.
-    let envoy = start_envoy("envoy-original-dst.yaml", grpc, [a.addr, a.addr]).await;
+    (a, echo, grpc, router)
+}
 
-    // ~300 KB: several 64 KiB chunks each way, with multi-byte characters across chunk edges.
-    let prompt: String = (0..100_000)
-        .map(|i| ["ab", "é", "漢", "\\n", "🙂"][i % 5])
-        .collect();
-    let body = serde_json::json!({"model": "echo", "prompt": prompt, "max_tokens": 1}).to_string();
-    assert!(body.len() > 200_000);
+/// Posts `body` through Envoy: the echo replica must serve it and get it byte for byte.
+async fn assert_echo_returns(envoy: &EnvoyProcess, body: &str) {
     let response = client()
         .post(envoy.url("/v1/completions"))
         .header("content-type", "application/json")
-        .body(body.clone())
+        .body(body.to_owned())
         .send()
         .await
-        .expect("full duplex request");
+        .expect("request to the echo replica");
     assert_eq!(response.status().as_u16(), 200);
     assert_eq!(
         response
@@ -566,11 +579,22 @@ async fn full_duplex_streamed_returns_the_body_byte_for_byte() {
         Some("echo")
     );
     let echoed = response.bytes().await.expect("echoed body");
-    assert_eq!(echoed.len(), body.len());
     assert!(
         echoed == body.as_bytes(),
-        "the body changed on its way through ext_proc"
+        "the body changed on its way through ext_proc ({} bytes back of {})",
+        echoed.len(),
+        body.len()
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_duplex_streamed_returns_the_body_byte_for_byte() {
+    let (a, _echo, grpc, _router) = tiny_and_echo_behind_a_router(&["--fallbacks", "0"]).await;
+    // The echo replica is reached through ORIGINAL_DST; the plain cluster lists `a` twice.
+    let envoy = start_envoy("envoy-original-dst.yaml", grpc, [a.addr, a.addr]).await;
+
+    // Several 64 KiB chunks each way, with multi-byte characters across chunk edges.
+    assert_echo_returns(&envoy, &large_echo_body()).await;
 
     // And a normal streamed completion through full duplex in both directions.
     let streamed =
@@ -591,52 +615,15 @@ async fn full_duplex_streamed_returns_the_body_byte_for_byte() {
 /// waited for the whole body (the model is read from its end).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streamed_ahead_passes_a_large_body_unchanged() {
-    let a = sim("a", &["tiny"], 0, &[]);
-    let echo = echo_server("echo").await;
-    let grpc = free_port();
-    let router = start_router(
-        grpc,
-        &[format!("tiny={}", a.addr), format!("echo={}", echo.addr)],
-        &[],
-    );
-    router.wait_healthy(&[a.addr, echo.addr]).await;
+    let (a, echo, grpc, _router) = tiny_and_echo_behind_a_router(&[]).await;
     let envoy = start_envoy_with("envoy.yaml", grpc, [a.addr, echo.addr], |text| {
         envoy_config_streamed_ahead(&text)
     })
     .await;
 
-    let prompt: String = (0..100_000)
-        .map(|i| ["ab", "é", "漢", "\\n", "🙂"][i % 5])
-        .collect();
-    // The model comes last, so that only the complete body names it.
-    let body = format!(
-        "{{\"prompt\": {}, \"max_tokens\": 1, \"model\": \"echo\"}}",
-        serde_json::Value::String(prompt)
-    );
-    assert!(body.len() > 200_000);
+    let body = large_echo_body();
     for _ in 0..3 {
-        let response = client()
-            .post(envoy.url("/v1/completions"))
-            .header("content-type", "application/json")
-            .body(body.clone())
-            .send()
-            .await
-            .expect("streamed request");
-        assert_eq!(response.status().as_u16(), 200);
-        assert_eq!(
-            response
-                .headers()
-                .get(REPLICA_HEADER)
-                .and_then(|v| v.to_str().ok()),
-            Some("echo")
-        );
-        let echoed = response.bytes().await.expect("echoed body");
-        assert!(
-            echoed == body.as_bytes(),
-            "the body changed on its way through ext_proc ({} bytes back of {})",
-            echoed.len(),
-            body.len()
-        );
+        assert_echo_returns(&envoy, &body).await;
     }
     let (status, replica, text) =
         post(&envoy, "/v1/completions", completion("tiny", "hello"), &[]).await;

@@ -297,36 +297,8 @@ async fn full_duplex_holds_headers_then_echoes_body_in_64k_chunks() {
     assert_eq!(picker.seen.lock()[0].body.as_deref(), Some(body.as_slice()));
 }
 
-#[tokio::test]
-async fn full_duplex_with_trailers_routes_on_the_trailers() {
-    let picker = Arc::new(FakePicker::default());
-    let mut stream = state(&picker);
-    stream
-        .on_message(headers_msg(BodySendMode::FullDuplexStreamed, false, &[]))
-        .await
-        .unwrap();
-    assert!(
-        stream
-            .on_message(body_msg(b"abc", false))
-            .await
-            .unwrap()
-            .is_empty()
-    );
-    let answers = stream
-        .on_message(ProcessingRequest {
-            request: Some(Message::RequestTrailers(HttpTrailers::default())),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    assert_eq!(answers.len(), 3);
-    assert_routed(&answers[0]);
-    assert!(matches!(
-        answers[2].response,
-        Some(Answer::RequestTrailers(_))
-    ));
-}
-
+/// STREAMED request headers from a filter with `send_body_without_waiting_for_header_response`,
+/// carrying a client's copy of the destination header.
 fn streamed_ahead_headers_msg() -> ProcessingRequest {
     let mut message = headers_msg(
         BodySendMode::Streamed,
@@ -337,6 +309,39 @@ fn streamed_ahead_headers_msg() -> ProcessingRequest {
         config.send_body_without_waiting_for_header_response = true;
     }
     message
+}
+
+/// The modes that hold the header answer (full duplex, streamed ahead) route on the trailers
+/// when the body ends with them: the header answer, the body's answer, the trailers' answer.
+#[tokio::test]
+async fn held_header_modes_route_on_the_trailers() {
+    let full_duplex = headers_msg(BodySendMode::FullDuplexStreamed, false, &[]);
+    for headers in [full_duplex, streamed_ahead_headers_msg()] {
+        let picker = Arc::new(FakePicker::default());
+        let mut stream = state(&picker);
+        assert!(stream.on_message(headers).await.unwrap().is_empty());
+        assert!(
+            stream
+                .on_message(body_msg(b"abc", false))
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        let answers = stream
+            .on_message(ProcessingRequest {
+                request: Some(Message::RequestTrailers(HttpTrailers::default())),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(answers.len(), 3);
+        assert_routed(&answers[0]);
+        assert!(matches!(answers[1].response, Some(Answer::RequestBody(_))));
+        assert!(matches!(
+            answers[2].response,
+            Some(Answer::RequestTrailers(_))
+        ));
+    }
 }
 
 #[tokio::test]
@@ -409,37 +414,6 @@ async fn streamed_without_the_flag_answers_each_message_at_once() {
     assert_eq!(answers.len(), 1);
     assert!(matches!(answers[0].response, Some(Answer::RequestBody(_))));
     assert_routed(&answers[0]);
-}
-
-#[tokio::test]
-async fn streamed_ahead_with_trailers_routes_on_the_trailers() {
-    let picker = Arc::new(FakePicker::default());
-    let mut stream = state(&picker);
-    stream
-        .on_message(streamed_ahead_headers_msg())
-        .await
-        .unwrap();
-    assert!(
-        stream
-            .on_message(body_msg(b"abc", false))
-            .await
-            .unwrap()
-            .is_empty()
-    );
-    let answers = stream
-        .on_message(ProcessingRequest {
-            request: Some(Message::RequestTrailers(HttpTrailers::default())),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    assert_eq!(answers.len(), 3);
-    assert_routed(&answers[0]);
-    assert!(matches!(answers[1].response, Some(Answer::RequestBody(_))));
-    assert!(matches!(
-        answers[2].response,
-        Some(Answer::RequestTrailers(_))
-    ));
 }
 
 #[tokio::test]
