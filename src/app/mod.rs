@@ -12,7 +12,6 @@ use std::net::SocketAddr;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use thiserror::Error;
 use tokio::net::{TcpListener, UnixListener};
@@ -346,26 +345,26 @@ fn local_addr(listener: &TcpListener, addr: SocketAddr) -> Result<SocketAddr, Se
 }
 
 /// Keeps `readiness` and the ext_proc health service in step with the pool: serving while at
-/// least one replica is healthy.
+/// least one replica is healthy. Woken by the pool's health announcements, not polled.
 async fn report_readiness(pool: Arc<Pool>, reporter: tonic_health::server::HealthReporter) {
+    let mut changes = pool.health_changes();
     let mut ready = None;
-    // Polling a handful of atomics is cheap; 25 ms keeps Envoy's health checks of llmgw from
-    // seeing a stale answer for long.
-    let mut ticker = tokio::time::interval(Duration::from_millis(25));
     loop {
-        ticker.tick().await;
         let now_ready = pool.snapshot().any_healthy();
-        if ready == Some(now_ready) {
-            continue;
+        if ready != Some(now_ready) {
+            ready = Some(now_ready);
+            let status = if now_ready {
+                ServingStatus::Serving
+            } else {
+                ServingStatus::NotServing
+            };
+            for service in ["readiness", EXT_PROC_HEALTH_SERVICE] {
+                reporter.set_service_status(service, status).await;
+            }
         }
-        ready = Some(now_ready);
-        let status = if now_ready {
-            ServingStatus::Serving
-        } else {
-            ServingStatus::NotServing
-        };
-        for service in ["readiness", EXT_PROC_HEALTH_SERVICE] {
-            reporter.set_service_status(service, status).await;
+        // The pool holds the sender and outlives this task; an error means shutdown.
+        if changes.changed().await.is_err() {
+            return;
         }
     }
 }

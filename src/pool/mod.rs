@@ -5,7 +5,8 @@
 //! it without locks ([`Pool::snapshot`]) and a configuration reload swaps in a new one
 //! ([`Pool::set_replicas`]). Each [`Replica`] is shared (`Arc`) between snapshots for as long as
 //! its address, models and node stay the same, so its counters survive reloads. Per-replica state
-//! changes without locks too: health is an atomic, the in-flight count is an atomic counted by
+//! changes without locks too: health is an atomic (its flips, and reloads, are announced on a
+//! `watch` channel: [`Pool::health_changes`]), the in-flight count is an atomic counted by
 //! [`InFlightGuard`]s, and the last `/metrics` scrape is an immutable [`EngineLoad`] swapped in
 //! whole by the monitor ([`monitor`]), so a reader never sees half of one scrape and half of
 //! another. Writers: the monitor tasks (health, scrape) and the reload path; readers: every
@@ -24,6 +25,7 @@ use parking_lot::Mutex;
 
 use arc_swap::{ArcSwap, ArcSwapOption};
 use serde::Serialize;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 /// One replica as configured: where it listens, what it serves, where it runs.
@@ -224,6 +226,9 @@ impl PoolSnapshot {
 pub struct Pool {
     snapshot: ArcSwap<PoolSnapshot>,
     metrics_staleness: Duration,
+    /// Ticked when a replica's health flips or the set changes, so that readiness is
+    /// event-driven instead of polled.
+    health_changes: watch::Sender<()>,
 }
 
 impl Pool {
@@ -235,7 +240,19 @@ impl Pool {
         Pool {
             snapshot: ArcSwap::from_pointee(PoolSnapshot::new(replicas)),
             metrics_staleness,
+            health_changes: watch::Sender::new(()),
         }
+    }
+
+    /// Wakes every [`Pool::health_changes`] receiver. Called by the health monitor when a
+    /// replica's health flips, and by [`Pool::set_replicas`].
+    pub fn announce_health_change(&self) {
+        self.health_changes.send_modify(|_| {});
+    }
+
+    /// A receiver whose `changed()` completes after the next [`Pool::announce_health_change`].
+    pub fn health_changes(&self) -> watch::Receiver<()> {
+        self.health_changes.subscribe()
     }
 
     /// The current replica set (lock-free).
@@ -273,6 +290,7 @@ impl Pool {
             })
             .collect();
         self.snapshot.store(Arc::new(PoolSnapshot::new(replicas)));
+        self.announce_health_change();
         true
     }
 }

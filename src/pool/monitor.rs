@@ -94,7 +94,7 @@ pub async fn run_health_checks<P: Prober>(
     loop {
         ticker.tick().await;
         let snapshot = pool.snapshot();
-        join_all(snapshot.replicas().iter().map(|replica| {
+        let flips = join_all(snapshot.replicas().iter().map(|replica| {
             let prober = &prober;
             async move {
                 let result = tokio::time::timeout(settings.timeout, prober.health(replica))
@@ -114,9 +114,13 @@ pub async fn run_health_checks<P: Prober>(
                         }
                     }
                 }
+                before != health
             }
         }))
         .await;
+        if flips.contains(&true) {
+            pool.announce_health_change();
+        }
     }
 }
 

@@ -128,6 +128,7 @@ async fn failed_health_checks_remove_and_restore_a_replica() {
         Duration::from_secs(2),
     ));
     let prober = Arc::new(FakeProber::default());
+    let mut changes = pool.health_changes();
     let task = tokio::spawn(run_health_checks(
         Arc::clone(&pool),
         Arc::clone(&prober),
@@ -141,6 +142,12 @@ async fn failed_health_checks_remove_and_restore_a_replica() {
         (one.health(), two.health()),
         (Health::Healthy, Health::Healthy)
     );
+    assert!(changes.has_changed().unwrap(), "first probes announced");
+    changes.mark_unchanged();
+
+    // A round in which nothing flips announces nothing.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!changes.has_changed().unwrap());
 
     prober.down.lock().insert("127.0.0.1:2".to_string());
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -148,6 +155,7 @@ async fn failed_health_checks_remove_and_restore_a_replica() {
         (one.health(), two.health()),
         (Health::Healthy, Health::Unhealthy)
     );
+    assert!(changes.has_changed().unwrap(), "a flip is announced");
 
     // A probe that never answers counts as a failure once the timeout passes.
     prober.down.lock().clear();
@@ -165,6 +173,19 @@ async fn failed_health_checks_remove_and_restore_a_replica() {
         (Health::Healthy, Health::Healthy)
     );
     task.abort();
+}
+
+#[test]
+fn a_changed_replica_set_is_announced_an_unchanged_one_is_not() {
+    let pool = Pool::new(vec![spec(1, &["m"])], Duration::from_secs(2));
+    let mut changes = pool.health_changes();
+    assert!(!pool.set_replicas(vec![spec(1, &["m"])]));
+    assert!(!changes.has_changed().unwrap());
+    assert!(pool.set_replicas(vec![spec(1, &["m"]), spec(2, &["m"])]));
+    assert!(changes.has_changed().unwrap());
+    changes.mark_unchanged();
+    pool.announce_health_change();
+    assert!(changes.has_changed().unwrap());
 }
 
 #[tokio::test(start_paused = true)]
