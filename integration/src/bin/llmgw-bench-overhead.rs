@@ -105,27 +105,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
         None => config,
     };
 
-    let baseline = start_envoy("baseline", &baseline_config(), replicas, grpc_port)?;
-    let buffered = start_envoy(
-        "buffered",
-        &to_router(repo_config("envoy.yaml")?),
-        replicas,
-        grpc_port,
-    )?;
-    let streamed = start_envoy(
-        "streamed",
-        &to_router(envoy_config_streamed_ahead(&repo_config("envoy.yaml")?)),
-        replicas,
-        grpc_port,
-    )?;
-    let full_duplex = start_envoy(
-        "full_duplex",
-        &to_router(repo_config("envoy-original-dst.yaml")?),
-        replicas,
-        grpc_port,
-    )?;
-    let envoys = [&baseline, &buffered, &streamed, &full_duplex];
-    for envoy in envoys {
+    // One Envoy per path, in the order of PATHS.
+    let configs = [
+        baseline_config(),
+        to_router(repo_config("envoy.yaml")?),
+        to_router(envoy_config_streamed_ahead(&repo_config("envoy.yaml")?)),
+        to_router(repo_config("envoy-original-dst.yaml")?),
+    ];
+    let mut envoys = Vec::new();
+    for (path, config) in PATHS.into_iter().zip(&configs) {
+        envoys.push(start_envoy(path, config, replicas, grpc_port)?);
+    }
+    for envoy in &envoys {
         wait_ready(envoy.admin).await?;
     }
     tokio::time::sleep(Duration::from_millis(1000)).await;
