@@ -102,7 +102,8 @@ run-stack: $(ENVOY)
 	wait
 
 # Latency llmgw adds (Envoy → llmgw → replica over Envoy → replica, round robin; 8 KB and
-# 200 KB prompts, BUFFERED and FULL_DUPLEX_STREAMED) and router CPU per request.
+# 200 KB prompts; BUFFERED, STREAMED with the header answer held, FULL_DUPLEX_STREAMED) and
+# router CPU per request.
 # `make bench-overhead BENCH_OVERHEAD_ARGS="--uds --sizes 8192"` (llmgw-bench-overhead --help).
 .PHONY: bench-overhead
 bench-overhead: $(ENVOY)

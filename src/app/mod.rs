@@ -362,7 +362,7 @@ async fn report_readiness(pool: Arc<Pool>, reporter: tonic_health::server::Healt
                 reporter.set_service_status(service, status).await;
             }
         }
-        // The pool holds the sender and outlives this task; an error means shutdown.
+        // Fails only once the sender is gone, which cannot happen while this task holds the pool.
         if changes.changed().await.is_err() {
             return;
         }

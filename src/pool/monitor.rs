@@ -94,8 +94,8 @@ pub async fn run_health_checks<P: Prober>(
     loop {
         ticker.tick().await;
         let snapshot = pool.snapshot();
-        let flips = join_all(snapshot.replicas().iter().map(|replica| {
-            let prober = &prober;
+        join_all(snapshot.replicas().iter().map(|replica| {
+            let (prober, pool) = (&prober, &pool);
             async move {
                 let result = tokio::time::timeout(settings.timeout, prober.health(replica))
                     .await
@@ -107,6 +107,8 @@ pub async fn run_health_checks<P: Prober>(
                 };
                 let before = replica.set_health(health);
                 if before != health {
+                    // At once, not after the round's slowest probe.
+                    pool.announce_health_change();
                     match &result {
                         Ok(()) => info!(replica = replica.endpoint(), "replica healthy"),
                         Err(e) => {
@@ -114,13 +116,9 @@ pub async fn run_health_checks<P: Prober>(
                         }
                     }
                 }
-                before != health
             }
         }))
         .await;
-        if flips.contains(&true) {
-            pool.announce_health_change();
-        }
     }
 }
 
