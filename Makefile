@@ -103,7 +103,8 @@ run-stack: $(ENVOY)
 
 # Latency llmgw adds (Envoy → llmgw → replica over Envoy → replica, round robin; 8 KB and
 # 200 KB prompts; BUFFERED, STREAMED with the header answer held, FULL_DUPLEX_STREAMED) and
-# router CPU per request.
+# router CPU per request; and the same for a protocol-floor ext_proc server that routes without
+# reading requests, so that llmgw's own share is BUFFERED minus floor.
 # `make bench-overhead BENCH_OVERHEAD_ARGS="--uds --sizes 8192"` (llmgw-bench-overhead --help).
 .PHONY: bench-overhead
 bench-overhead: $(ENVOY)

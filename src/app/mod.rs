@@ -38,6 +38,16 @@ use crate::tokenize::Tokenizer;
 const GRPC_STREAM_WINDOW: u32 = 16 * 1024 * 1024;
 const GRPC_CONNECTION_WINDOW: u32 = 64 * 1024 * 1024;
 
+/// The tonic server settings of the ext_proc listeners (TCP and Unix socket). BUFFERED bodies
+/// arrive as one message: with h2's default 64 KiB stream window a 200 KB prompt would wait for
+/// several WINDOW_UPDATE round trips. Envoy's own windows are large. (Public so that the
+/// overhead bench's protocol-floor server runs on the same settings.)
+pub fn ext_proc_server_settings() -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .initial_stream_window_size(Some(GRPC_STREAM_WINDOW))
+        .initial_connection_window_size(Some(GRPC_CONNECTION_WINDOW))
+}
+
 /// The gRPC health service name for the ext_proc service (same as readiness).
 pub const EXT_PROC_HEALTH_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
 
@@ -249,12 +259,8 @@ pub async fn serve(
         )
     });
 
-    // BUFFERED bodies arrive as one message: with h2's default 64 KiB stream window a 200 KB
-    // prompt would wait for several WINDOW_UPDATE round trips. Envoy's own windows are large.
     let ext_proc_server = || {
-        tonic::transport::Server::builder()
-            .initial_stream_window_size(Some(GRPC_STREAM_WINDOW))
-            .initial_connection_window_size(Some(GRPC_CONNECTION_WINDOW))
+        ext_proc_server_settings()
             .add_service(health_service.clone())
             .add_service(ext_proc.clone())
     };

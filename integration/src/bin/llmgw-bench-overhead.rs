@@ -1,8 +1,12 @@
 //! `make bench-overhead`: the latency llmgw adds to a request, and the router CPU it costs.
 //!
-//! Two `llmgw-sim` replicas (no simulated latency), one `llmgw-router`, and four Envoys on
-//! loopback, all started here:
+//! Two `llmgw-sim` replicas (no simulated latency), one `llmgw-router`, one
+//! `llmgw-extproc-floor`, and five Envoys on loopback, all started here:
 //! * **baseline**: Envoy → replica, round robin, no ext_proc;
+//! * **floor**: `envoy/envoy.yaml` with `llmgw-extproc-floor` in the router's place: llmgw's
+//!   protocol layer with a round-robin picker that reads nothing. What it adds is what an
+//!   ext_proc exchange itself costs on this machine; `buffered` minus `floor` is the cost of
+//!   llmgw's routing (parsing, scheduling, accounting);
 //! * **buffered**: `envoy/envoy.yaml` (ext_proc BUFFERED → llmgw → override_host);
 //! * **streamed**: the same with the body STREAMED and
 //!   `send_body_without_waiting_for_header_response` (one round trip: llmgw holds the header
@@ -12,9 +16,9 @@
 //! For each prompt size, requests go out open-loop at a fixed rate, the paths interleaved
 //! so that they share the machine's state; each path's p50/p99 is reported and the added latency
 //! is the difference from the baseline's. Then, for the CPU, each routed path runs alone at the
-//! same rate: router CPU per request is the router process's CPU time (all threads, from /proc)
-//! during those requests, minus its idle CPU (health checks and scrapes) over a window of the
-//! same length, divided by the requests. Two numbers from the router's own metrics over the same
+//! same rate: router CPU per request is the CPU time of the process that answers ext_proc (all
+//! threads, from /proc; the floor server for `floor`) during those requests, minus its idle CPU
+//! (health checks and scrapes) over a window of the same length, divided by the requests. Two numbers from the router's own metrics over the same
 //! requests: decision CPU, `llmgw_pick_cpu_seconds` (the CPU time of parse + scheduling, waiting
 //! and preemption excluded), and the wall-clock mean pick, `llmgw_pick_duration_seconds`.
 //!
@@ -66,7 +70,7 @@ struct Args {
     uds: bool,
 }
 
-const PATHS: [&str; 4] = ["baseline", "buffered", "streamed", "full_duplex"];
+const PATHS: [&str; 5] = ["baseline", "floor", "buffered", "streamed", "full_duplex"];
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -91,30 +95,45 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let replicas = [sims[0].addr, sims[1].addr];
 
     let grpc_port = free_port();
-    let socket = args
-        .uds
-        .then(|| std::env::temp_dir().join(format!("llmgw-bench-{}.sock", std::process::id())));
+    let floor_port = free_port();
+    let socket_of = |name: &str| {
+        args.uds.then(|| {
+            std::env::temp_dir().join(format!("llmgw-bench-{name}-{}.sock", std::process::id()))
+        })
+    };
+    let (socket, floor_socket) = (socket_of("router"), socket_of("floor"));
     let mut router_args = args.router_args.clone();
     if let Some(socket) = &socket {
         router_args.extend(["--grpc-uds".to_owned(), socket.display().to_string()]);
     }
     let router = start_router(grpc_port, &replicas, &router_args)?;
+    let floor = start_floor(floor_port, floor_socket.as_deref(), &replicas)?;
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let to_router = |config: String| match &socket {
+    let over = |socket: &Option<PathBuf>, config: String| match socket {
         Some(socket) => envoy_config_over_uds(&config, socket),
         None => config,
     };
 
-    // One Envoy per path, in the order of PATHS.
+    // One Envoy per path, in the order of PATHS, with the ext_proc server's port.
     let configs = [
-        baseline_config(),
-        to_router(repo_config("envoy.yaml")?),
-        to_router(envoy_config_streamed_ahead(&repo_config("envoy.yaml")?)),
-        to_router(repo_config("envoy-original-dst.yaml")?),
+        (baseline_config(), grpc_port),
+        (over(&floor_socket, repo_config("envoy.yaml")?), floor_port),
+        (over(&socket, repo_config("envoy.yaml")?), grpc_port),
+        (
+            over(
+                &socket,
+                envoy_config_streamed_ahead(&repo_config("envoy.yaml")?),
+            ),
+            grpc_port,
+        ),
+        (
+            over(&socket, repo_config("envoy-original-dst.yaml")?),
+            grpc_port,
+        ),
     ];
     let mut envoys = Vec::new();
-    for (path, config) in PATHS.into_iter().zip(&configs) {
-        envoys.push(start_envoy(path, config, replicas, grpc_port)?);
+    for (path, (config, port)) in PATHS.into_iter().zip(&configs) {
+        envoys.push(start_envoy(path, config, replicas, *port)?);
     }
     for envoy in &envoys {
         wait_ready(envoy.admin).await?;
@@ -140,8 +159,16 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let mut cpu = HashMap::new();
         for (phase, routed_path) in paths.iter().enumerate().skip(1) {
             let first_id = 1_000_000 * (phase + 1);
-            let cost = measure_cpu(&router, routed_path, &prompt, &args, first_id).await?;
+            let processor = if routed_path.0 == "floor" {
+                &floor
+            } else {
+                &router
+            };
+            let cost = measure_cpu(processor, routed_path, &prompt, &args, first_id).await?;
             cpu.insert(routed_path.0, cost);
+        }
+        for (path, envoy) in PATHS.into_iter().zip(&envoys).skip(1) {
+            check_answered(path, envoy.admin, 2 * args.requests).await?;
         }
 
         let base = summary(&latencies["baseline"]);
@@ -166,9 +193,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 cpu.get(path)
                     .map_or("–".into(), |c| format!("{:.1}", c.router_us_per_request)),
                 cpu.get(path)
-                    .map_or("–".into(), |c| format!("{:.1}", c.decision_us)),
+                    .and_then(|c| c.decisions)
+                    .map_or("–".into(), |d| format!("{:.1}", d.cpu_us)),
                 cpu.get(path)
-                    .map_or("–".into(), |c| format!("{:.1}", c.mean_pick_us)),
+                    .and_then(|c| c.decisions)
+                    .map_or("–".into(), |d| format!("{:.1}", d.mean_pick_us)),
             );
             results.push(serde_json::json!({
                 "prompt_bytes": size,
@@ -181,10 +210,31 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 "router_cpu_us_per_request": cpu.get(path).map(|c| c.router_us_per_request),
                 "router_cpu_busy_s": cpu.get(path).map(|c| c.busy_s),
                 "router_cpu_idle_s": cpu.get(path).map(|c| c.idle_s),
-                "decision_cpu_us": cpu.get(path).map(|c| c.decision_us),
-                "mean_pick_us": cpu.get(path).map(|c| c.mean_pick_us),
+                "decision_cpu_us": cpu.get(path).and_then(|c| c.decisions).map(|d| d.cpu_us),
+                "mean_pick_us": cpu.get(path).and_then(|c| c.decisions).map(|d| d.mean_pick_us),
             }));
         }
+        // Both BUFFERED through the same Envoy configuration: the difference is llmgw's routing.
+        let (floor_s, buffered_s) = (
+            summary(&latencies["floor"]),
+            summary(&latencies["buffered"]),
+        );
+        let cpu_over_floor =
+            cpu["buffered"].router_us_per_request - cpu["floor"].router_us_per_request;
+        println!(
+            "| {} | buffered − floor | – | – | {:.3} | {:.3} | {:.1} | – | – |",
+            size_label(size),
+            buffered_s.p50 - floor_s.p50,
+            buffered_s.p99 - floor_s.p99,
+            cpu_over_floor,
+        );
+        results.push(serde_json::json!({
+            "prompt_bytes": size,
+            "path": "buffered_over_floor",
+            "added_p50_ms": buffered_s.p50 - floor_s.p50,
+            "added_p99_ms": buffered_s.p99 - floor_s.p99,
+            "router_cpu_us_per_request": cpu_over_floor,
+        }));
     }
     println!(
         "\nrate {} req/s per path, {} requests per path and size; latency with the paths \
@@ -198,6 +248,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&results)?)?;
         println!("wrote {}", path.display());
+    }
+    drop((envoys, router, floor));
+    for socket in [socket, floor_socket].into_iter().flatten() {
+        let _ = std::fs::remove_file(socket);
     }
     Ok(())
 }
@@ -235,48 +289,65 @@ async fn measure(
     Ok(results)
 }
 
-/// What one routed path costs the router, per request.
+/// What one routed path costs the process answering ext_proc, per request.
 struct CpuCost {
     router_us_per_request: f64,
     busy_s: f64,
     idle_s: f64,
-    decision_us: f64,
+    /// From the router's metrics; `None` for the floor server, which has none.
+    decisions: Option<DecisionCost>,
+}
+
+#[derive(Clone, Copy)]
+struct DecisionCost {
+    cpu_us: f64,
     mean_pick_us: f64,
 }
 
-/// Router CPU of `requests` requests on one path alone (at `rate`), less the idle CPU of a
-/// window as long; and the decisions' own CPU and wall-clock means from the router's metrics.
+/// CPU of `requests` requests on one path alone (at `rate`), less the idle CPU of a window as
+/// long; and, for the router, the decisions' own CPU and wall-clock means from its metrics.
 async fn measure_cpu(
-    router: &RouterProcess,
+    processor: &Processor,
     path: &(&'static str, Client),
     prompt: &str,
     args: &Args,
     first_id: usize,
 ) -> anyhow::Result<CpuCost> {
-    let picks_before = pick_stats(router.admin).await?;
-    let cpu_before = process_cpu(router.pid)?;
+    let picks_before = match processor.admin {
+        Some(admin) => Some(pick_stats(admin).await?),
+        None => None,
+    };
+    let cpu_before = process_cpu(processor.pid)?;
     let started = Instant::now();
     measure(std::slice::from_ref(path), prompt, args, first_id).await?;
     let window = started.elapsed();
-    let busy_s = process_cpu(router.pid)? - cpu_before;
-    let picks_after = pick_stats(router.admin).await?;
-    let idle_before = process_cpu(router.pid)?;
-    tokio::time::sleep(window).await;
-    let idle_s = process_cpu(router.pid)? - idle_before;
-    let picks = picks_after.count - picks_before.count;
-    let per_pick = |after: f64, before: f64| {
-        if picks > 0.0 {
-            (after - before) / picks * 1e6
-        } else {
-            f64::NAN
-        }
+    let busy_s = process_cpu(processor.pid)? - cpu_before;
+    let picks_after = match processor.admin {
+        Some(admin) => Some(pick_stats(admin).await?),
+        None => None,
     };
+    let idle_before = process_cpu(processor.pid)?;
+    tokio::time::sleep(window).await;
+    let idle_s = process_cpu(processor.pid)? - idle_before;
+    let decisions = picks_before.zip(picks_after).map(|(before, after)| {
+        let picks = after.count - before.count;
+        let per_pick = |after: f64, before: f64| {
+            if picks > 0.0 {
+                (after - before) / picks * 1e6
+            } else {
+                f64::NAN
+            }
+        };
+        DecisionCost {
+            cpu_us: per_pick(after.cpu_s, before.cpu_s),
+            mean_pick_us: per_pick(after.wall_s, before.wall_s),
+        }
+    });
     Ok(CpuCost {
         router_us_per_request: (busy_s - idle_s).max(0.0) / args.requests as f64 * 1e6,
         busy_s,
         idle_s,
-        decision_us: per_pick(picks_after.cpu_s, picks_before.cpu_s),
-        mean_pick_us: per_pick(picks_after.wall_s, picks_before.wall_s),
+        decisions,
     })
 }
 
@@ -325,9 +396,11 @@ fn body(prompt: &str, i: usize) -> Vec<u8> {
         .into_bytes()
 }
 
-struct RouterProcess {
-    admin: SocketAddr,
+/// A process that answers Envoy's ext_proc: the router, or the floor server.
+struct Processor {
     pid: u32,
+    /// The router's admin address (its metrics); the floor server has none.
+    admin: Option<SocketAddr>,
     _guard: ChildGuard,
 }
 
@@ -335,7 +408,7 @@ fn start_router(
     grpc_port: u16,
     replicas: &[SocketAddr; 2],
     extra: &[String],
-) -> anyhow::Result<RouterProcess> {
+) -> anyhow::Result<Processor> {
     let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let child = Command::new(bin_path("llmgw-router"))
         .args(["serve", "--grpc-addr", &format!("127.0.0.1:{grpc_port}")])
@@ -353,10 +426,36 @@ fn start_router(
         .spawn()
         .context("spawn llmgw-router")?;
     let pid = child.id();
-    Ok(RouterProcess {
-        admin,
+    Ok(Processor {
         pid,
+        admin: Some(admin),
         _guard: ChildGuard::new("llmgw-router", child),
+    })
+}
+
+fn start_floor(
+    grpc_port: u16,
+    socket: Option<&std::path::Path>,
+    replicas: &[SocketAddr; 2],
+) -> anyhow::Result<Processor> {
+    let mut command = Command::new(bin_path("llmgw-extproc-floor"));
+    command.args(["--grpc-addr", &format!("127.0.0.1:{grpc_port}")]);
+    if let Some(socket) = socket {
+        command.arg("--grpc-uds").arg(socket);
+    }
+    for replica in replicas {
+        command.args(["--replica", &replica.to_string()]);
+    }
+    let child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("spawn llmgw-extproc-floor")?;
+    Ok(Processor {
+        pid: child.id(),
+        admin: None,
+        _guard: ChildGuard::new("llmgw-extproc-floor", child),
     })
 }
 
@@ -423,6 +522,34 @@ async fn wait_ready(admin: SocketAddr) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     bail!("envoy at {admin} never became ready")
+}
+
+/// Fails unless the path's Envoy had its ext_proc server answer every request so far: with the
+/// server down or too slow, Envoy fails open (`failure_mode_allow`) and the path would measure
+/// Envoy alone.
+async fn check_answered(path: &str, admin: SocketAddr, at_least: usize) -> anyhow::Result<()> {
+    let (_, text) = Client::new(admin).get("/stats?filter=ext_proc").await?;
+    let text = String::from_utf8_lossy(&text);
+    let stat = |name: &str| -> u64 {
+        let suffix = format!(".ext_proc.{name}");
+        text.lines()
+            .filter_map(|line| line.split_once(": "))
+            .filter(|(key, _)| key.ends_with(&suffix))
+            .filter_map(|(_, value)| value.trim().parse::<u64>().ok())
+            .sum()
+    };
+    let started = stat("streams_started");
+    let failed_open = stat("failure_mode_allowed");
+    let timeouts = stat("message_timeouts");
+    let failed = stat("streams_failed");
+    if started < at_least as u64 || failed_open + timeouts + failed > 0 {
+        bail!(
+            "{path}: Envoy started {started} ext_proc streams for at least {at_least} requests, \
+             failed open {failed_open} times, timed out {timeouts} messages and lost {failed} \
+             streams, so this path did not measure ext_proc exchanges"
+        );
+    }
+    Ok(())
 }
 
 /// The router's decision totals so far.
