@@ -410,7 +410,8 @@ fn start_router(
     extra: &[String],
 ) -> anyhow::Result<Processor> {
     let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let child = Command::new(bin_path("llmgw-router"))
+    let mut command = Command::new(bin_path("llmgw-router"));
+    command
         .args(["serve", "--grpc-addr", &format!("127.0.0.1:{grpc_port}")])
         .args(["--admin-addr", &admin.to_string()])
         .args(["--replica", &format!("tiny={}", replicas[0])])
@@ -419,12 +420,8 @@ fn start_router(
         .args(["--fallbacks", "0"])
         .args(["--feed-addr", "127.0.0.1:0"])
         .args(extra)
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .context("spawn llmgw-router")?;
+        .env("RUST_LOG", "warn");
+    let child = spawn_quiet(&mut command, "llmgw-router")?;
     let pid = child.id();
     Ok(Processor {
         pid,
@@ -446,17 +443,22 @@ fn start_floor(
     for replica in replicas {
         command.args(["--replica", &replica.to_string()]);
     }
-    let child = command
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .context("spawn llmgw-extproc-floor")?;
+    let child = spawn_quiet(&mut command, "llmgw-extproc-floor")?;
     Ok(Processor {
         pid: child.id(),
         admin: None,
         _guard: ChildGuard::new("llmgw-extproc-floor", child),
     })
+}
+
+/// Starts a child with no input, its output discarded and its errors on ours.
+fn spawn_quiet(command: &mut Command, what: &str) -> anyhow::Result<std::process::Child> {
+    command
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("spawn {what}"))
 }
 
 struct EnvoyProcess {
@@ -491,21 +493,15 @@ fn start_envoy(
     std::fs::create_dir_all(&dir)?;
     let path = dir.join(format!("{name}-{}.yaml", std::process::id()));
     std::fs::write(&path, config)?;
-    let child = Command::new(envoy_bin())
-        .arg("-c")
-        .arg(&path)
-        .args([
-            "--use-dynamic-base-id",
-            "--log-level",
-            "error",
-            "--concurrency",
-            "1",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .context("spawn envoy")?;
+    let mut command = Command::new(envoy_bin());
+    command.arg("-c").arg(&path).args([
+        "--use-dynamic-base-id",
+        "--log-level",
+        "error",
+        "--concurrency",
+        "1",
+    ]);
+    let child = spawn_quiet(&mut command, "envoy")?;
     Ok(EnvoyProcess {
         listen: SocketAddr::from(([127, 0, 0, 1], listen)),
         admin: SocketAddr::from(([127, 0, 0, 1], admin)),
