@@ -49,4 +49,5 @@ fn every_path_is_measured_and_answered_over_ext_proc() {
     assert!(row("floor")["router_cpu_us_per_request"].is_number());
     assert!(row("buffered_over_floor")["added_p50_ms"].is_number());
     assert!(stdout.contains("| 1 KB | buffered − floor |"), "{stdout}");
+    assert!(stdout.contains("* 1 KB: decision CPU "), "{stdout}");
 }

@@ -70,6 +70,21 @@ struct Args {
     uds: bool,
 }
 
+/// The added p99 each prompt size should stay within (BUFFERED), where one is set.
+fn added_p99_target_ms(size: usize) -> Option<f64> {
+    match size {
+        8192 => Some(1.0),
+        204_800 => Some(5.0),
+        _ => None,
+    }
+}
+
+const DECISION_CPU_TARGET_US: f64 = 50.0;
+
+fn met(ok: bool) -> &'static str {
+    if ok { "met" } else { "missed" }
+}
+
 const PATHS: [&str; 5] = ["baseline", "floor", "buffered", "streamed", "full_duplex"];
 
 fn main() -> anyhow::Result<()> {
@@ -141,6 +156,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_millis(1000)).await;
 
     let mut results = Vec::new();
+    let mut verdicts = Vec::new();
     println!(
         "\n| prompt | path | p50 ms | p99 ms | added p50 ms | added p99 ms | router CPU µs/req | decision CPU µs | mean pick µs |"
     );
@@ -235,6 +251,24 @@ async fn run(args: Args) -> anyhow::Result<()> {
             "added_p99_ms": buffered_s.p99 - floor_s.p99,
             "router_cpu_us_per_request": cpu_over_floor,
         }));
+
+        if let Some(target) = added_p99_target_ms(size) {
+            let (added, floor_added) = (buffered_s.p99 - base.p99, floor_s.p99 - base.p99);
+            verdicts.push(format!(
+                "{}: BUFFERED added p99 {added:+.2} ms, target ≤ {target} ms: {} \
+                 (the floor: {floor_added:+.2} ms)",
+                size_label(size),
+                met(added <= target),
+            ));
+        }
+        if let Some(decision) = cpu["buffered"].decisions {
+            verdicts.push(format!(
+                "{}: decision CPU {:.1} µs, target ≤ {DECISION_CPU_TARGET_US} µs: {}",
+                size_label(size),
+                decision.cpu_us,
+                met(decision.cpu_us <= DECISION_CPU_TARGET_US),
+            ));
+        }
     }
     println!(
         "\nrate {} req/s per path, {} requests per path and size; latency with the paths \
@@ -245,6 +279,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         if args.uds { "a Unix socket" } else { "TCP" },
         args.router_args
     );
+    println!("\nTargets (BUFFERED):");
+    for verdict in &verdicts {
+        println!("* {verdict}");
+    }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&results)?)?;
         println!("wrote {}", path.display());
