@@ -16,11 +16,13 @@
 //! For each prompt size, requests go out open-loop at a fixed rate, the paths interleaved
 //! so that they share the machine's state; each path's p50/p99 is reported and the added latency
 //! is the difference from the baseline's. Then, for the CPU, each routed path runs alone at the
-//! same rate: router CPU per request is the CPU time of the process that answers ext_proc (all
-//! threads, from /proc; the floor server for `floor`) during those requests, minus its idle CPU
-//! (health checks and scrapes) over a window of the same length, divided by the requests. Two numbers from the router's own metrics over the same
-//! requests: decision CPU, `llmgw_pick_cpu_seconds` (the CPU time of parse + scheduling, waiting
-//! and preemption excluded), and the wall-clock mean pick, `llmgw_pick_duration_seconds`.
+//! same rate: server CPU per request is the CPU time of the process that answers ext_proc (all
+//! threads, from /proc: the router, or the floor server for `floor`) during those requests,
+//! minus its idle CPU (health checks and scrapes) over a window of the same length, divided by
+//! the requests (`router_cpu_us_per_request` in the JSON). Two numbers from the router's own
+//! metrics over the same requests: decision CPU, `llmgw_pick_cpu_seconds` (the CPU time of
+//! parse + scheduling, waiting and preemption excluded), and the wall-clock mean pick,
+//! `llmgw_pick_duration_seconds`.
 //!
 //! The HTTP client is a minimal HTTP/1.1 keep-alive client over TCP, so that the client's own
 //! cost stays small and identical for every path.
@@ -158,7 +160,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut results = Vec::new();
     let mut verdicts = Vec::new();
     println!(
-        "\n| prompt | path | p50 ms | p99 ms | added p50 ms | added p99 ms | router CPU µs/req | decision CPU µs | mean pick µs |"
+        "\n| prompt | path | p50 ms | p99 ms | added p50 ms | added p99 ms | server CPU µs/req | decision CPU µs | mean pick µs |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
     for &size in &args.sizes {

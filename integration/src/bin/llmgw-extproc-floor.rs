@@ -26,7 +26,7 @@ struct Args {
     /// Where Envoy reaches it over TCP.
     #[arg(long, default_value = "127.0.0.1:9002")]
     grpc_addr: SocketAddr,
-    /// Listen on this Unix socket instead (like `llmgw-router --grpc-uds`).
+    /// Listen on this Unix socket instead of TCP.
     #[arg(long)]
     grpc_uds: Option<PathBuf>,
     /// A replica `ip:port` (repeatable); requests go to each in turn.
