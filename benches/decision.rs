@@ -11,13 +11,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use llmgw::affinity::{AffinityConfig, HashersByModel, PrefixAffinity};
 use llmgw::blockhash::{BlockHasher, HashSettings};
 use llmgw::kvindex::{IndexConfig, KvEventSink, KvIndex, Medium};
+use llmgw::models::HashersByModel;
 use llmgw::openai::{EndpointKind, parse_request};
 use llmgw::pool::{Health, Pool, ReplicaSpec};
-use llmgw::prefix::{PrefixTree, PrefixTreeConfig};
-use llmgw::scheduler::{Scheduler, SchedulerSettings, Scope};
+use llmgw::scheduler::{PluginResources, Scheduler, SchedulerArgs, SchedulerConfig, Scope};
 use llmgw::tokenize::{LocalTokenizer, Tokenizer, TokenizerConfig};
 
 const REPLICAS: usize = 16;
@@ -68,19 +67,26 @@ fn setup() -> Setup {
     for replica in pool.snapshot().replicas() {
         replica.set_health(Health::Healthy);
     }
-    let affinity = PrefixAffinity::new(
-        AffinityConfig {
-            // Keep the speculative entries out of the measurement: each pick would add one.
-            speculative_ttl: Duration::ZERO,
-            ..AffinityConfig::default()
-        },
-        HashersByModel::from([("m".to_owned(), Arc::new(hasher))]),
+    let resources = PluginResources {
         index,
-        Arc::new(PrefixTree::new(PrefixTreeConfig::default())),
-        Tokenizer::new(TokenizerConfig::default()).with_local("m", local),
-    );
-    let scheduler =
-        Scheduler::new(pool, SchedulerSettings::default()).with_prefix_scorer(Box::new(affinity));
+        tokenizer: Arc::new(Tokenizer::new(TokenizerConfig::default()).with_local("m", local)),
+        hashers: Arc::new(HashersByModel::from([("m".to_owned(), Arc::new(hasher))])),
+    };
+    let mut config = SchedulerConfig::default();
+    config
+        .apply(&SchedulerArgs {
+            // Keep the speculative entries out of the measurement: each pick would add one.
+            speculative_ttl: Some(Duration::ZERO),
+            ..SchedulerArgs::default()
+        })
+        .expect("flags apply");
+    let scheduler = Scheduler::build(
+        pool,
+        &config,
+        &resources,
+        &mut prometheus_client::registry::Registry::default(),
+    )
+    .expect("default profile");
     let body = serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 16})
         .to_string()
         .into_bytes();
@@ -91,7 +97,7 @@ async fn decide(setup: &Setup) -> String {
     let request = parse_request(EndpointKind::Completions, &setup.body).expect("parses");
     let decision = setup
         .scheduler
-        .decide(&request, Scope::default())
+        .decide(&request, &[], Scope::default())
         .await
         .expect("decides");
     decision.primary().endpoint().to_owned()

@@ -12,7 +12,7 @@ use std::time::Duration;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use llmgw::openai::{EndpointKind, parse_request};
 use llmgw::pool::{EngineLoad, Health, Pool, ReplicaSpec};
-use llmgw::scheduler::{Scheduler, SchedulerSettings, Scope};
+use llmgw::scheduler::{Scheduler, Scope};
 
 /// JSON-escaped prose with quotes, newlines and non-ASCII, about `bytes` long.
 fn escaped_text(bytes: usize) -> String {
@@ -125,14 +125,14 @@ fn decision(c: &mut Criterion) {
                 now,
             );
         }
-        let scheduler = Scheduler::new(pool, SchedulerSettings::default());
+        let scheduler = Scheduler::load_only(pool).expect("load-only profile");
         let request = parse_request(EndpointKind::Completions, text_body(8 << 10).as_bytes())
             .expect("request parses");
         group.bench_function(format!("{replicas}_replicas"), |b| {
             b.iter(|| {
                 runtime.block_on(async {
                     let decision = scheduler
-                        .decide(black_box(&request), Scope::default())
+                        .decide(black_box(&request), &[], Scope::default())
                         .await
                         .expect("decision");
                     black_box(decision.destination())

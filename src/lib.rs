@@ -1,11 +1,12 @@
 //! llmgw: a KV-cache-aware router for fleets of vLLM replicas.
 //!
-//! The request path reads as the module list: `extproc` → `openai` → `tokenize` →
-//! [`blockhash`] → `kvindex` / `prefix` → `scheduler` → back to `extproc`, with `pool` and
-//! `feed` beside it, and `discovery` feeding `pool` from Kubernetes.
+//! The request path reads as the module list: `extproc` → `router` → `openai` → `scheduler`,
+//! whose scorer plugins call `tokenize` → [`blockhash`] → `kvindex` (precise) or `prefix`
+//! (approximate), → back to `extproc`; `models` holds each model's hash settings, read by the
+//! `kv_cache` scorer and the `feed`; `pool` and `feed` sit beside the path, and `discovery` feeds
+//! `pool` from Kubernetes. `docs/architecture.md` draws it.
 
 pub mod admin;
-pub mod affinity;
 pub mod app;
 pub mod blockhash;
 pub mod config;
@@ -15,6 +16,7 @@ pub mod extproc;
 pub mod feed;
 pub mod kvindex;
 pub mod metrics;
+pub mod models;
 pub mod openai;
 pub mod pool;
 pub mod prefix;

@@ -148,3 +148,65 @@ async fn shutdown_signal() {
         let _ = ctrl_c.await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::Cli;
+
+    const BEGIN: &str = "<!-- options:begin (generated from `serve --help`; see src/main.rs) -->\n";
+    const END: &str = "<!-- options:end -->";
+
+    /// Every `serve` option as a Markdown table, in `--help` order.
+    fn options_table() -> String {
+        let cli = Cli::command();
+        let mut table = String::from("| flag | environment | what |\n|---|---|---|\n");
+        let serve = cli.find_subcommand("serve").expect("serve subcommand");
+        for arg in serve.get_arguments() {
+            let Some(long) = arg.get_long() else {
+                continue;
+            };
+            let env = arg
+                .get_env()
+                .map(|e| format!("`{}`", e.to_string_lossy()))
+                .unwrap_or_default();
+            let help = arg
+                .get_long_help()
+                .or(arg.get_help())
+                .map(|h| h.to_string())
+                .unwrap_or_default();
+            let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+            table.push_str(&format!(
+                "| `--{long}` | {env} | {} |\n",
+                help.replace('|', "\\|")
+            ));
+        }
+        table
+    }
+
+    /// docs/router.md lists every option as `--help` describes it. `LLMGW_UPDATE_DOCS=1 cargo
+    /// test -p llmgw --bin llmgw-router` rewrites the table after a flag changes.
+    #[test]
+    fn the_router_docs_list_every_option() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/router.md");
+        let docs = std::fs::read_to_string(&path).expect("docs/router.md");
+        let (Some(start), Some(end)) = (docs.find(BEGIN), docs.find(END)) else {
+            panic!("docs/router.md has no options table between {BEGIN:?} and {END:?}");
+        };
+        let current = &docs[start + BEGIN.len()..end];
+        let expected = options_table();
+        if current == expected {
+            return;
+        }
+        if std::env::var_os("LLMGW_UPDATE_DOCS").is_some() {
+            let updated = format!("{}{expected}{}", &docs[..start + BEGIN.len()], &docs[end..]);
+            std::fs::write(&path, updated).expect("rewrite docs/router.md");
+            return;
+        }
+        panic!(
+            "docs/router.md's options table is out of date with `llmgw-router serve --help`; \
+             rerun with LLMGW_UPDATE_DOCS=1 to regenerate it"
+        );
+    }
+}

@@ -1,5 +1,9 @@
-//! Per-model engine settings the precise tier needs: how the engines hash blocks (algo, seed,
-//! block size, salt encoding) and, optionally, a local tokenizer for completion prompts.
+//! Per-model engine settings: how the engines hash blocks (algo, seed, block size, salt
+//! encoding) and, optionally, a local tokenizer. Read by the agent feed (which refuses an engine
+//! whose reported settings differ) and by the precise `kv_cache` scorer (which hashes prompts
+//! with them), so it lives here beside [`crate::blockhash`] rather than inside either.
+//!
+//! Concurrency: plain values, built once at start-up and shared read-only.
 //!
 //! Given on the command line as `--model MODEL=block_size=16,algo=sha256_cbor,seed=1729` (keys
 //! in any order; `salt=untagged` for vLLM < 0.31, `tokenizer=PATH` for a tokenizer.json or a
@@ -17,7 +21,8 @@ use serde::Deserialize;
 use crate::blockhash::{BlockHashError, BlockHasher, HashAlgo, HashSettings, SaltEncoding};
 use crate::tokenize::{LocalTokenizer, LocalTokenizerError, Tokenizer};
 
-use super::HashersByModel;
+/// Each model's engine hash settings, as a block hasher.
+pub type HashersByModel = HashMap<String, Arc<BlockHasher>>;
 
 /// One model's engine settings.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 //! Precise prefix routing end to end: real `llmgw-sim` replicas publish KV events over ZMQ, a
 //! harness decodes them (the agent's `wire` module) into the router's `KvIndex`, and the router's
-//! scheduler with the prefix slot (`affinity`) decides in process; requests are then sent to the
+//! scheduler with the default profile (`kv_cache`, with the `prefix_tree` as its fallback) decides in process; requests are then sent to the
 //! replica it picked, so the sims' caches and the index evolve as in production.
 
 use std::collections::BTreeSet;
@@ -9,13 +9,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use llmgw::affinity::{AffinityConfig, HashersByModel, PrefixAffinity};
 use llmgw::blockhash::{BlockHasher, HashSettings};
 use llmgw::kvindex::{IndexConfig, KvEventSink, KvIndex};
-use llmgw::openai::{EndpointKind, ParsedRequest, parse_request};
+use llmgw::metrics::Metrics;
+use llmgw::models::HashersByModel;
+use llmgw::openai::{EndpointKind, parse_request};
 use llmgw::pool::{Health, InFlightGuard, Pool, ReplicaSpec};
-use llmgw::prefix::{PrefixTree, PrefixTreeConfig};
-use llmgw::scheduler::{Decision, Scheduler, SchedulerSettings, Scope};
+use llmgw::scheduler::{Decision, PluginResources, Scheduler, SchedulerConfig, Scope};
 use llmgw::tokenize::{Tokenizer, TokenizerConfig};
 use llmgw_agent::wire::{self, KvEvent};
 use llmgw_integration::{SimHandle, spawn_sim_with_env};
@@ -88,38 +88,13 @@ struct Fleet {
     sims: Vec<SimHandle>,
     index: Arc<KvIndex>,
     scheduler: Scheduler,
-    affinity: Arc<PrefixAffinity>,
+    /// Where the scheduler's plugins registered their metrics (decisions by tier).
+    metrics: Metrics,
+    tokenizer: Arc<Tokenizer>,
     pool: Arc<Pool>,
     http: reqwest::Client,
     /// Blocks the sims reported evicted.
     removed: Arc<AtomicUsize>,
-}
-
-/// Lets the scheduler own the scorer while the test keeps a handle for its metrics.
-struct Shared(Arc<PrefixAffinity>);
-
-impl llmgw::scheduler::PrefixScorer for Shared {
-    fn name(&self) -> &'static str {
-        self.0.name()
-    }
-    fn score<'a>(
-        &'a self,
-        request: &'a ParsedRequest,
-        candidates: &'a [llmgw::scheduler::Candidate],
-    ) -> futures::future::BoxFuture<
-        'a,
-        Result<llmgw::scheduler::PrefixScores, llmgw::scheduler::PrefixUnavailable>,
-    > {
-        self.0.score(request, candidates)
-    }
-    fn after_pick(
-        &self,
-        request: &ParsedRequest,
-        chosen: &llmgw::scheduler::Candidate,
-        scores: &llmgw::scheduler::PrefixScores,
-    ) {
-        self.0.after_pick(request, chosen, scores)
-    }
 }
 
 async fn fleet(n: usize, blocks: usize, tokenize_deadline: Duration) -> Fleet {
@@ -157,23 +132,29 @@ async fn fleet_with(n: usize, blocks: usize, tokenize_deadline: Duration, extra:
         Some(SEED),
     ))
     .expect("hasher");
-    let affinity = Arc::new(PrefixAffinity::new(
-        AffinityConfig::default(),
-        HashersByModel::from([(MODEL.to_owned(), Arc::new(hasher))]),
-        Arc::clone(&index),
-        Arc::new(PrefixTree::new(PrefixTreeConfig::default())),
-        Tokenizer::new(TokenizerConfig {
-            deadline: tokenize_deadline,
-            ..TokenizerConfig::default()
-        }),
-    ));
-    let scheduler = Scheduler::new(Arc::clone(&pool), SchedulerSettings::default())
-        .with_prefix_scorer(Box::new(Shared(Arc::clone(&affinity))));
+    let tokenizer = Arc::new(Tokenizer::new(TokenizerConfig {
+        deadline: tokenize_deadline,
+        ..TokenizerConfig::default()
+    }));
+    let resources = PluginResources {
+        index: Arc::clone(&index),
+        tokenizer: Arc::clone(&tokenizer),
+        hashers: Arc::new(HashersByModel::from([(MODEL.to_owned(), Arc::new(hasher))])),
+    };
+    let mut metrics = Metrics::new(Arc::clone(&pool));
+    let scheduler = Scheduler::build(
+        Arc::clone(&pool),
+        &SchedulerConfig::default(),
+        &resources,
+        metrics.registry_mut(),
+    )
+    .expect("default profile");
     Fleet {
         sims,
         index,
         scheduler,
-        affinity,
+        metrics,
+        tokenizer,
         pool,
         http: reqwest::Client::new(),
         removed,
@@ -215,12 +196,21 @@ impl Fleet {
     }
 
     /// Decides where `body` goes; the decision holds the in-flight count until dropped.
+    /// A decision counter of the scheduler's plugins, by its `decision` label.
+    fn decisions(&self, family: &str, decision: &str) -> u64 {
+        let text = self.metrics.encode().expect("encodes");
+        let sample = format!("{family}{{decision=\"{decision}\"}} ");
+        text.lines()
+            .find_map(|line| line.strip_prefix(&sample)?.parse().ok())
+            .unwrap_or(0)
+    }
+
     async fn decide(&self, endpoint: &str, body: &Value) -> (usize, Decision) {
         let kind = EndpointKind::from_path(endpoint).expect("completion endpoint");
         let request = parse_request(kind, body.to_string().as_bytes()).expect("parses");
         let decision = self
             .scheduler
-            .decide(&request, Scope::default())
+            .decide(&request, &[], Scope::default())
             .await
             .expect("a decision");
         (self.sim_index(decision.primary().endpoint()), decision)
@@ -284,7 +274,7 @@ async fn a_prompt_warmed_on_a_replica_goes_to_it() {
     f.converge().await;
     let (chosen, _) = f.decide("/v1/completions", &body).await;
     assert_eq!(chosen, 1);
-    assert_eq!(f.affinity.metrics().kv_count("hit"), 1);
+    assert_eq!(f.decisions("llmgw_kv_decisions_total", "hit"), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -301,7 +291,7 @@ async fn ten_warmed_prompts_each_go_to_their_owner() {
             .await;
         assert_eq!(chosen, i % 3, "prompt {i}");
     }
-    assert_eq!(f.affinity.metrics().kv_count("hit"), 10);
+    assert_eq!(f.decisions("llmgw_kv_decisions_total", "hit"), 10);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -328,7 +318,7 @@ async fn a_multi_turn_chat_follows_its_replica() {
         messages.push(json!({"role": "assistant", "content": reply}));
         messages.push(json!({"role": "user", "content": format!("Follow-up {turn}?")}));
     }
-    assert!(f.affinity.metrics().kv_count("hit") >= 3);
+    assert!(f.decisions("llmgw_kv_decisions_total", "hit") >= 3);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -340,13 +330,13 @@ async fn a_salted_request_does_not_match_unsalted_blocks() {
     f.converge().await;
     let salted = completion(&prompt, Some("tenant-a"));
     let (chosen, _) = f.route("/v1/completions", &salted).await;
-    assert_eq!(f.affinity.metrics().kv_count("miss"), 1);
-    assert_eq!(f.affinity.metrics().kv_count("hit"), 0);
+    assert_eq!(f.decisions("llmgw_kv_decisions_total", "miss"), 1);
+    assert_eq!(f.decisions("llmgw_kv_decisions_total", "hit"), 0);
     // The same salt again matches where the salted request went.
     f.converge().await;
     let (again, _) = f.decide("/v1/completions", &salted).await;
     assert_eq!(again, chosen);
-    assert_eq!(f.affinity.metrics().kv_count("hit"), 1);
+    assert_eq!(f.decisions("llmgw_kv_decisions_total", "hit"), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -364,7 +354,7 @@ async fn an_imbalance_overrides_affinity() {
         .find(&f.sims[0].addr.to_string())
         .cloned()
         .expect("replica");
-    let threshold = SchedulerSettings::default().imbalance_threshold as usize;
+    let threshold = SchedulerConfig::default().imbalance_threshold as usize;
     let _held: Vec<InFlightGuard> = (0..threshold * 2).map(|_| busy.start_request()).collect();
     let (chosen, decision) = f.decide("/v1/completions", &body).await;
     assert_eq!(chosen, 1);
@@ -387,24 +377,30 @@ async fn a_tokenize_timeout_falls_back_to_the_tree() {
     f.converge().await;
     let first = completion(&format!("{} First question?", long_prompt(8)), None);
     let (first_sim, _) = f.route("/v1/completions", &first).await;
-    assert_eq!(f.affinity.metrics().kv_count("tokenize_timeout"), 1);
+    assert_eq!(
+        f.decisions("llmgw_kv_decisions_total", "tokenize_timeout"),
+        1
+    );
     // Another question on the same document, also never tokenized: the tree sends it after the
     // first.
     let second = completion(&format!("{} Second question?", long_prompt(8)), None);
     let (second_sim, _) = f.route("/v1/completions", &second).await;
-    assert_eq!(f.affinity.metrics().kv_count("tokenize_timeout"), 2);
+    assert_eq!(
+        f.decisions("llmgw_kv_decisions_total", "tokenize_timeout"),
+        2
+    );
     assert_eq!(second_sim, first_sim);
-    assert_eq!(f.affinity.metrics().tree_count("hit"), 1);
+    assert_eq!(f.decisions("llmgw_prefix_decisions_total", "hit"), 1);
     // The late /tokenize answers still filled the cache: a repeat is decided precisely.
     for _ in 0..200 {
-        if f.affinity.tokenizer().cache_bytes() > 0 {
+        if f.tokenizer.cache_bytes() > 0 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     f.converge().await;
     let (repeat, _) = f.decide("/v1/completions", &first).await;
-    assert_eq!(f.affinity.metrics().kv_count("hit"), 1);
+    assert_eq!(f.decisions("llmgw_kv_decisions_total", "hit"), 1);
     assert_eq!(repeat, first_sim);
 }
 

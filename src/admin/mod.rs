@@ -19,14 +19,14 @@ use crate::config::PoolIdentity;
 use crate::kvindex::KvIndex;
 use crate::metrics::Metrics;
 use crate::pool::{Pool, ReplicaView};
-use crate::scheduler::SchedulerSettings;
+use crate::scheduler::SchedulerConfig;
 
 /// What the handlers read.
 #[derive(Debug)]
 pub struct AdminState {
     pub pool: Arc<Pool>,
     pub metrics: Arc<Metrics>,
-    pub scheduler: SchedulerSettings,
+    pub scheduler: SchedulerConfig,
     pub index: Arc<KvIndex>,
     /// The InferencePool this router picks for, if named.
     pub inference_pool: Option<PoolIdentity>,
@@ -69,7 +69,7 @@ struct DebugView<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     inference_pool: Option<&'a PoolIdentity>,
     replicas: Vec<ReplicaView>,
-    scheduler: SchedulerSettings,
+    scheduler: &'a SchedulerConfig,
 }
 
 async fn debug(State(state): State<Arc<AdminState>>) -> Response {
@@ -79,7 +79,7 @@ async fn debug(State(state): State<Arc<AdminState>>) -> Response {
             .pool
             .snapshot()
             .views(Instant::now(), state.pool.metrics_staleness()),
-        scheduler: state.scheduler,
+        scheduler: &state.scheduler,
     };
     axum::Json(view).into_response()
 }
@@ -144,7 +144,7 @@ mod tests {
         let state = Arc::new(AdminState {
             metrics: Arc::new(Metrics::new(Arc::clone(&pool))),
             pool,
-            scheduler: SchedulerSettings::default(),
+            scheduler: SchedulerConfig::default(),
             index,
             inference_pool: None,
         });

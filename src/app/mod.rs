@@ -19,18 +19,18 @@ use tokio::task::JoinSet;
 use tonic_health::ServingStatus;
 
 use crate::admin::{self, AdminState};
-use crate::affinity::{self, ModelSettingsError, PrefixAffinity};
 use crate::config::{self, Settings};
 use crate::discovery::{self, DiscoveryError};
 use crate::extproc::{ExtProcService, ExtProcSettings};
 use crate::feed::{FeedConfig, FeedService};
 use crate::kvindex::{KvEventSink, KvIndex};
 use crate::metrics::Metrics;
+use crate::metrics::state::StateCollector;
+use crate::models::{self, ModelSettingsError};
 use crate::pool::monitor::{self, HttpProber, ProbeError, ProbeSettings};
 use crate::pool::{CONFIG_SOURCE, Pool, ReplicaSources};
-use crate::prefix::{PrefixTree, PrefixTreeConfig};
 use crate::router::Router;
-use crate::scheduler::Scheduler;
+use crate::scheduler::{PluginResources, ProfileError, Scheduler};
 use crate::tokenize::Tokenizer;
 
 /// HTTP/2 flow-control windows of the ext_proc server: a whole large prompt per stream, many
@@ -77,6 +77,8 @@ pub enum ServeError {
     FeedTls(#[from] crate::feed::tls::FeedTlsError),
     #[error(transparent)]
     Discovery(#[from] DiscoveryError),
+    #[error("scheduling profile: {0}")]
+    Profile(#[from] ProfileError),
 }
 
 /// The addresses actually bound (useful with port 0).
@@ -114,17 +116,18 @@ pub async fn serve(
         probe,
     ));
     background.spawn(monitor::run_scrapes(Arc::clone(&pool), prober, probe));
-    // The prefix slot: precise index (fed by agents) first, the prefix tree where it can't answer.
+    // What the scheduler's plugins share: the KV index (fed by agents), the tokenizer and each
+    // model's hash settings.
     let index = Arc::new(KvIndex::new(settings.index));
-    let tokenizer =
-        affinity::with_local_tokenizers(Tokenizer::new(settings.tokenizer), &settings.models)?;
-    let affinity = Arc::new(PrefixAffinity::new(
-        settings.affinity,
-        affinity::hashers(&settings.models)?,
-        Arc::clone(&index),
-        Arc::new(PrefixTree::new(PrefixTreeConfig::default())),
-        tokenizer,
-    ));
+    let tokenizer = Arc::new(models::with_local_tokenizers(
+        Tokenizer::new(settings.tokenizer),
+        &settings.models,
+    )?);
+    let resources = PluginResources {
+        index: Arc::clone(&index),
+        tokenizer: Arc::clone(&tokenizer),
+        hashers: Arc::new(models::hashers(&settings.models)?),
+    };
 
     // Agents feed the index; each node may only speak for its own replicas.
     let nodes = crate::feed::node_map(&settings.replicas);
@@ -183,11 +186,21 @@ pub async fn serve(
     if let Some(pool) = &settings.pool {
         metrics.pool_info(&pool.name, &pool.namespace);
     }
-    affinity.register_metrics(metrics.registry_mut());
+    metrics
+        .registry_mut()
+        .register_collector(Box::new(StateCollector {
+            index: Arc::clone(&index),
+            tokenizer,
+        }));
     feed.metrics.register(metrics.registry_mut());
+    let scheduler = Scheduler::build(
+        Arc::clone(&pool),
+        &settings.scheduler,
+        &resources,
+        metrics.registry_mut(),
+    )?;
     let metrics = Arc::new(metrics);
-    let scheduler = Scheduler::new(Arc::clone(&pool), settings.scheduler)
-        .with_prefix_scorer(Box::new(Arc::clone(&affinity)));
+    let request_headers = scheduler.request_headers().to_vec();
     let router = Arc::new(Router::new(
         scheduler,
         Arc::clone(&metrics),
@@ -198,6 +211,7 @@ pub async fn serve(
         ExtProcSettings {
             destination_header: settings.destination_header.clone(),
             max_body_bytes: settings.max_body_bytes,
+            request_headers,
         },
     )
     .into_server();
@@ -286,7 +300,7 @@ pub async fn serve(
     let admin_state = Arc::new(AdminState {
         pool,
         metrics,
-        scheduler: settings.scheduler,
+        scheduler: settings.scheduler.clone(),
         index,
         inference_pool: settings.pool.clone(),
     });

@@ -11,16 +11,15 @@
 //!   - address: 127.0.0.1:8001
 //!     models: [tiny, tiny-lora]
 //!     node: node-a
-//! scheduler:
-//!   weights: {queue: 1, in_flight: 1, kv_cache: 1, prefix: 2}
-//!   saturation: {max_waiting: 128, max_kv_cache_usage: 0.99}
+//! scheduler:                   # the scheduling profile: see `scheduler::profile`
+//!   weights: {queue: 1, in_flight: 1, kv_utilization: 1, kv_cache: 2}
+//!   imbalance_threshold: 16
 //! models:                      # engine settings for precise prefix routing
 //!   - name: tiny
 //!     block_size: 16
 //!     hash_algo: sha256_cbor
 //!     hash_seed: "1729"        # the engines' PYTHONHASHSEED
 //! tokenize_deadline: 50ms
-//! speculative_ttl: 2s
 //! feed_addr: 0.0.0.0:9003      # agents stream KV events here
 //! feed_token_file: /etc/llmgw/feed-token
 //! feed_tls_cert: /etc/llmgw/feed.pem        # TLS on the feed port (with feed_tls_key)
@@ -44,13 +43,13 @@ use clap::Args;
 use serde::{Deserialize, Deserializer};
 use thiserror::Error;
 
-use crate::affinity::{AffinityConfig, FileModel, ModelSettings};
 use crate::discovery::K8sService;
 use crate::extproc::DESTINATION_HEADER;
 use crate::feed::tls::FeedTlsPaths;
 use crate::kvindex::IndexConfig;
+use crate::models::{FileModel, ModelSettings};
 use crate::pool::{CONFIG_SOURCE, ReplicaSources, ReplicaSpec};
-use crate::scheduler::SchedulerSettings;
+use crate::scheduler::{ProfileError, SchedulerArgs, SchedulerConfig};
 use crate::tokenize::TokenizerConfig;
 
 #[derive(Debug, Error)]
@@ -74,7 +73,9 @@ pub enum ConfigError {
     #[error("replica {0} serves no model")]
     NoModels(String),
     #[error(transparent)]
-    Model(#[from] crate::affinity::ModelSettingsError),
+    Model(#[from] crate::models::ModelSettingsError),
+    #[error(transparent)]
+    Profile(#[from] ProfileError),
     #[error("invalid duration {0:?}: expected e.g. 250ms, 2s, 1m")]
     Duration(String),
     #[error("{0} must be positive")]
@@ -162,37 +163,12 @@ pub struct ServeArgs {
     /// The destination header and envoy.lb metadata key (default x-gateway-destination-endpoint).
     #[arg(long, env = "LLMGW_DESTINATION_HEADER")]
     pub destination_header: Option<String>,
-    /// How many next-best replicas follow the pick in the destination (default 2). Use 0 with
-    /// ORIGINAL_DST clusters, which take a single address.
-    #[arg(long, env = "LLMGW_FALLBACKS")]
-    pub fallbacks: Option<usize>,
     /// Honour the conformance suite's `test-epp-endpoint-selection` header. Never in production.
     #[arg(long, env = "LLMGW_ALLOW_TEST_ENDPOINT_SELECTION")]
     pub allow_test_endpoint_selection: bool,
-    /// Scorer weight: engine queue length.
-    #[arg(long, env = "LLMGW_WEIGHT_QUEUE")]
-    pub weight_queue: Option<f64>,
-    /// Scorer weight: llmgw's in-flight count.
-    #[arg(long, env = "LLMGW_WEIGHT_IN_FLIGHT")]
-    pub weight_in_flight: Option<f64>,
-    /// Scorer weight: free KV cache.
-    #[arg(long, env = "LLMGW_WEIGHT_KV_CACHE")]
-    pub weight_kv_cache: Option<f64>,
-    /// Scorer weight: the prefix slot.
-    #[arg(long, env = "LLMGW_WEIGHT_PREFIX")]
-    pub weight_prefix: Option<f64>,
-    /// A replica with this many requests waiting is saturated.
-    #[arg(long, env = "LLMGW_MAX_WAITING")]
-    pub max_waiting: Option<f64>,
-    /// A replica with this KV-cache usage (0–1) is saturated.
-    #[arg(long, env = "LLMGW_MAX_KV_CACHE_USAGE")]
-    pub max_kv_cache_usage: Option<f64>,
-    /// A replica with this many llmgw requests in flight is saturated (0 = no limit).
-    #[arg(long, env = "LLMGW_MAX_IN_FLIGHT")]
-    pub max_in_flight: Option<u32>,
-    /// Load spread (in flight + waiting) from which prefix affinity is ignored.
-    #[arg(long, env = "LLMGW_IMBALANCE_THRESHOLD")]
-    pub imbalance_threshold: Option<f64>,
+    /// The scheduling profile's common knobs.
+    #[command(flatten)]
+    pub scheduler: SchedulerArgs,
     /// A model's engine settings for precise prefix routing, repeatable:
     /// MODEL=block_size=N[,algo=sha256_cbor|xxhash_cbor][,seed=PYTHONHASHSEED]
     /// [,salt=tagged|untagged][,tokenizer=PATH/tokenizer.json]. Models without one are routed by
@@ -205,12 +181,6 @@ pub struct ServeArgs {
     /// Bytes the tokenization cache may hold (default 64 MiB).
     #[arg(long, env = "LLMGW_TOKENIZE_CACHE_BYTES")]
     pub tokenize_cache_bytes: Option<usize>,
-    /// How long a pick credits the chosen replica with the prompt's blocks (default 2s; 0 off).
-    #[arg(long, env = "LLMGW_SPECULATIVE_TTL", value_parser = parse_duration)]
-    pub speculative_ttl: Option<Duration>,
-    /// Leading blocks a replica must hold before its cache counts (default 1).
-    #[arg(long, env = "LLMGW_MIN_PREFIX_BLOCKS")]
-    pub min_prefix_blocks: Option<u32>,
     /// Most blocks the KV index keeps per replica; the oldest go first (default 4,000,000).
     #[arg(long, env = "LLMGW_INDEX_MAX_BLOCKS_PER_REPLICA")]
     pub index_max_blocks_per_replica: Option<u32>,
@@ -274,15 +244,12 @@ pub struct FileConfig {
     #[serde(default)]
     pub replicas: Vec<FileReplica>,
     #[serde(default)]
-    pub scheduler: Option<SchedulerSettings>,
+    pub scheduler: Option<SchedulerConfig>,
     #[serde(default)]
     pub models: Vec<FileModel>,
     #[serde(default, deserialize_with = "opt_duration")]
     pub tokenize_deadline: Option<Duration>,
     pub tokenize_cache_bytes: Option<usize>,
-    #[serde(default, deserialize_with = "opt_duration")]
-    pub speculative_ttl: Option<Duration>,
-    pub min_prefix_blocks: Option<u32>,
     pub index_max_blocks_per_replica: Option<u32>,
     pub offloaded_weight: Option<f32>,
     pub feed_addr: Option<SocketAddr>,
@@ -338,7 +305,8 @@ pub struct Settings {
     pub max_body_bytes: usize,
     pub destination_header: String,
     pub allow_test_endpoint_selection: bool,
-    pub scheduler: SchedulerSettings,
+    /// The scheduling profile and its options, flags applied.
+    pub scheduler: SchedulerConfig,
     /// The file, for reloads.
     pub config_path: Option<PathBuf>,
     /// The `--replica` flags, re-added on every reload.
@@ -346,7 +314,6 @@ pub struct Settings {
     /// Engine settings per model, for the precise tier.
     pub models: Vec<ModelSettings>,
     pub tokenizer: TokenizerConfig,
-    pub affinity: AffinityConfig,
     pub index: IndexConfig,
     pub feed_addr: SocketAddr,
     /// The shared token of agents; `None` accepts any.
@@ -373,18 +340,10 @@ impl Settings {
         let mut replicas = file_replicas(&file)?;
         replicas.extend(flag_replicas.iter().cloned());
 
-        let mut scheduler = file.scheduler.unwrap_or_default();
-        let weights = &mut scheduler.weights;
-        override_with(&mut weights.queue, args.weight_queue);
-        override_with(&mut weights.in_flight, args.weight_in_flight);
-        override_with(&mut weights.kv_cache, args.weight_kv_cache);
-        override_with(&mut weights.prefix, args.weight_prefix);
-        let saturation = &mut scheduler.saturation;
-        override_with(&mut saturation.max_waiting, args.max_waiting);
-        override_with(&mut saturation.max_kv_cache_usage, args.max_kv_cache_usage);
-        override_with(&mut saturation.max_in_flight, args.max_in_flight);
-        override_with(&mut scheduler.imbalance_threshold, args.imbalance_threshold);
-        override_with(&mut scheduler.fallbacks, args.fallbacks);
+        let mut scheduler = file.scheduler.clone().unwrap_or_default();
+        scheduler.apply(&args.scheduler)?;
+        // Unknown weights are refused at start-up, with the rest of the profile when built.
+        scheduler.effective_profile()?;
 
         let models = resolve_models(args, &file)?;
         let (feed_token, feed_token_file) = match (
@@ -497,16 +456,6 @@ impl Settings {
                     .unwrap_or(TokenizerConfig::default().cache_bytes),
                 ..TokenizerConfig::default()
             },
-            affinity: AffinityConfig {
-                min_blocks: args
-                    .min_prefix_blocks
-                    .or(file.min_prefix_blocks)
-                    .unwrap_or(AffinityConfig::default().min_blocks),
-                speculative_ttl: args
-                    .speculative_ttl
-                    .or(file.speculative_ttl)
-                    .unwrap_or(AffinityConfig::default().speculative_ttl),
-            },
             index: IndexConfig {
                 max_blocks_per_replica: args
                     .index_max_blocks_per_replica
@@ -587,14 +536,8 @@ fn resolve_models(args: &ServeArgs, file: &FileConfig) -> Result<Vec<ModelSettin
         models.push(model);
     }
     // Refuse settings no engine could have (xxhash without a seed) at start-up, not per request.
-    crate::affinity::hashers(&models)?;
+    crate::models::hashers(&models)?;
     Ok(models)
-}
-
-fn override_with<T>(target: &mut T, value: Option<T>) {
-    if let Some(value) = value {
-        *target = value;
-    }
 }
 
 fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
@@ -676,6 +619,32 @@ pub fn parse_duration(text: &str) -> Result<Duration, ConfigError> {
         _ => return Err(invalid()),
     };
     Duration::try_from_secs_f64(seconds).map_err(|_| invalid())
+}
+
+/// `serde(with = ...)` for a duration written as `250ms`, `2s`, `1m` or a number of seconds.
+pub mod duration_text {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Text {
+        Seconds(f64),
+        Text(String),
+    }
+
+    pub fn serialize<S: Serializer>(value: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&format!("{}ms", value.as_millis()))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
+        match Text::deserialize(deserializer)? {
+            Text::Seconds(seconds) => Duration::try_from_secs_f64(seconds)
+                .map_err(|_| serde::de::Error::custom(format!("invalid duration {seconds}"))),
+            Text::Text(text) => super::parse_duration(&text).map_err(serde::de::Error::custom),
+        }
+    }
 }
 
 fn opt_duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {

@@ -51,7 +51,10 @@ fn flags_override_file_override_defaults() {
         config: Some(path),
         replicas: vec!["tiny=127.0.0.1:8002".to_string()],
         grpc_addr: Some("127.0.0.1:7001".parse().unwrap()),
-        weight_kv_cache: Some(0.5),
+        scheduler: SchedulerArgs {
+            weight_kv_utilization: Some(0.5),
+            ..SchedulerArgs::default()
+        },
         ..ServeArgs::default()
     };
     let settings = Settings::resolve(&args).unwrap();
@@ -61,9 +64,23 @@ fn flags_override_file_override_defaults() {
     assert_eq!(settings.health_interval, Duration::from_secs(1));
     assert_eq!(settings.replicas.len(), 2);
     assert_eq!(settings.replicas[0].models, vec!["tiny", "tiny-lora"]);
-    assert_eq!(settings.scheduler.weights.queue, 3.0);
-    assert_eq!(settings.scheduler.weights.kv_cache, 0.5);
-    assert_eq!(settings.scheduler.weights.in_flight, 1.0);
+    let weights: Vec<(String, Option<f64>)> = settings
+        .scheduler
+        .effective_profile()
+        .unwrap()
+        .scorers
+        .into_iter()
+        .map(|s| (s.name().to_owned(), s.weight))
+        .collect();
+    assert_eq!(
+        weights,
+        [
+            ("kv_cache".to_owned(), Some(2.0)),
+            ("queue".to_owned(), Some(3.0)),
+            ("in_flight".to_owned(), Some(1.0)),
+            ("kv_utilization".to_owned(), Some(0.5)),
+        ]
+    );
     assert_eq!(settings.scheduler.fallbacks, 1);
     assert_eq!(settings.destination_header, DESTINATION_HEADER);
 }
@@ -137,12 +154,15 @@ fn models_and_precise_settings_from_file_and_flags() {
     let dir = tempfile::tempdir().unwrap();
     let path = write_file(
         &dir,
-        "models:\n  - name: tiny\n    block_size: 16\n    hash_seed: \"1729\"\n  - name: big\n    block_size: 32\ntokenize_deadline: 20ms\nspeculative_ttl: 0s\n",
+        "models:\n  - name: tiny\n    block_size: 16\n    hash_seed: \"1729\"\n  - name: big\n    block_size: 32\ntokenize_deadline: 20ms\nscheduler:\n  profile:\n    scorers:\n      - {type: kv_cache, parameters: {speculative_ttl: 0s}}\n",
     );
     let args = ServeArgs {
         config: Some(path),
         models: vec!["big=block_size=64,algo=xxhash_cbor,seed=7".to_string()],
-        min_prefix_blocks: Some(3),
+        scheduler: SchedulerArgs {
+            min_prefix_blocks: Some(3),
+            ..SchedulerArgs::default()
+        },
         ..ServeArgs::default()
     };
     let settings = Settings::resolve(&args).unwrap();
@@ -153,8 +173,15 @@ fn models_and_precise_settings_from_file_and_flags() {
     assert_eq!(settings.models[1].model, "big");
     assert_eq!(settings.models[1].hashing.block_size.get(), 64);
     assert_eq!(settings.tokenizer.deadline, Duration::from_millis(20));
-    assert_eq!(settings.affinity.speculative_ttl, Duration::ZERO);
-    assert_eq!(settings.affinity.min_blocks, 3);
+    let kv_cache = &settings.scheduler.profile.scorers[0];
+    assert_eq!(
+        kv_cache.parameters["speculative_ttl"],
+        serde_yaml::Value::from("0s")
+    );
+    assert_eq!(
+        kv_cache.parameters["min_blocks"],
+        serde_yaml::Value::from(3)
+    );
 
     let unreproducible = ServeArgs {
         models: vec!["m=block_size=16,algo=xxhash_cbor".to_string()],

@@ -82,6 +82,8 @@ pub struct RoutingRequest {
     pub test_selection: Option<String>,
     /// The caller's W3C trace headers, when it sent any (boxed: most requests carry none).
     pub trace: Option<Box<CallerTrace>>,
+    /// The headers named in [`ExtProcSettings::request_headers`] that the request carried.
+    pub headers: Vec<(String, String)>,
 }
 
 /// The W3C Trace Context headers of the request, for the picker to continue the caller's trace.
@@ -138,6 +140,8 @@ pub struct ExtProcSettings {
     pub destination_header: String,
     /// Bodies above this many bytes are refused with 413.
     pub max_body_bytes: usize,
+    /// Request headers (lower-case names) to hand to the picker in [`RoutingRequest::headers`].
+    pub request_headers: Vec<String>,
 }
 
 impl Default for ExtProcSettings {
@@ -145,6 +149,7 @@ impl Default for ExtProcSettings {
         ExtProcSettings {
             destination_header: DESTINATION_HEADER.to_string(),
             max_body_bytes: 16 * 1024 * 1024,
+            request_headers: Vec::new(),
         }
     }
 }

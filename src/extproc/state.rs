@@ -164,7 +164,7 @@ impl<P: Picker> StreamState<P> {
         headers: HttpHeaders,
         metadata: Option<&Metadata>,
     ) -> Result<Vec<ProcessingResponse>, ProtocolError> {
-        let mut request = read_headers(headers.headers.as_ref());
+        let mut request = read_headers(headers.headers.as_ref(), &self.settings.request_headers);
         request.subset = subset_hint(metadata);
         if headers.end_of_stream || self.request_mode == RequestBodyMode::None {
             if headers.end_of_stream {
@@ -376,9 +376,16 @@ fn header_value(header: &envoy_types::pb::envoy::config::core::v3::HeaderValue) 
     }
 }
 
-fn read_headers(headers: Option<&HeaderMap>) -> RoutingRequest {
+/// The request fields the picker reads, and the headers among `wanted` (lower-case names, as
+/// Envoy sends them).
+fn read_headers(headers: Option<&HeaderMap>, wanted: &[String]) -> RoutingRequest {
     let mut request = RoutingRequest::default();
     for header in headers.map(|h| h.headers.as_slice()).unwrap_or(&[]) {
+        if wanted.contains(&header.key) {
+            request
+                .headers
+                .push((header.key.clone(), header_value(header)));
+        }
         match header.key.as_str() {
             ":method" => request.method = header_value(header),
             ":path" => request.path = header_value(header),
@@ -469,4 +476,40 @@ pub fn drive<P: Picker>(
             }
         },
     )
+}
+
+#[cfg(test)]
+mod header_tests {
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+
+    use super::read_headers;
+
+    #[test]
+    fn only_the_headers_a_plugin_asked_for_reach_the_picker() {
+        let header = |key: &str, value: &str| HeaderValue {
+            key: key.to_owned(),
+            raw_value: value.as_bytes().to_vec(),
+            ..HeaderValue::default()
+        };
+        let headers = HeaderMap {
+            headers: vec![
+                header(":method", "POST"),
+                header(":path", "/v1/completions"),
+                header("x-session-id", "abc"),
+                header("authorization", "Bearer secret"),
+                header("cookie", "sid=1"),
+            ],
+        };
+        let wanted = ["cookie".to_owned(), "x-session-id".to_owned()];
+        let request = read_headers(Some(&headers), &wanted);
+        assert_eq!(request.method, "POST");
+        assert_eq!(
+            request.headers,
+            [
+                ("x-session-id".to_owned(), "abc".to_owned()),
+                ("cookie".to_owned(), "sid=1".to_owned())
+            ]
+        );
+        assert!(read_headers(Some(&headers), &[]).headers.is_empty());
+    }
 }

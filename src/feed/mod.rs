@@ -49,8 +49,8 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::StreamExt as _;
 
-use crate::affinity::ModelSettings;
 use crate::blockhash::HashSettings;
+use crate::models::ModelSettings;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 

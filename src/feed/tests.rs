@@ -1,5 +1,5 @@
 use super::*;
-use crate::affinity::ModelSettings;
+use crate::models::ModelSettings;
 
 type Copies = HashMap<(ExternalHash, Medium), u32>;
 

@@ -7,6 +7,9 @@
 //!   done for it on the blocking pool; [`crate::cputime`]), so waiting and preemption by other
 //!   work are not counted.
 //! * `llmgw_imbalance_guard_total`, `llmgw_prefix_unavailable_total`.
+//! * Read from the index and tokenizer at scrape time ([`state`]): `llmgw_kv_index_*`,
+//!   `llmgw_tokenize_*`. The scheduler's plugins register their own (`llmgw_kv_decisions_total`,
+//!   `llmgw_prefix_decisions_total`, `llmgw_prefix_tree_nodes`, ...).
 //! * Per replica, read from the pool at scrape time: `llmgw_replica_in_flight`,
 //!   `llmgw_replica_healthy`, and, while the last scrape is fresh, `llmgw_replica_waiting`,
 //!   `llmgw_replica_running`, `llmgw_replica_kv_cache_usage`.
@@ -15,6 +18,8 @@
 //! Counters and the histogram are atomics updated from every stream; the per-replica gauges are
 //! computed from a lock-free pool snapshot when `/metrics` is read, so the request path never
 //! touches them. The registry itself is only read (encoded) after start-up.
+
+pub mod state;
 
 use std::sync::Arc;
 
@@ -168,7 +173,7 @@ impl Metrics {
         let imbalance_guard = Counter::default();
         registry.register(
             "llmgw_imbalance_guard",
-            "Decisions where load imbalance overruled prefix affinity",
+            "Decisions where load imbalance overruled affinity scorers",
             imbalance_guard.clone(),
         );
         let prefix_unavailable = Counter::default();

@@ -58,6 +58,14 @@ pub struct PrefixTree {
     nodes: Mutex<LruCache<u64, Node, foldhash::fast::RandomState>>,
 }
 
+impl std::fmt::Debug for PrefixTree {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefixTree")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
 impl PrefixTree {
     pub fn new(config: PrefixTreeConfig) -> Self {
         PrefixTree {

@@ -85,7 +85,7 @@ impl Router {
         span.record("model", parsed.model.as_str());
         let decision = self
             .scheduler
-            .decide(&parsed, scope)
+            .decide(&parsed, &request.headers, scope)
             .await
             .map_err(|e| self.refuse(e))?;
         if decision.imbalance_guard_fired {

@@ -5,7 +5,6 @@ use bytes::Bytes;
 
 use super::*;
 use crate::pool::{EngineLoad, Health, Pool, ReplicaSpec};
-use crate::scheduler::SchedulerSettings;
 
 fn pool() -> Arc<Pool> {
     let specs = [8001, 8002]
@@ -25,7 +24,7 @@ fn pool() -> Arc<Pool> {
 fn router(pool: &Arc<Pool>, allow_test_selection: bool) -> Router {
     let metrics = Arc::new(Metrics::new(Arc::clone(pool)));
     Router::new(
-        Scheduler::new(Arc::clone(pool), SchedulerSettings::default()),
+        Scheduler::load_only(Arc::clone(pool)).expect("builds"),
         metrics,
         allow_test_selection,
     )

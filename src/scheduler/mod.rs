@@ -1,106 +1,54 @@
-//! Choosing a replica: filters → weighted scorers → picker.
+//! Choosing a replica: a plugin host running filters → weighted scorers → picker.
 //!
-//! 1. **Filters** keep the replicas that serve the model (404 if none), are healthy (503 if
-//!    none), lie in the proxy's subset hint when one is given, and are not saturated (429 if
-//!    every remaining one is).
-//! 2. **Scorers** each give every candidate a score in `[0, 1]`: the built-in load scorers
-//!    ([`scorers`]) and, in the prefix slot, an optional [`PrefixScorer`]. The total is the
-//!    weighted mean, so it stays in `[0, 1]`.
-//! 3. **Picker**: the highest total wins, ties broken by rendezvous hashing of the request with
+//! 1. **Eligibility** (fixed, not plugins): the replicas that serve the model (404 if none),
+//!    are healthy (503 if none) and lie in the proxy's subset hint when one is given (503).
+//! 2. **Filters** ([`filter`]): the profile's filter plugins in order; a filter that removes
+//!    every candidate refuses the request (429 for `saturation`) or, if it only states a
+//!    preference, is ignored.
+//! 3. **Scorers** ([`scorer`]): each gives every candidate a score in `[0, 1]`; the total is the
+//!    weighted mean over the scorers that answered, so it stays in `[0, 1]`. A scorer may have a
+//!    **fallback**, asked with its weight when it abstains or scores every candidate 0 (the
+//!    default profile: the precise `kv_cache` scorer, with the approximate `prefix_tree` as its
+//!    fallback).
+//! 4. **Picker**: the highest total wins, ties broken by rendezvous hashing of the request with
 //!    each replica (so routers agree; at random for requests without a prompt); the next best
-//!    become the ordered fallback list.
+//!    become the ordered fallback list. Every scorer then hears the pick ([`plugin::Role`]).
 //!
 //! The **imbalance guard** lets load outvote affinity: when the most loaded candidate has at
 //! least `imbalance_threshold` more requests (in flight + waiting) than the least loaded, the
-//! prefix score is ignored for that decision.
+//! affinity scorers are not asked for that decision.
+//!
+//! Which plugins run with which weights is the scheduling profile ([`profile`]), built by name
+//! through the registry ([`registry`]).
 //!
 //! # Concurrency model
 //! A [`Scheduler`] is immutable after construction and shared by every ext_proc stream; a
-//! decision reads the pool snapshot lock-free and allocates only its small candidate vectors.
-//! The in-flight count of the chosen replica rises inside [`Scheduler::decide`] (the returned
-//! [`Decision`] holds the guard), so concurrent decisions see each other at once.
+//! decision reads the pool snapshot lock-free and allocates only its small candidate and score
+//! vectors; plugins keep their own state behind short-held locks. The in-flight count of the
+//! chosen replica rises inside [`Scheduler::decide`] (the returned [`Decision`] holds the
+//! guard), so concurrent decisions see each other at once.
 
-pub mod prefix;
-pub mod scorers;
+pub mod filter;
+pub mod plugin;
+pub mod profile;
+pub mod registry;
+pub mod scorer;
 
 use std::sync::Arc;
 
+use prometheus_client::registry::Registry;
 use rand::Rng;
-use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use tokio::time::Instant;
 
-pub use prefix::{PrefixScorer, PrefixScores, PrefixUnavailable};
-pub use scorers::Scorer;
+pub use plugin::{
+    Answer, Category, Filter, Pick, Role, Scorer, Scores, Scoring, ScoringContext, WhenNonePass,
+};
+pub use profile::{PluginSpec, Profile, ProfileError, SchedulerArgs, SchedulerConfig};
+pub use registry::PluginResources;
 
 use crate::openai::{ParsedRequest, Prompt, RequestInput};
 use crate::pool::{EngineLoad, InFlightGuard, Pool, Replica};
-
-/// Weights of the scorers; a weight of 0 turns a scorer off.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct ScorerWeights {
-    pub queue: f64,
-    pub in_flight: f64,
-    pub kv_cache: f64,
-    pub prefix: f64,
-}
-
-impl Default for ScorerWeights {
-    fn default() -> Self {
-        ScorerWeights {
-            queue: 1.0,
-            in_flight: 1.0,
-            kv_cache: 1.0,
-            prefix: 2.0,
-        }
-    }
-}
-
-/// When a replica counts as saturated and leaves the candidates.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct SaturationLimits {
-    /// `vllm:num_requests_waiting` at or above this saturates.
-    pub max_waiting: f64,
-    /// `vllm:kv_cache_usage_perc` at or above this saturates.
-    pub max_kv_cache_usage: f64,
-    /// llmgw's own in-flight count at or above this saturates (0 = no limit).
-    pub max_in_flight: u32,
-}
-
-impl Default for SaturationLimits {
-    fn default() -> Self {
-        SaturationLimits {
-            max_waiting: 128.0,
-            max_kv_cache_usage: 0.99,
-            max_in_flight: 0,
-        }
-    }
-}
-
-/// Everything that shapes decisions.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct SchedulerSettings {
-    pub weights: ScorerWeights,
-    pub saturation: SaturationLimits,
-    /// Load spread (requests in flight + waiting) from which prefix affinity is ignored.
-    pub imbalance_threshold: f64,
-    /// How many next-best replicas follow the pick in the destination list.
-    pub fallbacks: usize,
-}
-
-impl Default for SchedulerSettings {
-    fn default() -> Self {
-        SchedulerSettings {
-            weights: ScorerWeights::default(),
-            saturation: SaturationLimits::default(),
-            imbalance_threshold: 16.0,
-            fallbacks: 2,
-        }
-    }
-}
 
 /// A replica that passed the filters, with its load read once for the whole decision.
 #[derive(Debug, Clone)]
@@ -117,25 +65,6 @@ impl Candidate {
     fn pending(&self) -> f64 {
         f64::from(self.in_flight) + self.engine.and_then(|e| e.waiting).unwrap_or(0.0)
     }
-
-    fn saturated(&self, limits: &SaturationLimits) -> bool {
-        let engine = self.engine.unwrap_or(EngineLoad {
-            waiting: None,
-            running: None,
-            kv_cache_usage: None,
-        });
-        engine.waiting.is_some_and(|w| w >= limits.max_waiting)
-            || engine
-                .kv_cache_usage
-                .is_some_and(|u| u >= limits.max_kv_cache_usage)
-            || (limits.max_in_flight > 0 && self.in_flight >= limits.max_in_flight)
-    }
-}
-
-/// What scorers may look at besides the candidates.
-#[derive(Debug, Clone, Copy)]
-pub struct ScoringContext<'a> {
-    pub request: &'a ParsedRequest,
 }
 
 /// Restrictions the proxy puts on a decision.
@@ -152,9 +81,9 @@ pub struct Decision {
     pub in_flight: InFlightGuard,
     /// Next-best replicas, best first, for the proxy's retries.
     pub fallbacks: Vec<Arc<Replica>>,
-    /// Whether the imbalance guard overruled prefix affinity.
+    /// Whether the imbalance guard overruled affinity.
     pub imbalance_guard_fired: bool,
-    /// Whether the prefix scorer was asked and failed.
+    /// Whether an affinity scorer (and its fallback) was asked and none answered.
     pub prefix_unavailable: bool,
 }
 
@@ -187,58 +116,199 @@ pub enum DecideError {
     AllSaturated,
 }
 
+/// A scorer of the profile with its weight and optional fallback.
+pub struct ScorerEntry {
+    pub name: String,
+    pub weight: f64,
+    pub scorer: Arc<dyn Scorer>,
+    pub fallback: Option<(String, Arc<dyn Scorer>)>,
+}
+
+impl ScorerEntry {
+    pub fn new(name: impl Into<String>, weight: f64, scorer: Arc<dyn Scorer>) -> ScorerEntry {
+        ScorerEntry {
+            name: name.into(),
+            weight,
+            scorer,
+            fallback: None,
+        }
+    }
+
+    pub fn with_fallback(mut self, name: impl Into<String>, scorer: Arc<dyn Scorer>) -> Self {
+        self.fallback = Some((name.into(), scorer));
+        self
+    }
+}
+
+/// Which answer of an entry counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Counted {
+    Primary,
+    Fallback,
+    Neither,
+}
+
+/// What one entry said in a decision.
+struct Evaluated {
+    /// `None`: not asked (the imbalance guard).
+    primary: Option<Answer>,
+    /// `None`: not asked (the primary answered) or no fallback.
+    fallback: Option<Answer>,
+    counted: Counted,
+}
+
+impl Evaluated {
+    fn counted_scores(&self) -> Option<&Scores> {
+        match self.counted {
+            Counted::Primary => self.primary.as_ref().and_then(Answer::scores),
+            Counted::Fallback => self.fallback.as_ref().and_then(Answer::scores),
+            Counted::Neither => None,
+        }
+    }
+}
+
+/// The role of an answer after the pick.
+fn role(answer: Option<&Answer>, counted: bool) -> Role<'_> {
+    match (answer, counted) {
+        (None, _) => Role::NotAsked,
+        (Some(Answer::Scored(scores)), true) => Role::Counted(scores),
+        (Some(answer), _) => Role::NotCounted {
+            scores: answer.scores(),
+            abstained: answer.abstained(),
+        },
+    }
+}
+
+/// Everything but the plugins.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SchedulerOptions {
+    /// Load spread (requests in flight + waiting) from which affinity scorers are skipped.
+    pub imbalance_threshold: f64,
+    /// How many next-best replicas follow the pick in the destination list.
+    pub fallbacks: usize,
+}
+
+impl Default for SchedulerOptions {
+    fn default() -> Self {
+        let config = SchedulerConfig::default();
+        SchedulerOptions {
+            imbalance_threshold: config.imbalance_threshold,
+            fallbacks: config.fallbacks,
+        }
+    }
+}
+
 /// Filters, scorers and picker over one pool.
 pub struct Scheduler {
     pool: Arc<Pool>,
-    settings: SchedulerSettings,
-    scorers: Vec<(f64, Box<dyn Scorer>)>,
-    prefix: Option<Box<dyn PrefixScorer>>,
+    options: SchedulerOptions,
+    filters: Vec<(String, Arc<dyn Filter>)>,
+    scorers: Vec<ScorerEntry>,
+    /// The request headers the plugins read.
+    request_headers: Vec<String>,
 }
 
 impl std::fmt::Debug for Scheduler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Scheduler")
-            .field("settings", &self.settings)
-            .field("prefix", &self.prefix.as_ref().map(|p| p.name()))
+            .field("options", &self.options)
+            .field(
+                "filters",
+                &self.filters.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .field(
+                "scorers",
+                &self
+                    .scorers
+                    .iter()
+                    .map(|e| (&e.name, e.weight, e.fallback.as_ref().map(|(n, _)| n)))
+                    .collect::<Vec<_>>(),
+            )
             .finish_non_exhaustive()
     }
 }
 
 impl Scheduler {
-    /// A scheduler with the built-in load scorers and an empty prefix slot.
-    pub fn new(pool: Arc<Pool>, settings: SchedulerSettings) -> Scheduler {
-        let weights = settings.weights;
-        let scorers: Vec<(f64, Box<dyn Scorer>)> = vec![
-            (weights.queue, Box::new(scorers::QueueScorer)),
-            (weights.in_flight, Box::new(scorers::InFlightScorer)),
-            (weights.kv_cache, Box::new(scorers::KvCacheScorer)),
-        ];
-        Scheduler {
-            pool,
-            settings,
-            scorers: scorers.into_iter().filter(|(w, _)| *w > 0.0).collect(),
-            prefix: None,
+    /// Builds the profile of `config` by name (weights applied, zero weights dropped); the
+    /// plugins register their metrics in `registry`.
+    pub fn build(
+        pool: Arc<Pool>,
+        config: &SchedulerConfig,
+        resources: &PluginResources,
+        registry: &mut Registry,
+    ) -> Result<Scheduler, ProfileError> {
+        if config.imbalance_threshold.is_nan() || config.imbalance_threshold <= 0.0 {
+            return Err(ProfileError::ImbalanceThreshold(config.imbalance_threshold));
         }
+        let profile = config.effective_profile()?;
+        let built = registry::build_profile(&profile, resources, registry)?;
+        Ok(Scheduler::with_plugins(
+            pool,
+            SchedulerOptions {
+                imbalance_threshold: config.imbalance_threshold,
+                fallbacks: config.fallbacks,
+            },
+            built.filters,
+            built.scorers,
+        ))
     }
 
-    /// Fills the prefix slot (weighted by `settings.weights.prefix`).
-    pub fn with_prefix_scorer(mut self, scorer: Box<dyn PrefixScorer>) -> Scheduler {
-        self.prefix = Some(scorer);
-        self
+    /// The default profile without affinity scorers and with nothing shared (its metrics
+    /// unregistered): load-only routing, for tests and benches.
+    pub fn load_only(pool: Arc<Pool>) -> Result<Scheduler, ProfileError> {
+        Scheduler::build(
+            pool,
+            &SchedulerConfig::load_only(),
+            &PluginResources::standalone(),
+            &mut Registry::default(),
+        )
+    }
+
+    /// A scheduler with the given plugins (the registry's path is [`Scheduler::build`]).
+    pub fn with_plugins(
+        pool: Arc<Pool>,
+        options: SchedulerOptions,
+        filters: Vec<(String, Arc<dyn Filter>)>,
+        scorers: Vec<ScorerEntry>,
+    ) -> Scheduler {
+        let mut request_headers: Vec<String> = scorers
+            .iter()
+            .flat_map(|e| {
+                std::iter::once(&e.scorer)
+                    .chain(e.fallback.as_ref().map(|(_, s)| s))
+                    .flat_map(|s| s.request_headers())
+            })
+            .collect();
+        request_headers.sort();
+        request_headers.dedup();
+        Scheduler {
+            pool,
+            options,
+            filters,
+            scorers: scorers.into_iter().filter(|e| e.weight > 0.0).collect(),
+            request_headers,
+        }
     }
 
     pub fn pool(&self) -> &Arc<Pool> {
         &self.pool
     }
 
-    pub fn settings(&self) -> &SchedulerSettings {
-        &self.settings
+    pub fn options(&self) -> &SchedulerOptions {
+        &self.options
     }
 
-    /// Chooses a replica for a completion request.
+    /// Request headers (lower-case) some plugin reads, for the protocol layer to pass on.
+    pub fn request_headers(&self) -> &[String] {
+        &self.request_headers
+    }
+
+    /// Chooses a replica for a completion request. `headers` are the request's headers among
+    /// [`Scheduler::request_headers`].
     pub async fn decide(
         &self,
         request: &ParsedRequest,
+        headers: &[(String, String)],
         scope: Scope<'_>,
     ) -> Result<Decision, DecideError> {
         let snapshot = self.pool.snapshot();
@@ -246,89 +316,82 @@ impl Scheduler {
         if serving.is_empty() {
             return Err(DecideError::UnknownModel(request.model.clone()));
         }
-        let candidates = self.candidates(serving, scope)?;
+        let candidates = self.candidates(serving, Some(request), scope)?;
+        let context = ScoringContext { request, headers };
 
-        // Prefix first (it may wait on a tokenizer); the load scorers read the loads the
-        // filters captured, so their order does not matter. Fields of the router's `route`
-        // span are recorded on the current span.
+        // Fields of the router's `route` span are recorded on the current span.
         let route = tracing::Span::current();
-        let mut imbalance_guard_fired = false;
-        let mut prefix_unavailable = false;
-        let mut prefix_scores = None;
-        if let Some(prefix) = &self.prefix
-            && self.settings.weights.prefix > 0.0
-        {
-            let (lo, hi) = candidates
-                .iter()
-                .map(Candidate::pending)
-                .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), p| {
-                    (lo.min(p), hi.max(p))
-                });
-            if hi - lo >= self.settings.imbalance_threshold {
-                imbalance_guard_fired = true;
-                route.record("tier", "load");
-                route.record("tier_reason", "imbalance_guard");
-            } else {
-                match prefix.score(request, &candidates).await {
-                    Ok(result) if result.per_candidate.len() == candidates.len() => {
-                        prefix_scores = Some(result);
+        let imbalance_guard_fired = self.has_affinity() && self.imbalanced(&candidates);
+        let mut evaluated = Vec::with_capacity(self.scorers.len());
+        for entry in &self.scorers {
+            evaluated.push(
+                if imbalance_guard_fired && entry.scorer.category() == Category::Affinity {
+                    Evaluated {
+                        primary: None,
+                        fallback: None,
+                        counted: Counted::Neither,
                     }
-                    Ok(result) => {
-                        tracing::warn!(
-                            scorer = prefix.name(),
-                            got = result.per_candidate.len(),
-                            expected = candidates.len(),
-                            "prefix scorer returned the wrong number of scores; ignored"
-                        );
-                        prefix_unavailable = true;
-                    }
-                    Err(e) => {
-                        tracing::debug!(scorer = prefix.name(), error = %e, "deciding on load alone");
-                        prefix_unavailable = true;
-                    }
-                }
-                if prefix_unavailable {
-                    route.record("tier", "load");
-                    route.record("tier_reason", "prefix_unavailable");
-                }
-            }
-        } else {
+                } else {
+                    evaluate(entry, &context, &candidates).await
+                },
+            );
+        }
+        let affinity_counted = self.scorers.iter().zip(&evaluated).any(|(e, ev)| {
+            e.scorer.category() == Category::Affinity && ev.counted != Counted::Neither
+        });
+        let prefix_unavailable = !imbalance_guard_fired && self.has_affinity() && !affinity_counted;
+        if !affinity_counted {
             route.record("tier", "load");
+            if imbalance_guard_fired {
+                route.record("tier_reason", "imbalance_guard");
+            } else if prefix_unavailable {
+                route.record("tier_reason", "prefix_unavailable");
+            }
         }
 
         let order = {
             let _score =
                 tracing::debug_span!("score", candidates = candidates.len() as i64).entered();
-            let context = ScoringContext { request };
             let mut total = vec![0.0; candidates.len()];
             let mut weight_sum = 0.0;
-            let mut scores = vec![0.0; candidates.len()];
-            for (weight, scorer) in &self.scorers {
-                scorer.score(&context, &candidates, &mut scores);
-                for (t, s) in total.iter_mut().zip(&scores) {
-                    *t += weight * s.clamp(0.0, 1.0);
+            for (entry, result) in self.scorers.iter().zip(&evaluated) {
+                if let Some(scores) = result.counted_scores() {
+                    for (t, s) in total.iter_mut().zip(&scores.per_candidate) {
+                        *t += entry.weight * s.clamp(0.0, 1.0);
+                    }
+                    weight_sum += entry.weight;
                 }
-                weight_sum += weight;
-            }
-            if let Some(result) = &prefix_scores {
-                let weight = self.settings.weights.prefix;
-                for (t, s) in total.iter_mut().zip(&result.per_candidate) {
-                    *t += weight * s.clamp(0.0, 1.0);
-                }
-                weight_sum += weight;
             }
             if weight_sum > 0.0 {
                 total.iter_mut().for_each(|t| *t /= weight_sum);
             }
             rank_for(request, &total, &candidates)
         };
-        let chosen = &candidates[order[0]];
-        if let (Some(prefix), Some(scores)) = (&self.prefix, &prefix_scores) {
-            prefix.after_pick(request, chosen, scores);
+        let pick = Pick {
+            candidates: &candidates,
+            chosen: order[0],
+        };
+        for (entry, result) in self.scorers.iter().zip(&evaluated) {
+            entry.scorer.after_pick(
+                &context,
+                pick,
+                role(result.primary.as_ref(), result.counted == Counted::Primary),
+            );
+            if let Some((_, fallback)) = &entry.fallback {
+                fallback.after_pick(
+                    &context,
+                    pick,
+                    role(
+                        result.fallback.as_ref(),
+                        result.counted == Counted::Fallback,
+                    ),
+                );
+            }
         }
+        let chosen = pick.chosen();
         let fallbacks = order[1..]
             .iter()
-            .take(self.settings.fallbacks)
+            .take(self.options.fallbacks)
             .map(|&i| Arc::clone(&candidates[i].replica))
             .collect();
         Ok(Decision {
@@ -343,14 +406,14 @@ impl Scheduler {
     /// completion, such as `GET /v1/models`.
     pub fn decide_any(&self, scope: Scope<'_>) -> Result<Decision, DecideError> {
         let snapshot = self.pool.snapshot();
-        let candidates = self.candidates(snapshot.replicas(), scope)?;
+        let candidates = self.candidates(snapshot.replicas(), None, scope)?;
         let scores: Vec<f64> = candidates.iter().map(|c| -f64::from(c.in_flight)).collect();
         let order = rank(&scores, &mut rand::rng());
         Ok(Decision {
             in_flight: candidates[order[0]].replica.start_request(),
             fallbacks: order[1..]
                 .iter()
-                .take(self.settings.fallbacks)
+                .take(self.options.fallbacks)
                 .map(|&i| Arc::clone(&candidates[i].replica))
                 .collect(),
             imbalance_guard_fired: false,
@@ -358,10 +421,28 @@ impl Scheduler {
         })
     }
 
-    /// The healthy, in-scope, unsaturated replicas among `replicas`.
+    fn has_affinity(&self) -> bool {
+        self.scorers
+            .iter()
+            .any(|e| e.scorer.category() == Category::Affinity)
+    }
+
+    /// Whether the load spread reaches the imbalance threshold.
+    fn imbalanced(&self, candidates: &[Candidate]) -> bool {
+        let (lo, hi) = candidates
+            .iter()
+            .map(Candidate::pending)
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), p| {
+                (lo.min(p), hi.max(p))
+            });
+        hi - lo >= self.options.imbalance_threshold
+    }
+
+    /// The healthy, in-scope replicas among `replicas` that pass the filters.
     fn candidates(
         &self,
         replicas: &[Arc<Replica>],
+        request: Option<&ParsedRequest>,
         scope: Scope<'_>,
     ) -> Result<Vec<Candidate>, DecideError> {
         let now = Instant::now();
@@ -376,19 +457,91 @@ impl Scheduler {
                 return Err(DecideError::EmptySubset);
             }
         }
-        let candidates: Vec<Candidate> = healthy
+        let mut candidates: Vec<Candidate> = healthy
             .into_iter()
             .map(|replica| Candidate {
                 in_flight: replica.in_flight(),
                 engine: replica.engine_load(now, staleness),
                 replica: Arc::clone(replica),
             })
-            .filter(|c| !c.saturated(&self.settings.saturation))
             .collect();
-        if candidates.is_empty() {
-            return Err(DecideError::AllSaturated);
+        for (name, filter) in &self.filters {
+            let before =
+                (filter.when_none_pass() == WhenNonePass::KeepAll).then(|| candidates.clone());
+            filter.filter(request, &mut candidates);
+            if candidates.is_empty() {
+                match (filter.when_none_pass(), before) {
+                    (WhenNonePass::KeepAll, Some(before)) => {
+                        tracing::debug!(filter = %name, "no candidate passed; filter ignored");
+                        candidates = before;
+                    }
+                    _ => return Err(DecideError::AllSaturated),
+                }
+            }
         }
         Ok(candidates)
+    }
+}
+
+/// Asks an entry's scorer, and its fallback when it abstains or has nothing but zeros.
+async fn evaluate(
+    entry: &ScorerEntry,
+    context: &ScoringContext<'_>,
+    candidates: &[Candidate],
+) -> Evaluated {
+    let primary = ask(&entry.name, &*entry.scorer, context, candidates).await;
+    if primary.scores().is_some_and(Scores::any_positive) {
+        return Evaluated {
+            primary: Some(primary),
+            fallback: None,
+            counted: Counted::Primary,
+        };
+    }
+    let primary_scored = primary.scores().is_some();
+    let Some((name, fallback)) = &entry.fallback else {
+        return Evaluated {
+            primary: Some(primary),
+            fallback: None,
+            counted: if primary_scored {
+                Counted::Primary
+            } else {
+                Counted::Neither
+            },
+        };
+    };
+    let second = ask(name, &**fallback, context, candidates).await;
+    // The fallback counts when it has something to say, or when the primary said nothing.
+    let counted = match second.scores() {
+        Some(scores) if scores.any_positive() || !primary_scored => Counted::Fallback,
+        _ if primary_scored => Counted::Primary,
+        _ => Counted::Neither,
+    };
+    Evaluated {
+        primary: Some(primary),
+        fallback: Some(second),
+        counted,
+    }
+}
+
+/// One scorer's answer, a wrong number of scores counted as an abstention.
+async fn ask(
+    name: &str,
+    scorer: &dyn Scorer,
+    context: &ScoringContext<'_>,
+    candidates: &[Candidate],
+) -> Answer {
+    let answer = scorer.score(context, candidates).answer().await;
+    match answer {
+        Answer::Scored(scores) if scores.per_candidate.len() != candidates.len() => {
+            tracing::warn!(
+                scorer = name,
+                got = scores.per_candidate.len(),
+                expected = candidates.len(),
+                "scorer returned the wrong number of scores; ignored"
+            );
+            Answer::Abstain("wrong_length")
+        }
+        answer => answer,
     }
 }
 

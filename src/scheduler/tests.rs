@@ -2,12 +2,29 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::future::BoxFuture;
 use parking_lot::Mutex;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::*;
 use crate::openai::{EndpointKind, Prompt, PromptText, RequestInput};
 use crate::pool::{Health, ReplicaSpec};
+
+/// A scheduler built from `config` through the registry, with no shared state.
+fn build(pool: &Arc<Pool>, config: &SchedulerConfig) -> Scheduler {
+    Scheduler::build(
+        Arc::clone(pool),
+        config,
+        &PluginResources::standalone(),
+        &mut Registry::default(),
+    )
+    .expect("profile builds")
+}
+
+/// The default profile without affinity.
+fn load_only(pool: &Arc<Pool>) -> Scheduler {
+    build(pool, &SchedulerConfig::load_only())
+}
 
 fn spec(port: u16, model: &str) -> ReplicaSpec {
     ReplicaSpec {
@@ -54,10 +71,10 @@ fn load(waiting: f64, kv: f64) -> EngineLoad {
 #[tokio::test]
 async fn filters_map_to_their_errors() {
     let pool = healthy_pool(2);
-    let scheduler = Scheduler::new(Arc::clone(&pool), SchedulerSettings::default());
+    let scheduler = load_only(&pool);
     assert_eq!(
         scheduler
-            .decide(&request("other"), Scope::default())
+            .decide(&request("other"), &[], Scope::default())
             .await
             .unwrap_err(),
         DecideError::UnknownModel("other".to_string())
@@ -67,6 +84,7 @@ async fn filters_map_to_their_errors() {
         scheduler
             .decide(
                 &request("m"),
+                &[],
                 Scope {
                     subset: Some(&subset)
                 }
@@ -80,7 +98,7 @@ async fn filters_map_to_their_errors() {
     }
     assert_eq!(
         scheduler
-            .decide(&request("m"), Scope::default())
+            .decide(&request("m"), &[], Scope::default())
             .await
             .unwrap_err(),
         DecideError::AllSaturated
@@ -90,7 +108,7 @@ async fn filters_map_to_their_errors() {
     }
     assert_eq!(
         scheduler
-            .decide(&request("m"), Scope::default())
+            .decide(&request("m"), &[], Scope::default())
             .await
             .unwrap_err(),
         DecideError::NoReadyReplica
@@ -108,9 +126,9 @@ async fn picks_the_least_loaded_and_orders_fallbacks() {
     replica(&pool, 1).record_scrape(load(6.0, 0.9), now);
     replica(&pool, 2).record_scrape(load(0.0, 0.1), now);
     replica(&pool, 3).record_scrape(load(3.0, 0.5), now);
-    let scheduler = Scheduler::new(Arc::clone(&pool), SchedulerSettings::default());
+    let scheduler = load_only(&pool);
     let decision = scheduler
-        .decide(&request("m"), Scope::default())
+        .decide(&request("m"), &[], Scope::default())
         .await
         .unwrap();
     assert_eq!(decision.primary().endpoint(), "127.0.0.1:2");
@@ -127,11 +145,12 @@ async fn picks_the_least_loaded_and_orders_fallbacks() {
 async fn subset_hint_restricts_candidates() {
     let pool = healthy_pool(3);
     replica(&pool, 3).record_scrape(load(50.0, 0.9), Instant::now());
-    let scheduler = Scheduler::new(Arc::clone(&pool), SchedulerSettings::default());
+    let scheduler = load_only(&pool);
     let subset = ["127.0.0.1:3".to_string()];
     let decision = scheduler
         .decide(
             &request("m"),
+            &[],
             Scope {
                 subset: Some(&subset),
             },
@@ -144,13 +163,13 @@ async fn subset_hint_restricts_candidates() {
 #[tokio::test]
 async fn in_flight_spreads_concurrent_requests() {
     let pool = healthy_pool(2);
-    let scheduler = Scheduler::new(Arc::clone(&pool), SchedulerSettings::default());
+    let scheduler = load_only(&pool);
     let first = scheduler
-        .decide(&request("m"), Scope::default())
+        .decide(&request("m"), &[], Scope::default())
         .await
         .unwrap();
     let second = scheduler
-        .decide(&request("m"), Scope::default())
+        .decide(&request("m"), &[], Scope::default())
         .await
         .unwrap();
     assert_ne!(first.primary().endpoint(), second.primary().endpoint());
@@ -167,18 +186,18 @@ fn prompt(model: &str, text: &str) -> ParsedRequest {
 async fn equal_scores_break_ties_by_request_so_routers_agree() {
     // Two routers: separate pools and schedulers over the same replicas.
     let (pool_a, pool_b) = (healthy_pool(3), healthy_pool(3));
-    let a = Scheduler::new(Arc::clone(&pool_a), SchedulerSettings::default());
-    let b = Scheduler::new(Arc::clone(&pool_b), SchedulerSettings::default());
+    let a = load_only(&pool_a);
+    let b = load_only(&pool_b);
     let mut seen = std::collections::HashSet::new();
     for i in 0..64 {
         let request = prompt("m", &format!("conversation {i}"));
-        let from_a = a.decide(&request, Scope::default()).await.unwrap();
-        let from_b = b.decide(&request, Scope::default()).await.unwrap();
+        let from_a = a.decide(&request, &[], Scope::default()).await.unwrap();
+        let from_b = b.decide(&request, &[], Scope::default()).await.unwrap();
         assert_eq!(from_a.destination(), from_b.destination(), "request {i}");
         let picked = from_a.primary().endpoint().to_string();
         drop((from_a, from_b));
         // The same request again, with the same (idle) state: the same pick.
-        let again = a.decide(&request, Scope::default()).await.unwrap();
+        let again = a.decide(&request, &[], Scope::default()).await.unwrap();
         assert_eq!(again.primary().endpoint(), picked, "request {i} again");
         seen.insert(picked);
     }
@@ -189,7 +208,7 @@ async fn equal_scores_break_ties_by_request_so_routers_agree() {
     let mut picks = std::collections::HashSet::new();
     for i in 0..16 {
         salted.cache_salt = Some(format!("tenant {i}"));
-        let decision = a.decide(&salted, Scope::default()).await.unwrap();
+        let decision = a.decide(&salted, &[], Scope::default()).await.unwrap();
         picks.insert(decision.primary().endpoint().to_string());
     }
     assert!(picks.len() > 1, "salts never moved the pick: {picks:?}");
@@ -202,120 +221,377 @@ async fn stale_scrape_is_unknown_not_idle() {
     replica(&pool, 1).record_scrape(load(0.0, 0.0), Instant::now());
     tokio::time::advance(Duration::from_secs(3)).await;
     replica(&pool, 2).record_scrape(load(2.0, 0.3), Instant::now());
-    let settings = SchedulerSettings {
-        weights: ScorerWeights {
-            in_flight: 0.0,
-            ..ScorerWeights::default()
-        },
-        ..SchedulerSettings::default()
-    };
-    let scheduler = Scheduler::new(Arc::clone(&pool), settings);
+    let mut config = SchedulerConfig::load_only();
+    config.weights.insert("in_flight".to_owned(), 0.0);
+    let scheduler = build(&pool, &config);
     let decision = scheduler
-        .decide(&request("m"), Scope::default())
+        .decide(&request("m"), &[], Scope::default())
         .await
         .unwrap();
     assert_eq!(decision.primary().endpoint(), "127.0.0.1:2");
 }
 
-/// Prefers one endpoint with score 1, others 0; records what `after_pick` saw.
-struct FixedPrefix {
-    preferred: String,
-    picked: Mutex<Vec<(String, Option<u64>)>>,
+/// What a test scorer heard after a pick: the chosen endpoint and its role.
+#[derive(Debug, Clone, PartialEq)]
+enum Heard {
+    Counted(String),
+    NotCounted(String, Option<&'static str>),
+    NotAsked(String),
 }
 
-impl PrefixScorer for FixedPrefix {
-    fn name(&self) -> &'static str {
-        "fixed"
-    }
+/// A test scorer: answers `answer` (1 for `preferred`, else 0; or abstains), awaiting once,
+/// and records what it heard after each pick.
+struct Fixed {
+    category: Category,
+    preferred: Option<String>,
+    abstain: Option<&'static str>,
+    asked: AtomicUsize,
+    heard: Mutex<Vec<Heard>>,
+}
 
-    fn score<'a>(
-        &'a self,
-        _request: &'a ParsedRequest,
-        candidates: &'a [Candidate],
-    ) -> BoxFuture<'a, Result<PrefixScores, PrefixUnavailable>> {
-        Box::pin(async move {
-            tokio::task::yield_now().await;
-            Ok(PrefixScores {
-                per_candidate: candidates
-                    .iter()
-                    .map(|c| {
-                        if c.replica.endpoint() == self.preferred {
-                            1.0
-                        } else {
-                            0.0
-                        }
-                    })
-                    .collect(),
-                memo: Some(Box::new(42u64)),
-            })
+impl Fixed {
+    fn new(preferred: Option<&str>, abstain: Option<&'static str>) -> Arc<Fixed> {
+        Arc::new(Fixed {
+            category: Category::Affinity,
+            preferred: preferred.map(str::to_owned),
+            abstain,
+            asked: AtomicUsize::new(0),
+            heard: Mutex::new(Vec::new()),
         })
     }
 
-    fn after_pick(&self, _request: &ParsedRequest, chosen: &Candidate, scores: &PrefixScores) {
-        let memo = scores
-            .memo
-            .as_ref()
-            .and_then(|m| m.downcast_ref::<u64>())
-            .copied();
-        self.picked
-            .lock()
-            .push((chosen.replica.endpoint().to_string(), memo));
+    fn preferring(endpoint: &str) -> Arc<Fixed> {
+        Fixed::new(Some(endpoint), None)
+    }
+
+    fn zeros() -> Arc<Fixed> {
+        Fixed::new(None, None)
+    }
+
+    fn abstaining(reason: &'static str) -> Arc<Fixed> {
+        Fixed::new(None, Some(reason))
+    }
+
+    fn heard(&self) -> Vec<Heard> {
+        self.heard.lock().clone()
+    }
+}
+
+impl Scorer for Fixed {
+    fn category(&self) -> Category {
+        self.category
+    }
+
+    fn score<'a>(&'a self, _: &'a ScoringContext<'a>, candidates: &'a [Candidate]) -> Scoring<'a> {
+        self.asked.fetch_add(1, Ordering::Relaxed);
+        Scoring::Pending(Box::pin(async move {
+            tokio::task::yield_now().await;
+            if let Some(reason) = self.abstain {
+                return Answer::Abstain(reason);
+            }
+            let scores = candidates
+                .iter()
+                .map(|c| {
+                    f64::from(u8::from(
+                        Some(c.replica.endpoint()) == self.preferred.as_deref(),
+                    ))
+                })
+                .collect();
+            Answer::Scored(Scores::with_memo(scores, 42u64))
+        }))
+    }
+
+    fn after_pick(&self, _: &ScoringContext<'_>, pick: Pick<'_>, role: Role<'_>) {
+        let chosen = pick.chosen().replica.endpoint().to_owned();
+        self.heard.lock().push(match role {
+            Role::Counted(scores) => {
+                assert_eq!(scores.memo::<u64>(), Some(&42), "the memo comes back");
+                Heard::Counted(chosen)
+            }
+            Role::NotCounted { abstained, .. } => Heard::NotCounted(chosen, abstained),
+            Role::NotAsked => Heard::NotAsked(chosen),
+        });
+    }
+}
+
+fn with_entries(
+    pool: &Arc<Pool>,
+    imbalance_threshold: f64,
+    scorers: Vec<ScorerEntry>,
+) -> Scheduler {
+    Scheduler::with_plugins(
+        Arc::clone(pool),
+        SchedulerOptions {
+            imbalance_threshold,
+            ..SchedulerOptions::default()
+        },
+        Vec::new(),
+        scorers,
+    )
+}
+
+/// One entry: `primary`, with `fallback` as its fallback.
+fn with_fallback(pool: &Arc<Pool>, primary: Arc<Fixed>, fallback: Arc<Fixed>) -> Scheduler {
+    with_entries(
+        pool,
+        16.0,
+        vec![ScorerEntry::new("p", 1.0, primary as Arc<dyn Scorer>).with_fallback("f", fallback)],
+    )
+}
+
+async fn pick(scheduler: &Scheduler) -> Decision {
+    scheduler
+        .decide(&request("m"), &[], Scope::default())
+        .await
+        .expect("decides")
+}
+
+#[tokio::test]
+async fn an_affinity_scorer_steers_hears_the_pick_and_yields_to_imbalance() {
+    let pool = healthy_pool(2);
+    let affinity = Fixed::preferring("127.0.0.1:2");
+    let in_flight = build(&pool, &SchedulerConfig::load_only())
+        .scorers
+        .into_iter()
+        .find(|e| e.name == "in_flight")
+        .expect("in_flight in the default profile");
+    let scheduler = with_entries(
+        &pool,
+        4.0,
+        vec![
+            ScorerEntry::new("fixed", 2.0, affinity.clone() as Arc<dyn Scorer>),
+            in_flight,
+        ],
+    );
+
+    // Balanced: affinity wins even with one request already in flight there.
+    let _held = replica(&pool, 2).start_request();
+    let decision = pick(&scheduler).await;
+    assert_eq!(decision.primary().endpoint(), "127.0.0.1:2");
+    assert!(!decision.imbalance_guard_fired);
+    assert_eq!(affinity.heard(), [Heard::Counted("127.0.0.1:2".into())]);
+    drop(decision);
+
+    // Lopsided: load outvotes affinity and the affinity scorer is not asked.
+    let _more: Vec<_> = (0..4).map(|_| replica(&pool, 2).start_request()).collect();
+    let decision = pick(&scheduler).await;
+    assert_eq!(decision.primary().endpoint(), "127.0.0.1:1");
+    assert!(decision.imbalance_guard_fired);
+    assert_eq!(affinity.asked.load(Ordering::Relaxed), 1);
+    assert_eq!(affinity.heard()[1], Heard::NotAsked("127.0.0.1:1".into()));
+}
+
+#[tokio::test]
+async fn a_fallback_answers_when_its_primary_abstains_or_matches_nothing() {
+    let pool = healthy_pool(3);
+    // Abstains → the fallback decides, with the primary's weight.
+    let primary = Fixed::abstaining("no_events");
+    let fallback = Fixed::preferring("127.0.0.1:3");
+    let scheduler = with_fallback(&pool, primary.clone(), fallback.clone());
+    let decision = pick(&scheduler).await;
+    assert_eq!(decision.primary().endpoint(), "127.0.0.1:3");
+    assert!(!decision.prefix_unavailable);
+    assert_eq!(
+        primary.heard(),
+        [Heard::NotCounted("127.0.0.1:3".into(), Some("no_events"))]
+    );
+    assert_eq!(fallback.heard(), [Heard::Counted("127.0.0.1:3".into())]);
+    drop(decision);
+
+    // Only zeros → the fallback's signal wins; the primary hears it was not counted.
+    let primary = Fixed::zeros();
+    let fallback = Fixed::preferring("127.0.0.1:1");
+    let scheduler = with_fallback(&pool, primary.clone(), fallback.clone());
+    assert_eq!(pick(&scheduler).await.primary().endpoint(), "127.0.0.1:1");
+    assert_eq!(
+        primary.heard(),
+        [Heard::NotCounted("127.0.0.1:1".into(), None)]
+    );
+
+    // A primary with a signal: the fallback is not asked, but hears the pick.
+    let primary = Fixed::preferring("127.0.0.1:2");
+    let fallback = Fixed::preferring("127.0.0.1:1");
+    let scheduler = with_fallback(&pool, primary.clone(), fallback.clone());
+    assert_eq!(pick(&scheduler).await.primary().endpoint(), "127.0.0.1:2");
+    assert_eq!(fallback.asked.load(Ordering::Relaxed), 0);
+    assert_eq!(fallback.heard(), [Heard::NotAsked("127.0.0.1:2".into())]);
+
+    // Both abstain: decided on the other scorers (none here), counted as unavailable.
+    let scheduler = with_fallback(
+        &pool,
+        Fixed::abstaining("no_events"),
+        Fixed::abstaining("x"),
+    );
+    assert!(pick(&scheduler).await.prefix_unavailable);
+}
+
+/// Keeps only replica 1, as a preference.
+struct PreferOne;
+
+impl Filter for PreferOne {
+    fn filter(&self, _: Option<&ParsedRequest>, candidates: &mut Vec<Candidate>) {
+        candidates.retain(|c| c.replica.endpoint() == "127.0.0.1:1");
+    }
+
+    fn when_none_pass(&self) -> WhenNonePass {
+        WhenNonePass::KeepAll
     }
 }
 
 #[tokio::test]
-async fn prefix_slot_steers_and_hears_the_pick() {
-    let pool = healthy_pool(2);
-    let prefix = Arc::new(FixedPrefix {
-        preferred: "127.0.0.1:2".to_string(),
-        picked: Mutex::new(Vec::new()),
-    });
-    struct Shared(Arc<FixedPrefix>);
-    impl PrefixScorer for Shared {
-        fn name(&self) -> &'static str {
-            self.0.name()
-        }
-        fn score<'a>(
-            &'a self,
-            request: &'a ParsedRequest,
-            candidates: &'a [Candidate],
-        ) -> BoxFuture<'a, Result<PrefixScores, PrefixUnavailable>> {
-            self.0.score(request, candidates)
-        }
-        fn after_pick(&self, request: &ParsedRequest, chosen: &Candidate, scores: &PrefixScores) {
-            self.0.after_pick(request, chosen, scores)
-        }
-    }
-    let settings = SchedulerSettings {
-        imbalance_threshold: 4.0,
-        ..SchedulerSettings::default()
+async fn a_preference_filter_that_removes_everyone_is_ignored() {
+    let with_filter = |pool: &Arc<Pool>| {
+        Scheduler::with_plugins(
+            Arc::clone(pool),
+            SchedulerOptions::default(),
+            vec![(
+                "prefer_one".to_owned(),
+                Arc::new(PreferOne) as Arc<dyn Filter>,
+            )],
+            Vec::new(),
+        )
     };
-    let scheduler = Scheduler::new(Arc::clone(&pool), settings)
-        .with_prefix_scorer(Box::new(Shared(Arc::clone(&prefix))));
+    let pool = healthy_pool(3);
+    for _ in 0..4 {
+        assert_eq!(pick(&with_filter(&pool)).await.destination(), "127.0.0.1:1");
+    }
+    // Replica 1 is not ready: the filter would leave nobody, so it is ignored.
+    replica(&pool, 1).set_health(Health::Unhealthy);
+    let decision = pick(&with_filter(&pool)).await;
+    assert_ne!(decision.primary().endpoint(), "127.0.0.1:1");
+    assert_eq!(decision.fallbacks.len(), 1);
+}
 
-    // Balanced: affinity wins even with one request already in flight there.
-    let _held = replica(&pool, 2).start_request();
-    let decision = scheduler
-        .decide(&request("m"), Scope::default())
-        .await
-        .unwrap();
-    assert_eq!(decision.primary().endpoint(), "127.0.0.1:2");
-    assert!(!decision.imbalance_guard_fired);
+#[test]
+fn profiles_are_built_by_name_and_errors_name_the_key() {
+    let pool = healthy_pool(1);
+    let attempt = |yaml: &str| {
+        let config: SchedulerConfig = serde_yaml::from_str(yaml).expect("yaml");
+        Scheduler::build(
+            Arc::clone(&pool),
+            &config,
+            &PluginResources::standalone(),
+            &mut Registry::default(),
+        )
+        .map(|s| {
+            s.scorers
+                .iter()
+                .map(|e| (e.name.clone(), e.weight))
+                .collect::<Vec<_>>()
+        })
+        .map_err(|e| e.to_string())
+    };
+    let names = |yaml: &str| attempt(yaml).expect("builds");
+
+    // The default profile, and weights by name over it (0 drops one).
     assert_eq!(
-        prefix.picked.lock().as_slice(),
-        &[("127.0.0.1:2".to_string(), Some(42))]
+        names("{}"),
+        [
+            ("kv_cache".into(), 2.0),
+            ("queue".into(), 1.0),
+            ("in_flight".into(), 1.0),
+            ("kv_utilization".into(), 1.0)
+        ]
     );
-    drop(decision);
+    assert_eq!(
+        names("weights: {queue: 3, kv_cache: 0}"),
+        [
+            ("queue".into(), 3.0),
+            ("in_flight".into(), 1.0),
+            ("kv_utilization".into(), 1.0)
+        ]
+    );
+    // A second load scorer of one type, under another name.
+    assert_eq!(
+        names(
+            "profile:\n  scorers:\n    - {type: queue, weight: 2}\n    - {type: queue, name: queue_b, weight: 0.5}\n"
+        ),
+        [("queue".into(), 2.0), ("queue_b".into(), 0.5)]
+    );
 
-    // Lopsided: load outvotes affinity and the prefix scorer is not consulted.
-    let _more: Vec<_> = (0..4).map(|_| replica(&pool, 2).start_request()).collect();
-    let decision = scheduler
-        .decide(&request("m"), Scope::default())
-        .await
-        .unwrap();
-    assert_eq!(decision.primary().endpoint(), "127.0.0.1:1");
-    assert!(decision.imbalance_guard_fired);
-    assert_eq!(prefix.picked.lock().len(), 1);
+    for (yaml, expect) in [
+        (
+            "profile: {scorers: [{type: prefix}]}",
+            "scheduler.profile.scorers[0]: unknown scorer type \"prefix\"",
+        ),
+        (
+            "profile: {filters: [{type: lora}]}",
+            "scheduler.profile.filters[0]: unknown filter type",
+        ),
+        (
+            "profile: {scorers: [{type: kv_cache, parameters: {min_block: 2}}]}",
+            "scheduler.profile.scorers[0] (kv_cache) parameters: unknown field `min_block`",
+        ),
+        (
+            "profile: {scorers: [{type: queue, parameters: {scale: 2}}]}",
+            "scheduler.profile.scorers[0] (queue) parameters: unknown field `scale`",
+        ),
+        (
+            "profile: {filters: [{type: saturation, parameters: {max_waiting: many}}]}",
+            "scheduler.profile.filters[0] (saturation) parameters",
+        ),
+        (
+            "profile: {scorers: [{type: queue, weight: -1}]}",
+            "weight must be a finite number >= 0",
+        ),
+        (
+            "profile: {filters: [{type: saturation, weight: 1}]}",
+            "filters take no weight",
+        ),
+        (
+            "profile: {scorers: [{type: queue}, {type: queue}]}",
+            "the name \"queue\" is used twice",
+        ),
+        (
+            "profile: {scorers: [{type: kv_cache, fallback: {type: prefix_tree, fallback: {type: queue}}}]}",
+            "scheduler.profile.scorers[0].fallback: a fallback cannot have a fallback",
+        ),
+        (
+            "weights: {prefix: 1}",
+            "no scorer named \"prefix\" in the profile",
+        ),
+        ("imbalance_threshold: 0", "imbalance_threshold must be > 0"),
+    ] {
+        let error = attempt(yaml).expect_err(yaml);
+        assert!(error.contains(expect), "{yaml}: {error}");
+    }
+    // The section itself refuses unknown keys.
+    assert!(serde_yaml::from_str::<SchedulerConfig>("saturation: {max_waiting: 1}").is_err());
+}
+
+#[test]
+fn flags_set_weights_and_parameters_by_plugin() {
+    let mut config = SchedulerConfig::default();
+    config
+        .apply(&SchedulerArgs {
+            weight_prefix: Some(3.0),
+            weights: vec!["queue=0.5".to_owned()],
+            max_waiting: Some(7.0),
+            min_prefix_blocks: Some(4),
+            speculative_ttl: Some(std::time::Duration::from_millis(1500)),
+            fallbacks: Some(0),
+            ..SchedulerArgs::default()
+        })
+        .expect("applies");
+    let profile = config.effective_profile().expect("valid");
+    let kv = &profile.scorers[0];
+    assert_eq!((kv.kind.as_str(), kv.weight), ("kv_cache", Some(3.0)));
+    assert_eq!(kv.parameters["min_blocks"], serde_yaml::Value::from(4));
+    assert_eq!(
+        kv.parameters["speculative_ttl"],
+        serde_yaml::Value::from("1500ms")
+    );
+    assert_eq!(profile.scorers[1].weight, Some(0.5));
+    assert_eq!(
+        profile.filters[0].parameters["max_waiting"],
+        serde_yaml::Value::from(7.0)
+    );
+    assert_eq!(config.fallbacks, 0);
+    let bad = SchedulerConfig::default().apply(&SchedulerArgs {
+        weights: vec!["queue".to_owned()],
+        ..SchedulerArgs::default()
+    });
+    assert!(bad.unwrap_err().to_string().contains("NAME=WEIGHT"));
 }
 
 #[test]

@@ -24,16 +24,15 @@ use parking_lot::Mutex;
 use tracing_subscriber::layer::SubscriberExt;
 
 use super::*;
-use crate::affinity::{AffinityConfig, HashersByModel, PrefixAffinity};
 use crate::blockhash::{BlockHasher, ExternalHash, HashSettings};
 use crate::extproc::state::StreamState;
 use crate::extproc::{DESTINATION_HEADER, ExtProcSettings};
 use crate::kvindex::{IndexConfig, KvEventSink, KvIndex, Medium};
 use crate::metrics::Metrics;
+use crate::models::HashersByModel;
 use crate::pool::{Health, Pool, ReplicaSpec};
-use crate::prefix::{PrefixTree, PrefixTreeConfig};
 use crate::router::Router;
-use crate::scheduler::{Scheduler, SchedulerSettings};
+use crate::scheduler::{PluginResources, Scheduler, SchedulerConfig};
 use crate::tokenize::{Tokenizer, TokenizerConfig};
 
 const CALLER_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -100,15 +99,18 @@ fn router(tokens: &[u32]) -> Router {
     hasher.external_hashes_into(tokens, None, &mut hashes);
     let index = Arc::new(KvIndex::new(IndexConfig::default()));
     index.stored("127.0.0.1:8002", &hashes, Medium::Gpu);
-    let affinity = PrefixAffinity::new(
-        AffinityConfig::default(),
-        HashersByModel::from([("tiny".to_string(), hasher)]),
+    let resources = PluginResources {
         index,
-        Arc::new(PrefixTree::new(PrefixTreeConfig::default())),
-        Tokenizer::new(TokenizerConfig::default()),
-    );
-    let scheduler = Scheduler::new(Arc::clone(&pool), SchedulerSettings::default())
-        .with_prefix_scorer(Box::new(affinity));
+        tokenizer: Arc::new(Tokenizer::new(TokenizerConfig::default())),
+        hashers: Arc::new(HashersByModel::from([("tiny".to_string(), hasher)])),
+    };
+    let scheduler = Scheduler::build(
+        Arc::clone(&pool),
+        &SchedulerConfig::default(),
+        &resources,
+        &mut prometheus_client::registry::Registry::default(),
+    )
+    .expect("default profile");
     Router::new(scheduler, Arc::new(Metrics::new(pool)), false)
 }
 

@@ -1,0 +1,118 @@
+//! Gauges and counters read from the routing state when `/metrics` is read: the KV index's
+//! size (per replica and distinct blocks) and the tokenizer's cache and call counters.
+//!
+//! Concurrency: encoding takes each structure's own short read locks and atomics; nothing on the
+//! request path waits for it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+
+use crate::kvindex::KvIndex;
+use crate::tokenize::Tokenizer;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReplicaLabels {
+    replica: String,
+}
+
+/// The index's and the tokenizer's state as metrics.
+pub struct StateCollector {
+    pub index: Arc<KvIndex>,
+    pub tokenizer: Arc<Tokenizer>,
+}
+
+impl std::fmt::Debug for StateCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StateCollector")
+    }
+}
+
+impl Collector for StateCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let per_replica = Family::<ReplicaLabels, Gauge>::default();
+        for (replica, blocks) in self.index.replica_block_counts() {
+            per_replica
+                .get_or_create(&ReplicaLabels { replica })
+                .set(i64::try_from(blocks).unwrap_or(i64::MAX));
+        }
+        per_replica.encode(encoder.encode_descriptor(
+            "llmgw_kv_index_replica_blocks",
+            "Blocks the KV index believes each replica holds",
+            None,
+            per_replica.metric_type(),
+        )?)?;
+        let gauges: [(&str, &str, u64); 2] = [
+            (
+                "llmgw_kv_index_blocks",
+                "Distinct block hashes in the KV index",
+                self.index.distinct_blocks() as u64,
+            ),
+            (
+                "llmgw_tokenize_cache_bytes",
+                "Bytes held by the tokenization cache",
+                self.tokenizer.cache_bytes() as u64,
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let gauge = Gauge::<i64>::default();
+            gauge.set(i64::try_from(value).unwrap_or(i64::MAX));
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        let stats = self.tokenizer.stats();
+        let counters: [(&str, &str, &AtomicU64); 8] = [
+            (
+                "llmgw_tokenize_cache_hits",
+                "Tokenizations answered from the cache",
+                &stats.cache_hits,
+            ),
+            (
+                "llmgw_tokenize_cache_misses",
+                "Tokenizations not in the cache",
+                &stats.cache_misses,
+            ),
+            ("llmgw_tokenize_calls", "/tokenize calls made", &stats.calls),
+            (
+                "llmgw_tokenize_call_errors",
+                "/tokenize calls that failed",
+                &stats.call_errors,
+            ),
+            (
+                "llmgw_tokenize_timeouts",
+                "Tokenizations that missed their deadline",
+                &stats.timeouts,
+            ),
+            (
+                "llmgw_tokenize_local",
+                "Requests tokenized in process (tokenizer.json and chat template)",
+                &stats.local,
+            ),
+            (
+                "llmgw_tokenize_local_checks",
+                "In-process tokenizations compared with a replica's /tokenize",
+                &stats.local_checks,
+            ),
+            (
+                "llmgw_tokenize_local_mismatches",
+                "Comparisons that disagreed (each turns in-process tokenization off for its model and kind)",
+                &stats.local_mismatches,
+            ),
+        ];
+        for (name, help, value) in counters {
+            let counter = Counter::<u64>::default();
+            counter.inc_by(value.load(Ordering::Relaxed));
+            counter.encode(encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                counter.metric_type(),
+            )?)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,9 @@
+//! Filter plugins: each removes candidates that must not (or should not) get the request.
+//!
+//! | type | removes | when none pass |
+//! |---|---|---|
+//! | `saturation` | replicas whose queue, KV cache or llmgw in-flight count is at its limit | 429 |
+
+use super::registry::{FilterPlugin, plugins};
+
+plugins!(FilterPlugin: saturation);

@@ -1,0 +1,307 @@
+//! `kv_cache`: precise prefix affinity from the engines' own KV events. For each request:
+//! tokenize it ([`crate::tokenize`]: in process or through a candidate's `/tokenize`, least
+//! loaded first), hash its blocks as the engines do ([`crate::blockhash`], per-model settings
+//! from [`crate::models`]), ask the index ([`crate::kvindex`]) how many leading blocks each
+//! candidate holds (plus the speculative entries of recent picks), and score the share of the
+//! prompt held. It abstains, with the reason as a metric label, when the model's hash settings
+//! are unknown (`unknown_settings`), no candidate ever reported events (`no_events`), or
+//! tokenization fails or misses its deadline (`tokenize_timeout`, ...): the profile's fallback
+//! (the `prefix_tree` by default) then decides. After each pick the chosen replica is credited
+//! with the prompt's blocks until its engine's events arrive.
+//!
+//! Parameters: `min_blocks` (leading blocks a replica must hold before its cache counts,
+//! default 1), `speculative_ttl` (how long a pick credits the chosen replica, default 2s; 0
+//! off).
+//!
+//! Metrics: `llmgw_kv_decisions_total{decision}`: hit, miss, load_override when its scores
+//! decided; `index_miss` when it matched nothing and the fallback decided; else the reason it
+//! abstained.
+//!
+//! Concurrency: the index, tokenizer and speculative entries have their own short-held locks;
+//! the block-hash cache is one mutex held for a map lookup or insert, never across an `.await`.
+
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lru::LruCache;
+use parking_lot::Mutex;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use serde::Deserialize;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::{DecisionLabels, classify};
+use crate::blockhash::{BlockHasher, ExternalHash};
+use crate::kvindex::{KvIndex, PrefixMatch, ReplicaSlot, SpeculativeBlocks};
+use crate::models::HashersByModel;
+use crate::openai::ParsedRequest;
+use crate::scheduler::Candidate;
+use crate::scheduler::plugin::{Answer, Category, Pick, Role, Scorer, Scores, Scoring, ScoringContext};
+use crate::scheduler::registry::{BuildContext, PluginError, ScorerPlugin, parameters};
+use crate::tokenize::Tokenizer;
+
+pub(super) static PLUGIN: ScorerPlugin = ScorerPlugin {
+    kind: "kv_cache",
+    build,
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct Parameters {
+    min_blocks: u32,
+    #[serde(with = "crate::config::duration_text")]
+    speculative_ttl: Duration,
+}
+
+impl Default for Parameters {
+    fn default() -> Self {
+        Parameters {
+            min_blocks: 1,
+            speculative_ttl: Duration::from_secs(2),
+        }
+    }
+}
+
+fn build(context: &mut BuildContext<'_>, value: serde_yaml::Value) -> Result<Arc<dyn Scorer>, PluginError> {
+    let parameters: Parameters = parameters(value)?;
+    let resources = context.resources.clone();
+    Ok(Arc::new(KvCacheScorer {
+        min_blocks: parameters.min_blocks,
+        hashers: resources.hashers,
+        index: resources.index,
+        tokenizer: resources.tokenizer,
+        speculative: SpeculativeBlocks::new(parameters.speculative_ttl),
+        block_hashes: Mutex::new(LruCache::new(
+            NonZeroUsize::new(HASH_CACHE_ENTRIES).unwrap_or(NonZeroUsize::MIN),
+        )),
+        metrics: context.shared(KvMetrics::register),
+    }))
+}
+
+/// Shared by every `kv_cache` of a scheduler.
+#[derive(Debug, Default)]
+struct KvMetrics {
+    decisions: Family<DecisionLabels, Counter>,
+}
+
+impl KvMetrics {
+    fn register(registry: &mut Registry) -> KvMetrics {
+        let metrics = KvMetrics::default();
+        registry.register(
+            "llmgw_kv_decisions",
+            "Decisions of the precise KV index tier: hit, miss, load_override, or why it could \
+             not answer",
+            metrics.decisions.clone(),
+        );
+        metrics
+    }
+
+    fn count(&self, decision: &'static str) {
+        self.decisions
+            .get_or_create(&DecisionLabels { decision })
+            .inc();
+    }
+}
+
+/// Prompts whose block hashes are remembered (about 1 KB each for a 2k-token prompt).
+const HASH_CACHE_ENTRIES: usize = 8192;
+
+struct KvCacheScorer {
+    min_blocks: u32,
+    hashers: Arc<HashersByModel>,
+    index: Arc<KvIndex>,
+    tokenizer: Arc<Tokenizer>,
+    speculative: SpeculativeBlocks,
+    /// Recent prompts' block hashes, keyed by their tokens, salt and model: a repeated prompt
+    /// (every turn of a conversation re-sends the whole history) costs a 64-bit hash of its
+    /// tokens instead of a SHA-256 per block.
+    block_hashes: Mutex<LruCache<u128, Arc<[ExternalHash]>>>,
+    metrics: Arc<KvMetrics>,
+}
+
+/// What `score` hands to `after_pick`.
+struct Memo {
+    /// The prompt's external block hashes.
+    hashes: Arc<[ExternalHash]>,
+    /// Leading blocks each candidate holds (speculative ones included).
+    held: Vec<u32>,
+}
+
+impl KvCacheScorer {
+    /// The prompt's external block hashes, from the cache or computed (and remembered).
+    fn block_hashes(
+        &self,
+        hasher: &BlockHasher,
+        model: &str,
+        tokens: &[u32],
+        salt: Option<&str>,
+    ) -> Arc<[ExternalHash]> {
+        let key = tokens_key(model, salt, tokens);
+        if let Some(hashes) = self.block_hashes.lock().get(&key) {
+            return Arc::clone(hashes);
+        }
+        let mut hashes = Vec::new();
+        hasher.external_hashes_into(tokens, salt, &mut hashes);
+        let hashes: Arc<[ExternalHash]> = Arc::from(hashes);
+        self.block_hashes.lock().put(key, Arc::clone(&hashes));
+        hashes
+    }
+
+    async fn score_precise(&self, request: &ParsedRequest, candidates: &[Candidate]) -> Answer {
+        let Some(hasher) = self.hashers.get(&request.model) else {
+            return Answer::Abstain("unknown_settings");
+        };
+        let slots: Vec<Option<ReplicaSlot>> = candidates
+            .iter()
+            .map(|c| self.index.slot(c.replica.endpoint()))
+            .collect();
+        if slots.iter().all(Option::is_none) {
+            return Answer::Abstain("no_events");
+        }
+        // Tokenize on the least loaded candidates first.
+        let mut order: Vec<&Candidate> = candidates.iter().collect();
+        order.sort_by_key(|c| c.in_flight);
+        let addresses: Vec<&str> = order.iter().map(|c| c.replica.endpoint()).collect();
+        let tokenize = tracing::debug_span!("tokenize", tokens = tracing::field::Empty);
+        let tokens = match self
+            .tokenizer
+            .tokens(request, &addresses)
+            .instrument(tokenize.clone())
+            .await
+        {
+            Ok(tokens) => tokens,
+            Err(e) => {
+                tracing::debug!(model = %request.model, error = %e, "precise tier unavailable");
+                return Answer::Abstain(e.reason());
+            }
+        };
+        tokenize.record("tokens", tokens.len() as i64);
+        drop(tokenize);
+
+        let hashes = tracing::debug_span!("hash", tokens = tokens.len() as i64).in_scope(|| {
+            self.block_hashes(hasher, &request.model, &tokens, request.cache_salt.as_deref())
+        });
+        tracing::Span::current().record("prompt_blocks", hashes.len() as i64);
+        let (matches, held) =
+            tracing::debug_span!("index_lookup", candidates = candidates.len() as i64).in_scope(
+                || {
+                    let mut matches: Vec<PrefixMatch> = Vec::with_capacity(candidates.len());
+                    self.index.match_prefix(&hashes, &slots, &mut matches);
+                    let mut held: Vec<u32> = matches.iter().map(|m| m.blocks).collect();
+                    self.speculative
+                        .raise_matches(&hashes, &slots, Instant::now(), &mut held);
+                    (matches, held)
+                },
+            );
+
+        let total = hashes.len().max(1) as f64;
+        let scores = matches
+            .iter()
+            .zip(&held)
+            .map(|(m, &held)| {
+                if held < self.min_blocks {
+                    0.0
+                } else if held > m.blocks {
+                    // Speculative blocks are assumed to be on the GPU.
+                    (m.weighted as f64 + f64::from(held - m.blocks)) / total
+                } else {
+                    m.weighted as f64 / total
+                }
+            })
+            .collect();
+        Answer::Scored(Scores::with_memo(scores, Memo { hashes, held }))
+    }
+
+    /// The chosen replica is about to cache the prompt's blocks: count them as its own until its
+    /// engine's events arrive.
+    fn credit(&self, memo: &Memo, pick: Pick<'_>) {
+        if let Ok(slot) = self.index.slot_or_insert(pick.chosen().replica.endpoint()) {
+            self.speculative
+                .insert(slot, Arc::clone(&memo.hashes), Instant::now());
+        }
+    }
+}
+
+impl Scorer for KvCacheScorer {
+    fn category(&self) -> Category {
+        Category::Affinity
+    }
+
+    fn score<'a>(&'a self, context: &'a ScoringContext<'a>, candidates: &'a [Candidate]) -> Scoring<'a> {
+        Scoring::Pending(Box::pin(self.score_precise(context.request, candidates)))
+    }
+
+    fn after_pick(&self, _: &ScoringContext<'_>, pick: Pick<'_>, role: Role<'_>) {
+        // The router's `route` span (the current span) gets the tier and what the pick held.
+        let route = tracing::Span::current();
+        match role {
+            Role::Counted(scores) => {
+                let Some(memo) = scores.memo::<Memo>() else {
+                    return;
+                };
+                let decision = classify(memo.held.iter().map(|&b| f64::from(b)), pick.chosen);
+                self.metrics.count(decision);
+                route.record("prefix_outcome", decision);
+                route.record("tier", "index");
+                route.record(
+                    "matched_blocks",
+                    memo.held.get(pick.chosen).copied().map_or(0, i64::from),
+                );
+                self.credit(memo, pick);
+            }
+            Role::NotCounted { scores, abstained } => {
+                let reason = abstained.unwrap_or("index_miss");
+                self.metrics.count(reason);
+                route.record("tier_reason", reason);
+                if let Some(memo) = scores.and_then(|s| s.memo::<Memo>()) {
+                    self.credit(memo, pick);
+                }
+            }
+            Role::NotAsked => {}
+        }
+    }
+}
+
+/// A 128-bit key of (model, salt, tokens): the model and salt seed an XXH3 over the tokens'
+/// little-endian bytes, fed through a stack buffer.
+fn tokens_key(model: &str, salt: Option<&str>, tokens: &[u32]) -> u128 {
+    let mut seed = xxhash_rust::xxh3::Xxh3::new();
+    seed.update(model.as_bytes());
+    match salt {
+        Some(salt) => {
+            seed.update(&[1]);
+            seed.update(salt.as_bytes());
+        }
+        None => seed.update(&[0]),
+    }
+    let mut hash = xxhash_rust::xxh3::Xxh3::with_seed(seed.digest());
+    let mut buf = [0u8; 1024];
+    for chunk in tokens.chunks(buf.len() / 4) {
+        for (bytes, token) in buf.chunks_exact_mut(4).zip(chunk) {
+            bytes.copy_from_slice(&token.to_le_bytes());
+        }
+        hash.update(&buf[..chunk.len() * 4]);
+    }
+    hash.digest128()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_hash_cache_key_separates_models_salts_and_tokens() {
+        use super::tokens_key;
+        let tokens: Vec<u32> = (0..600).collect();
+        let base = tokens_key("m", None, &tokens);
+        assert_eq!(base, tokens_key("m", None, &tokens));
+        assert_ne!(base, tokens_key("m2", None, &tokens));
+        assert_ne!(base, tokens_key("m", Some(""), &tokens));
+        assert_ne!(tokens_key("m", Some("a"), &tokens), tokens_key("m", Some("b"), &tokens));
+        let mut other = tokens.clone();
+        other[599] = 7;
+        assert_ne!(base, tokens_key("m", None, &other));
+        assert_ne!(base, tokens_key("m", None, &tokens[..599]));
+    }
+}

@@ -1,0 +1,370 @@
+//! The affinity scorers as the default profile composes them (`kv_cache` with `prefix_tree` as
+//! its fallback), and `session_affinity`, driven through a scheduler built from YAML with a
+//! fake `/tokenize` whose token ids are the prompt's bytes.
+
+use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Json;
+use axum::routing::post;
+use prometheus_client::registry::Registry;
+use serde_json::{Value, json};
+
+use crate::blockhash::{BlockHasher, ExternalHash, HashSettings};
+use crate::kvindex::{IndexConfig, KvEventSink, KvIndex, Medium};
+use crate::metrics::state::StateCollector;
+use crate::models::HashersByModel;
+use crate::openai::{EndpointKind, ParsedRequest, parse_request};
+use crate::pool::{Health, Pool, ReplicaSpec};
+use crate::scheduler::{PluginResources, Scheduler, SchedulerConfig, Scope};
+use crate::tokenize::{Tokenizer, TokenizerConfig};
+
+const BLOCK: usize = 4;
+
+/// `/tokenize` whose token ids are the prompt's bytes; prompts starting "slow" answer after 500 ms.
+async fn fake_tokenize(Json(body): Json<Value>) -> Json<Value> {
+    let prompt = body["prompt"].as_str().unwrap_or_default().to_owned();
+    if prompt.starts_with("slow") {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let tokens: Vec<u32> = prompt.bytes().map(u32::from).collect();
+    Json(json!({"count": tokens.len(), "max_model_len": 4096, "tokens": tokens}))
+}
+
+async fn tokenizer_server() -> SocketAddr {
+    let app = axum::Router::new().route("/tokenize", post(fake_tokenize));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+fn hasher() -> Arc<BlockHasher> {
+    Arc::new(
+        BlockHasher::new(&HashSettings::sha256_cbor(
+            NonZeroUsize::new(BLOCK).expect("nonzero"),
+            Some("0"),
+        ))
+        .expect("hasher"),
+    )
+}
+
+fn hashes_of(prompt: &str, salt: Option<&str>) -> Vec<ExternalHash> {
+    let tokens: Vec<u32> = prompt.bytes().map(u32::from).collect();
+    let mut out = Vec::new();
+    hasher().external_hashes_into(&tokens, salt, &mut out);
+    out
+}
+
+fn completion(model: &str, prompt: &str, salt: Option<&str>) -> ParsedRequest {
+    let mut body = json!({"model": model, "prompt": prompt});
+    if let Some(salt) = salt {
+        body["cache_salt"] = json!(salt);
+    }
+    parse_request(EndpointKind::Completions, body.to_string().as_bytes()).expect("parses")
+}
+
+/// Precise affinity with the tree as its fallback, and an in-flight scorer that only matters
+/// when the test holds requests.
+const AFFINITY: &str = "
+profile:
+  scorers:
+    - type: kv_cache
+      parameters: {speculative_ttl: SPECULATIVE}
+      fallback: {type: prefix_tree, parameters: {chunk_bytes: 4}}
+    - {type: in_flight, weight: 10}
+";
+
+struct Fixture {
+    scheduler: Scheduler,
+    index: Arc<KvIndex>,
+    pool: Arc<Pool>,
+    registry: Registry,
+    /// Replica 0 is the tokenizer server itself (a replica that answers /tokenize).
+    endpoints: Vec<String>,
+}
+
+async fn fixture(profile: &str, deadline_ms: u64) -> Fixture {
+    let tokenizer_addr = tokenizer_server().await;
+    let addresses: [SocketAddr; 3] = [
+        tokenizer_addr,
+        "127.0.0.1:2".parse().expect("addr"),
+        "127.0.0.1:3".parse().expect("addr"),
+    ];
+    let pool = Arc::new(Pool::new(
+        addresses
+            .iter()
+            .map(|&address| ReplicaSpec {
+                address,
+                models: vec!["m".to_owned(), "other".to_owned()],
+                node: None,
+            })
+            .collect(),
+        Duration::from_secs(60),
+    ));
+    for replica in pool.snapshot().replicas() {
+        replica.set_health(Health::Healthy);
+    }
+    let index = Arc::new(KvIndex::new(IndexConfig::default()));
+    let tokenizer = Arc::new(Tokenizer::new(TokenizerConfig {
+        deadline: Duration::from_millis(deadline_ms),
+        ..TokenizerConfig::default()
+    }));
+    let resources = PluginResources {
+        index: Arc::clone(&index),
+        tokenizer: Arc::clone(&tokenizer),
+        hashers: Arc::new(HashersByModel::from([("m".to_owned(), hasher())])),
+    };
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(StateCollector {
+        index: Arc::clone(&index),
+        tokenizer,
+    }));
+    let config: SchedulerConfig = serde_yaml::from_str(profile).expect("profile yaml");
+    let scheduler = Scheduler::build(Arc::clone(&pool), &config, &resources, &mut registry)
+        .expect("profile builds");
+    Fixture {
+        scheduler,
+        index,
+        pool,
+        registry,
+        endpoints: addresses.iter().map(ToString::to_string).collect(),
+    }
+}
+
+async fn affinity(deadline_ms: u64, speculative: &str) -> Fixture {
+    fixture(&AFFINITY.replace("SPECULATIVE", speculative), deadline_ms).await
+}
+
+impl Fixture {
+    fn endpoint(&self, i: usize) -> &str {
+        &self.endpoints[i]
+    }
+
+    /// Decides and returns the pick (its in-flight count released at once).
+    async fn pick(&self, request: &ParsedRequest) -> String {
+        self.pick_with(request, &[]).await
+    }
+
+    async fn pick_with(&self, request: &ParsedRequest, headers: &[(String, String)]) -> String {
+        let decision = self
+            .scheduler
+            .decide(request, headers, Scope::default())
+            .await
+            .expect("decides");
+        decision.primary().endpoint().to_owned()
+    }
+
+    /// Holds `n` requests in flight on replica `i`.
+    fn hold(&self, i: usize, n: usize) -> Vec<crate::pool::InFlightGuard> {
+        let snapshot = self.pool.snapshot();
+        let replica = snapshot.find(self.endpoint(i)).expect("replica");
+        (0..n).map(|_| replica.start_request()).collect()
+    }
+
+    /// The value of one sample line of the registry's text (0 when absent).
+    fn metric(&self, sample: &str) -> f64 {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.registry).expect("encodes");
+        text.lines()
+            .find_map(|line| line.strip_prefix(sample)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    fn kv(&self, decision: &str) -> f64 {
+        self.metric(&format!(
+            "llmgw_kv_decisions_total{{decision=\"{decision}\"}}"
+        ))
+    }
+
+    fn tree(&self, decision: &str) -> f64 {
+        self.metric(&format!(
+            "llmgw_prefix_decisions_total{{decision=\"{decision}\"}}"
+        ))
+    }
+}
+
+#[tokio::test]
+async fn a_warmed_prompt_goes_to_its_owner_unless_load_outvotes_it() {
+    let f = affinity(2000, "2s").await;
+    let prompt = "abcdefghijklmnop"; // 4 blocks
+    f.index
+        .stored(f.endpoint(2), &hashes_of(prompt, None), Medium::Gpu);
+    f.index
+        .stored(f.endpoint(1), &hashes_of(prompt, None)[..1], Medium::Gpu);
+    let request = completion("m", prompt, None);
+    assert_eq!(f.pick(&request).await, f.endpoint(2));
+    assert_eq!(f.kv("hit"), 1.0);
+    // Replica 2 busy: the in-flight scorer (weight 10) outvotes its full match.
+    let _held = f.hold(2, 8);
+    assert_ne!(f.pick(&request).await, f.endpoint(2));
+    assert_eq!(f.kv("load_override"), 1.0);
+}
+
+#[tokio::test]
+async fn a_salted_request_does_not_match_unsalted_blocks() {
+    let f = affinity(2000, "2s").await;
+    let prompt = "abcdefghijklmnop";
+    f.index
+        .stored(f.endpoint(2), &hashes_of(prompt, None), Medium::Gpu);
+    f.index
+        .stored(f.endpoint(1), &hashes_of(prompt, Some("t1")), Medium::Gpu);
+    assert_eq!(
+        f.pick(&completion("m", prompt, Some("t1"))).await,
+        f.endpoint(1)
+    );
+    assert_eq!(f.kv("hit"), 1.0);
+    f.pick(&completion("m", prompt, Some("t2"))).await;
+    assert_eq!(
+        f.kv("miss"),
+        1.0,
+        "another salt matches nothing, in the index or the tree"
+    );
+}
+
+#[tokio::test]
+async fn a_pick_is_followed_before_the_engine_reports() {
+    let f = affinity(2000, "2s").await;
+    // Some events exist for the model (another prompt on replica 1).
+    f.index
+        .stored(f.endpoint(1), &hashes_of("zzzz", None), Medium::Gpu);
+    let request = completion("m", "abcdefgh", None);
+    let first = f.pick(&request).await;
+    assert_eq!(f.kv("miss"), 1.0);
+    assert_eq!(f.pick(&request).await, first);
+    assert_eq!(f.kv("hit"), 1.0, "the speculative entry of the first pick");
+}
+
+#[tokio::test]
+async fn an_index_miss_goes_where_the_tree_sent_the_prefix_before() {
+    // No speculative entries, so that only the tree remembers the first pick.
+    let f = affinity(2000, "0s").await;
+    let request = completion("m", "abcdefgh", None);
+    let hashes = hashes_of("abcdefgh", None);
+    f.index.stored(f.endpoint(2), &hashes, Medium::Gpu);
+    f.index
+        .stored(f.endpoint(1), &hashes_of("zzzz", None), Medium::Gpu);
+    assert_eq!(f.pick(&request).await, f.endpoint(2));
+    // Its engine has since evicted the blocks.
+    f.index.removed(f.endpoint(2), &hashes, Medium::Gpu);
+    assert_eq!(f.pick(&request).await, f.endpoint(2));
+    assert_eq!(f.kv("index_miss"), 1.0);
+    assert_eq!(f.tree("hit"), 1.0);
+
+    // The tree never sends a salted request after unsalted text.
+    f.pick(&completion("m", "abcdefgh", Some("tenant-1"))).await;
+    assert_eq!(f.kv("miss"), 1.0);
+    assert_eq!(f.tree("hit"), 1.0);
+}
+
+#[tokio::test]
+async fn unknown_settings_and_no_events_fall_back_to_the_tree() {
+    let f = affinity(2000, "2s").await;
+    let request = completion("m", "abcdefgh", None);
+    let first = f.pick(&request).await;
+    assert_eq!(f.kv("no_events"), 1.0);
+    assert_eq!(f.tree("miss"), 1.0);
+    // The tree now sends the same prompt where the first one went.
+    assert_eq!(f.pick(&request).await, first);
+    assert_eq!(f.tree("hit"), 1.0);
+
+    f.pick(&completion("other", "abcdefgh", None)).await;
+    assert_eq!(f.kv("unknown_settings"), 1.0);
+}
+
+#[tokio::test]
+async fn a_tokenize_timeout_falls_back_within_the_deadline() {
+    let f = affinity(30, "2s").await;
+    f.index
+        .stored(f.endpoint(2), &hashes_of("slowslowslow", None), Medium::Gpu);
+    f.pick(&completion("m", "slowslowslow", None)).await;
+    assert_eq!(f.kv("tokenize_timeout"), 1.0);
+    assert_eq!(f.tree("miss"), 1.0);
+}
+
+#[tokio::test]
+async fn metrics_expose_decisions_and_tier_sizes() {
+    let f = affinity(2000, "2s").await;
+    let prompt = "abcdefghijklmnop";
+    f.index
+        .stored(f.endpoint(2), &hashes_of(prompt, None), Medium::Gpu);
+    f.pick(&completion("m", prompt, None)).await;
+    assert_eq!(f.kv("hit"), 1.0);
+    assert_eq!(f.metric("llmgw_kv_index_blocks"), 4.0);
+    assert_eq!(f.metric("llmgw_tokenize_cache_misses_total"), 1.0);
+    assert_eq!(f.metric("llmgw_prefix_tree_nodes"), 4.0);
+    assert_eq!(
+        f.metric(&format!(
+            "llmgw_kv_index_replica_blocks{{replica=\"{}\"}}",
+            f.endpoint(2)
+        )),
+        4.0
+    );
+}
+
+const SESSIONS: &str = "
+profile:
+  scorers:
+    - {type: session_affinity, weight: 1, parameters: {max_key_bytes: 16}}
+    - {type: in_flight, weight: 1}
+imbalance_threshold: 4
+";
+
+fn session(key: &str) -> Vec<(String, String)> {
+    vec![("x-session-id".to_owned(), key.to_owned())]
+}
+
+#[tokio::test]
+async fn a_session_sticks_to_its_replica_until_load_moves_it() {
+    let f = fixture(SESSIONS, 2000).await;
+    assert_eq!(f.scheduler.request_headers(), ["x-session-id"]);
+    let request = completion("m", "hello", None);
+    let home = f.pick_with(&request, &session("alice")).await;
+    assert_eq!(
+        f.metric("llmgw_session_affinity_total{outcome=\"new\"}"),
+        1.0
+    );
+    let home_index = f.endpoints.iter().position(|e| *e == home).expect("ours");
+    // A little load does not move it.
+    let held = f.hold(home_index, 2);
+    assert_eq!(f.pick_with(&request, &session("alice")).await, home);
+    assert_eq!(
+        f.metric("llmgw_session_affinity_total{outcome=\"sticky\"}"),
+        1.0
+    );
+    // Lopsided load does (the imbalance guard), and it then sticks to its new replica.
+    let more = f.hold(home_index, 3);
+    let new_home = f.pick_with(&request, &session("alice")).await;
+    assert_ne!(new_home, home);
+    assert_eq!(
+        f.metric("llmgw_session_affinity_total{outcome=\"moved\"}"),
+        1.0
+    );
+    drop((held, more));
+    assert_eq!(f.pick_with(&request, &session("alice")).await, new_home);
+    // A key over max_key_bytes is ignored and counted.
+    f.pick_with(&request, &session("a-very-long-session-key"))
+        .await;
+    assert_eq!(
+        f.metric("llmgw_session_affinity_total{outcome=\"too_long\"}"),
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn a_session_cookie_works_like_a_header() {
+    let profile = SESSIONS.replace("max_key_bytes: 16", "cookie: sid");
+    let f = fixture(&profile, 2000).await;
+    assert_eq!(f.scheduler.request_headers(), ["cookie"]);
+    let request = completion("m", "hello", None);
+    let cookie = |v: &str| vec![("cookie".to_owned(), format!("theme=dark; sid={v}"))];
+    let home = f.pick_with(&request, &cookie("s1")).await;
+    for _ in 0..4 {
+        let _held = f.hold(0, 1);
+        assert_eq!(f.pick_with(&request, &cookie("s1")).await, home);
+    }
+}
