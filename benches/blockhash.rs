@@ -3,6 +3,12 @@
 //! `make bench-hash` runs this and `bench/python_blockhash.py` (vLLM's own cbor2 + hashlib
 //! path over the same tokens) and prints the comparison.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a bench or test harness: a panic is a failed run, not a crashed router"
+)]
+
 use std::hint::black_box;
 use std::num::NonZeroUsize;
 

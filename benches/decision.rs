@@ -4,6 +4,12 @@
 //! `cargo bench -p llmgw --bench decision`: criterion's mean, then p50/p99 over 20,000 timed
 //! decisions (printed), since the target is a tail latency.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a bench or test harness: a panic is a failed run, not a crashed router"
+)]
+
 use std::hint::black_box;
 use std::num::NonZeroUsize;
 use std::path::Path;

@@ -5,6 +5,12 @@
 //! `cargo bench -p llmgw --bench kvindex`. Memory is printed once, measured by counting the bytes
 //! the global allocator holds before and after filling the index, at several sizes.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a bench or test harness: a panic is a failed run, not a crashed router"
+)]
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
 use std::sync::atomic::{AtomicUsize, Ordering};

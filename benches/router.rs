@@ -4,6 +4,12 @@
 //! that keeps the body a slice of the receive buffer, beside `envoy-types`' generated message,
 //! which copies it). `cargo bench -p llmgw --bench router`.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a bench or test harness: a panic is a failed run, not a crashed router"
+)]
+
 use std::hint::black_box;
 use std::net::SocketAddr;
 use std::sync::Arc;

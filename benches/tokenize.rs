@@ -7,6 +7,12 @@
 //!
 //! `cargo bench -p llmgw --bench tokenize`
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a bench or test harness: a panic is a failed run, not a crashed router"
+)]
+
 use std::hint::black_box;
 use std::path::Path;
 

@@ -1,6 +1,12 @@
 //! `llmgw-router hash` answers every case of ../shared/fixtures/block_hashes.json, and refuses
 //! bad input with exit code 2 and a message.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a bench or test harness: a panic is a failed run, not a crashed router"
+)]
+
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
 
