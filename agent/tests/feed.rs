@@ -88,9 +88,10 @@ async fn a_router_service_is_followed_as_routers_join_and_leave() {
         uplink,
     };
     let follower = tokio::spawn(routers::follow(
-        Arc::clone(&n.agent),
         service,
         answer.clone(),
+        Arc::clone(&n.agent.metrics),
+        n.agent.uplink_spawner(),
     ));
     publish(&mut n, &frames).await;
     eventually("the first router", || a.index.hashes(REPLICA) == want).await;
@@ -396,7 +397,7 @@ async fn a_plain_text_agent_against_a_tls_router_fails_clearly() {
     let config = UplinkConfig::new(r.addr.clone(), Some("s3cret".into()));
     let error = tokio::time::timeout(
         Duration::from_secs(10),
-        uplink::session_once(&n.agent, &config),
+        uplink::session_once(&*n.agent, &config),
     )
     .await
     .expect("the session fails promptly")
@@ -414,7 +415,7 @@ async fn claim_n1_with(r: &Router, ca: &TestCa, id: &Pem) -> (Node, Result<(), U
     config.tls = Some(client_tls(ca, Some(id)));
     let first = tokio::time::timeout(
         Duration::from_secs(10),
-        uplink::session_once(&n.agent, &config),
+        uplink::session_once(&*n.agent, &config),
     )
     .await;
     (n, first.unwrap_or(Ok(())))
@@ -549,7 +550,12 @@ async fn over_tls_a_router_service_is_checked_against_its_host_name() {
             interval: Duration::from_millis(50),
             uplink,
         };
-        tokio::spawn(routers::follow(Arc::clone(&n.agent), service, answer))
+        tokio::spawn(routers::follow(
+            service,
+            answer,
+            Arc::clone(&n.agent.metrics),
+            n.agent.uplink_spawner(),
+        ))
     };
     // The routers' certificate names localhost (and 127.0.0.1), not routers.test.
     let wrong = mtls_router(&ca).await;

@@ -9,9 +9,14 @@
 //! with snapshots. If the delta channel overflows (a very slow router), snapshots are resent
 //! on the same stream.
 //!
+//! The uplink sees the agent only through a [`FeedSource`] (the daemon's `Agent` in production,
+//! a fake in tests): it never names the daemon, so the daemon can start uplinks without the two
+//! modules importing each other.
+//!
 //! # Concurrency model
-//! One task per router. It reads engine state only through [`Engine::snapshot`] (a short lock)
-//! and the broadcast receiver; nothing is shared between uplinks.
+//! One task per router. It reads engine state only through [`FeedSource::snapshot_engines`]
+//! (the agent takes each engine's short lock in turn) and the broadcast receiver of
+//! [`FeedSource::subscribe`]; nothing is shared between uplinks but the metrics.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
@@ -26,9 +31,8 @@ use tonic::transport::ClientTlsConfig;
 use tracing::Instrument;
 
 use crate::config::{AgentConfig, TlsFiles, read_token};
-use crate::daemon::Agent;
 use crate::engine::{EngineSnapshot, HashStatus, Update};
-use crate::metrics::RouterLabel;
+use crate::metrics::{Metrics, RouterLabel};
 use crate::mirror::{BlockKey, Delta};
 
 /// Errors of one uplink session (each ends it; the uplink reconnects).
@@ -59,6 +63,46 @@ pub enum UplinkError {
     Closed(String),
     #[error("the agent's delta channel closed")]
     AgentGone,
+}
+
+/// What an uplink reads from the agent.
+pub trait FeedSource: Send + Sync + 'static {
+    /// What Hello says about the node besides its engines.
+    fn node(&self) -> NodeInfo;
+    /// A receiver of every delta flushed from now on. Taken before the snapshots, so that no
+    /// delta falls between a snapshot and the deltas after it.
+    fn subscribe(&self) -> broadcast::Receiver<Update>;
+    /// One snapshot per engine, always in the same order (Hello lists the engines in it).
+    fn snapshot_engines(&self) -> Vec<EngineSnapshot>;
+    /// Where the uplink reports its connection state and acknowledgement latency.
+    fn metrics(&self) -> &Metrics;
+}
+
+/// The node-wide part of Hello: the same for every engine of the node.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeInfo {
+    pub node: String,
+    /// Empty when not configured.
+    pub model: String,
+    /// 0 when not configured.
+    pub block_size: u32,
+    pub hash_algo: String,
+    pub hash_seed_set: bool,
+}
+
+impl NodeInfo {
+    /// What the agent's configuration says.
+    pub fn of(config: &AgentConfig) -> NodeInfo {
+        NodeInfo {
+            node: config.node.clone(),
+            model: config.model.clone().unwrap_or_default(),
+            block_size: config
+                .block_size
+                .map_or(0, |b| u32::try_from(b.get()).unwrap_or(u32::MAX)),
+            hash_algo: config.algo.as_str().to_owned(),
+            hash_seed_set: config.seed.is_some(),
+        }
+    }
 }
 
 /// How one uplink behaves.
@@ -183,6 +227,25 @@ fn snapshot_message(s: &EngineSnapshot) -> pb::agent_message::Body {
     })
 }
 
+fn hello_message(node: NodeInfo, snapshots: &[EngineSnapshot]) -> pb::agent_message::Body {
+    let engines = snapshots
+        .iter()
+        .map(|s| pb::EngineInfo {
+            engine: s.engine.0.to_string(),
+            replica: s.replica.0.to_string(),
+            model: node.model.clone(),
+            block_size: node.block_size,
+            hash_algo: node.hash_algo.clone(),
+            hash_seed_set: node.hash_seed_set,
+        })
+        .collect();
+    pb::agent_message::Body::Hello(pb::Hello {
+        node: node.node,
+        agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+        engines,
+    })
+}
+
 fn delta_message(engine: &str, d: &Delta, oldest_ts: f64) -> pb::agent_message::Body {
     pb::agent_message::Body::Delta(pb::Delta {
         engine: engine.to_owned(),
@@ -201,15 +264,19 @@ fn unix_now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// Runs one router's uplink forever.
-pub async fn run(agent: Arc<Agent>, config: UplinkConfig) {
+/// Runs one router's uplink until the agent's delta channel closes.
+pub async fn run<S: FeedSource + ?Sized>(source: Arc<S>, config: UplinkConfig) {
     let label = RouterLabel {
         router: config.router.clone(),
     };
     let mut delay = config.backoff_initial;
     loop {
-        let result = session(&agent, &config, &mut delay).await;
-        agent.metrics.uplink_connected.get_or_create(&label).set(0);
+        let result = session(&*source, &config, &mut delay).await;
+        source
+            .metrics()
+            .uplink_connected
+            .get_or_create(&label)
+            .set(0);
         match result {
             Err(UplinkError::AgentGone) => return,
             Err(e) => tracing::warn!(router = config.router, error = %e, ?delay, "uplink down"),
@@ -222,9 +289,12 @@ pub async fn run(agent: Arc<Agent>, config: UplinkConfig) {
 
 /// One session: connect, Hello, snapshots, then deltas until the stream fails (it returns only
 /// with an error). For diagnostics and tests; [`run`] is the reconnecting loop.
-pub async fn session_once(agent: &Agent, config: &UplinkConfig) -> Result<(), UplinkError> {
+pub async fn session_once<S: FeedSource + ?Sized>(
+    source: &S,
+    config: &UplinkConfig,
+) -> Result<(), UplinkError> {
     let mut delay = config.backoff_initial;
-    session(agent, config, &mut delay).await
+    session(source, config, &mut delay).await
 }
 
 /// Sends to the outbound stream, numbering messages.
@@ -248,8 +318,8 @@ impl Outbound {
     }
 }
 
-async fn session(
-    agent: &Agent,
+async fn session<S: FeedSource + ?Sized>(
+    source: &S,
     config: &UplinkConfig,
     delay: &mut Duration,
 ) -> Result<(), UplinkError> {
@@ -279,33 +349,15 @@ async fn session(
     let mut client = pb::feed_client::FeedClient::new(channel);
 
     // Subscribe before snapshotting, so every delta after a snapshot is seen.
-    let mut updates = agent.updates.subscribe();
-    let (tx, rx) = mpsc::channel(1024 + agent.engines.len());
+    let mut updates = source.subscribe();
+    let snapshots = source.snapshot_engines();
+    let engines = snapshots.len();
+    let (tx, rx) = mpsc::channel(1024 + engines);
     let mut out = Outbound { tx, next_id: 0 };
-    let hello = pb::Hello {
-        node: agent.config.node.clone(),
-        agent_version: env!("CARGO_PKG_VERSION").to_owned(),
-        engines: agent
-            .engines
-            .iter()
-            .map(|e| pb::EngineInfo {
-                engine: e.id.0.to_string(),
-                replica: e.replica.0.to_string(),
-                model: agent.config.model.clone().unwrap_or_default(),
-                block_size: agent
-                    .config
-                    .block_size
-                    .map_or(0, |b| u32::try_from(b.get()).unwrap_or(u32::MAX)),
-                hash_algo: agent.config.algo.as_str().to_owned(),
-                hash_seed_set: agent.config.seed.is_some(),
-            })
-            .collect(),
-    };
-    out.send(pb::agent_message::Body::Hello(hello)).await;
+    out.send(hello_message(source.node(), &snapshots)).await;
     let mut sent_upto: HashMap<Arc<str>, (u64, u64)> = HashMap::new();
-    for e in &agent.engines {
-        let s = e.snapshot();
-        sent_upto.insert(Arc::clone(&e.id.0), (s.snapshot.epoch, s.snapshot.seq));
+    for s in snapshots {
+        sent_upto.insert(Arc::clone(&s.engine.0), (s.snapshot.epoch, s.snapshot.seq));
         out.send(snapshot_message(&s)).await;
     }
 
@@ -343,8 +395,9 @@ async fn session(
     let label = RouterLabel {
         router: router.clone(),
     };
-    agent.metrics.uplink_connected.get_or_create(&label).set(1);
-    tracing::info!(router, engines = agent.engines.len(), "uplink connected");
+    let metrics = source.metrics();
+    metrics.uplink_connected.get_or_create(&label).set(1);
+    tracing::info!(router, engines, "uplink connected");
 
     // Delta ids awaiting acknowledgement, with their oldest event time.
     let mut in_flight: VecDeque<(u64, f64)> = VecDeque::new();
@@ -376,9 +429,8 @@ async fn session(
                 }
                 Err(broadcast::error::RecvError::Lagged(n)) => {
                     tracing::warn!(router, missed = n, "uplink fell behind: resending snapshots");
-                    for e in &agent.engines {
-                        let s = e.snapshot();
-                        sent_upto.insert(Arc::clone(&e.id.0), (s.snapshot.epoch, s.snapshot.seq));
+                    for s in source.snapshot_engines() {
+                        sent_upto.insert(Arc::clone(&s.engine.0), (s.snapshot.epoch, s.snapshot.seq));
                         out.send(snapshot_message(&s)).await;
                     }
                 }
@@ -391,8 +443,7 @@ async fn session(
                     let now = unix_now();
                     while in_flight.front().is_some_and(|(id, _)| *id <= ack.id) {
                         if let Some((_, ts)) = in_flight.pop_front() {
-                            agent
-                                .metrics
+                            metrics
                                 .event_to_router
                                 .get_or_create(&label)
                                 .observe((now - ts).max(0.0));
