@@ -16,6 +16,9 @@
 //! per address) and aborts them when their address leaves the answer or when the follower itself
 //! is dropped.
 
+#[cfg(test)]
+mod tests;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::io;
