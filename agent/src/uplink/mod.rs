@@ -11,15 +11,25 @@
 //!
 //! The uplink sees the agent only through a [`FeedSource`] (the daemon's `Agent` in production,
 //! a fake in tests): it never names the daemon, so the daemon can start uplinks without the two
-//! modules importing each other.
+//! modules importing each other. Likewise a session reaches its router through a private
+//! two-step transport (connect, then open the stream): tonic in production, channels in the
+//! unit tests.
 //!
 //! # Concurrency model
-//! One task per router. It reads engine state only through [`FeedSource::snapshot_engines`]
-//! (the agent takes each engine's short lock in turn) and the broadcast receiver of
-//! [`FeedSource::subscribe`]; nothing is shared between uplinks but the metrics.
+//! One task per router ([`run`]), running one session at a time. It reads engine state only
+//! through [`FeedSource::snapshot_engines`] (the agent takes each engine's short lock in turn)
+//! and the broadcast receiver of [`FeedSource::subscribe`]; nothing is shared between uplinks
+//! but the metrics. Within a session one `select!` loop forwards deltas, reads the router's
+//! acknowledgements and sends heartbeats; messages to the router go through a bounded `mpsc`
+//! channel that tonic drains, so a slow router makes the loop wait (and the delta channel lag).
+
+#[cfg(test)]
+mod tests;
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -27,6 +37,7 @@ use llmgw::kvindex::Medium as Tier;
 use llmgw_feed_proto::v1 as pb;
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::{Stream, StreamExt as _};
 use tonic::transport::ClientTlsConfig;
 use tracing::Instrument;
 
@@ -266,12 +277,31 @@ fn unix_now() -> f64 {
 
 /// Runs one router's uplink until the agent's delta channel closes.
 pub async fn run<S: FeedSource + ?Sized>(source: Arc<S>, config: UplinkConfig) {
+    reconnect(&*source, &Grpc, &config).await;
+}
+
+/// One session: connect, Hello, snapshots, then deltas until the stream fails (it returns only
+/// with an error). For diagnostics and tests; [`run`] is the reconnecting loop.
+pub async fn session_once<S: FeedSource + ?Sized>(
+    source: &S,
+    config: &UplinkConfig,
+) -> Result<(), UplinkError> {
+    let mut delay = config.backoff_initial;
+    session(source, &Grpc, config, &mut delay).await
+}
+
+/// Sessions one after another, with doubling backoff between them, until the agent is gone.
+async fn reconnect<S: FeedSource + ?Sized, T: Transport>(
+    source: &S,
+    transport: &T,
+    config: &UplinkConfig,
+) {
     let label = RouterLabel {
         router: config.router.clone(),
     };
     let mut delay = config.backoff_initial;
     loop {
-        let result = session(&*source, &config, &mut delay).await;
+        let result = session(source, transport, config, &mut delay).await;
         source
             .metrics()
             .uplink_connected
@@ -285,16 +315,6 @@ pub async fn run<S: FeedSource + ?Sized>(source: Arc<S>, config: UplinkConfig) {
         tokio::time::sleep(delay).await;
         delay = (delay * 2).min(config.backoff_max);
     }
-}
-
-/// One session: connect, Hello, snapshots, then deltas until the stream fails (it returns only
-/// with an error). For diagnostics and tests; [`run`] is the reconnecting loop.
-pub async fn session_once<S: FeedSource + ?Sized>(
-    source: &S,
-    config: &UplinkConfig,
-) -> Result<(), UplinkError> {
-    let mut delay = config.backoff_initial;
-    session(source, config, &mut delay).await
 }
 
 /// Sends to the outbound stream, numbering messages.
@@ -318,35 +338,132 @@ impl Outbound {
     }
 }
 
-async fn session<S: FeedSource + ?Sized>(
+/// What a session presents to its router, read afresh before each connection.
+struct Credentials {
+    /// `None`: plain text.
+    tls: Option<ClientTlsConfig>,
+    token: Option<String>,
+}
+
+/// The router's messages on one stream.
+type Inbound = Pin<Box<dyn Stream<Item = Result<pb::RouterMessage, tonic::Status>> + Send>>;
+
+/// How a session reaches its router: gRPC ([`Grpc`]) in the agent, a fake in the unit tests.
+/// Two steps, so that the agent subscribes and snapshots only once the router is reachable, and
+/// the stream opens with those snapshots already queued.
+trait Transport: Send + Sync {
+    type Connection: Send;
+
+    /// Connects to `router` (TCP, and the TLS handshake when `credentials.tls` is set).
+    fn connect(
+        &self,
+        router: &str,
+        credentials: &Credentials,
+    ) -> impl Future<Output = Result<Self::Connection, UplinkError>> + Send;
+
+    /// Opens the feed stream on `connection`, sending what `outbound` yields; returns the
+    /// router's side of it once the router has accepted the call.
+    fn open(
+        &self,
+        connection: Self::Connection,
+        router: &str,
+        credentials: &Credentials,
+        outbound: mpsc::Receiver<pb::AgentMessage>,
+    ) -> impl Future<Output = Result<Inbound, UplinkError>> + Send;
+}
+
+/// `llmgw.feed.v1.Feed/Stream` over tonic.
+struct Grpc;
+
+impl Transport for Grpc {
+    type Connection = tonic::transport::Channel;
+
+    async fn connect(
+        &self,
+        router: &str,
+        credentials: &Credentials,
+    ) -> Result<tonic::transport::Channel, UplinkError> {
+        let scheme = if credentials.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        let mut endpoint = tonic::transport::Endpoint::from_shared(format!("{scheme}://{router}"))
+            .map_err(|e| UplinkError::Address(router.to_owned(), e.to_string()))?
+            .connect_timeout(Duration::from_secs(3))
+            .tcp_nodelay(true);
+        if let Some(tls) = &credentials.tls {
+            endpoint = endpoint
+                .tls_config(tls.clone())
+                .map_err(|source| UplinkError::Connect {
+                    router: router.to_owned(),
+                    source,
+                })?;
+        }
+        endpoint
+            .connect()
+            .await
+            .map_err(|source| UplinkError::Connect {
+                router: router.to_owned(),
+                source,
+            })
+    }
+
+    async fn open(
+        &self,
+        connection: tonic::transport::Channel,
+        router: &str,
+        credentials: &Credentials,
+        outbound: mpsc::Receiver<pb::AgentMessage>,
+    ) -> Result<Inbound, UplinkError> {
+        let mut client = pb::feed_client::FeedClient::new(connection);
+        let mut request = tonic::Request::new(ReceiverStream::new(outbound));
+        if let Some(token) = &credentials.token {
+            let value = format!("Bearer {token}").parse().map_err(|_| {
+                UplinkError::Address(router.to_owned(), "token is not ASCII".into())
+            })?;
+            request.metadata_mut().insert("authorization", value);
+        }
+        let inbound = client
+            .stream(request)
+            .await
+            .map_err(|status| {
+                // A TLS port answers a plain-text HTTP/2 preface by closing the connection: the
+                // call fails at the transport level, not with a gRPC status from the router.
+                let transport = std::error::Error::source(&status).is_some()
+                    && matches!(
+                        status.code(),
+                        tonic::Code::Unknown | tonic::Code::Unavailable
+                    );
+                if credentials.tls.is_none() && transport {
+                    UplinkError::PlainTextRefused {
+                        router: router.to_owned(),
+                        status: Box::new(status),
+                    }
+                } else {
+                    UplinkError::Stream {
+                        router: router.to_owned(),
+                        status: Box::new(status),
+                    }
+                }
+            })?
+            .into_inner();
+        Ok(Box::pin(inbound))
+    }
+}
+
+async fn session<S: FeedSource + ?Sized, T: Transport>(
     source: &S,
+    transport: &T,
     config: &UplinkConfig,
     delay: &mut Duration,
 ) -> Result<(), UplinkError> {
     let router = config.router.clone();
-    let tls = config.current_tls();
-    let token = config.current_token();
-    let scheme = if tls.is_some() { "https" } else { "http" };
-    let mut endpoint = tonic::transport::Endpoint::from_shared(format!("{scheme}://{router}"))
-        .map_err(|e| UplinkError::Address(router.clone(), e.to_string()))?
-        .connect_timeout(Duration::from_secs(3))
-        .tcp_nodelay(true);
-    if let Some(tls) = &tls {
-        endpoint = endpoint
-            .tls_config(tls.clone())
-            .map_err(|source| UplinkError::Connect {
-                router: router.clone(),
-                source,
-            })?;
-    }
-    let channel = endpoint
-        .connect()
-        .await
-        .map_err(|source| UplinkError::Connect {
-            router: router.clone(),
-            source,
-        })?;
-    let mut client = pb::feed_client::FeedClient::new(channel);
+    let credentials = Credentials {
+        tls: config.current_tls(),
+        token: config.current_token(),
+    };
+    let connection = transport.connect(&router, &credentials).await?;
 
     // Subscribe before snapshotting, so every delta after a snapshot is seen.
     let mut updates = source.subscribe();
@@ -361,37 +478,9 @@ async fn session<S: FeedSource + ?Sized>(
         out.send(snapshot_message(&s)).await;
     }
 
-    let mut request = tonic::Request::new(ReceiverStream::new(rx));
-    if let Some(token) = &token {
-        let value = format!("Bearer {token}")
-            .parse()
-            .map_err(|_| UplinkError::Address(router.clone(), "token is not ASCII".into()))?;
-        request.metadata_mut().insert("authorization", value);
-    }
-    let mut inbound = client
-        .stream(request)
-        .await
-        .map_err(|status| {
-            // A TLS port answers a plain-text HTTP/2 preface by closing the connection: the
-            // call fails at the transport level, not with a gRPC status from the router.
-            let transport = std::error::Error::source(&status).is_some()
-                && matches!(
-                    status.code(),
-                    tonic::Code::Unknown | tonic::Code::Unavailable
-                );
-            if tls.is_none() && transport {
-                UplinkError::PlainTextRefused {
-                    router: router.clone(),
-                    status: Box::new(status),
-                }
-            } else {
-                UplinkError::Stream {
-                    router: router.clone(),
-                    status: Box::new(status),
-                }
-            }
-        })?
-        .into_inner();
+    let mut inbound = transport
+        .open(connection, &router, &credentials, rx)
+        .await?;
     let label = RouterLabel {
         router: router.clone(),
     };
@@ -436,8 +525,8 @@ async fn session<S: FeedSource + ?Sized>(
                 }
                 Err(broadcast::error::RecvError::Closed) => return Err(UplinkError::AgentGone),
             },
-            msg = inbound.message() => match msg {
-                Ok(Some(pb::RouterMessage { body: Some(pb::router_message::Body::Ack(ack)) })) => {
+            msg = inbound.next() => match msg {
+                Some(Ok(pb::RouterMessage { body: Some(pb::router_message::Body::Ack(ack)) })) => {
                     // A working session: the next outage starts from the short backoff.
                     *delay = config.backoff_initial;
                     let now = unix_now();
@@ -450,7 +539,7 @@ async fn session<S: FeedSource + ?Sized>(
                         }
                     }
                 }
-                Ok(Some(pb::RouterMessage { body: Some(pb::router_message::Body::Refused(r)) })) => {
+                Some(Ok(pb::RouterMessage { body: Some(pb::router_message::Body::Refused(r)) })) => {
                     tracing::error!(
                         router,
                         engine = r.engine,
@@ -459,9 +548,9 @@ async fn session<S: FeedSource + ?Sized>(
                         "router refused an engine: is the replica configured on this node?"
                     );
                 }
-                Ok(Some(_)) => {}
-                Ok(None) => return Err(UplinkError::Closed(router)),
-                Err(status) => {
+                Some(Ok(_)) => {}
+                None => return Err(UplinkError::Closed(router)),
+                Some(Err(status)) => {
                     return Err(UplinkError::Stream { router, status: Box::new(status) });
                 }
             },
