@@ -28,8 +28,8 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
-use crate::metrics::{Metrics, RouterLabel, ServiceLabel};
-use crate::uplink::UplinkConfig;
+use crate::metrics::{Metrics, RouterLabel, ServiceLabel, UplinkErrorLabel};
+use crate::uplink::{ERROR_REASONS, UplinkConfig};
 
 /// Looks a `HOST:PORT` name up.
 pub trait Resolve: Send + Sync + 'static {
@@ -74,6 +74,12 @@ impl Uplinks {
             };
             self.metrics.uplink_connected.remove(&label);
             self.metrics.event_to_router.remove(&label);
+            for reason in ERROR_REASONS {
+                self.metrics.uplink_errors.remove(&UplinkErrorLabel {
+                    router: label.router.clone(),
+                    reason,
+                });
+            }
         }
     }
 }

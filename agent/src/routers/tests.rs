@@ -196,6 +196,13 @@ async fn routers_get_an_uplink_when_they_join_the_answer_and_lose_it_when_they_l
         .event_to_router
         .get_or_create(&a_label)
         .observe(0.01);
+    metrics
+        .uplink_errors
+        .get_or_create(&UplinkErrorLabel {
+            router: a.to_string(),
+            reason: "connect",
+        })
+        .inc();
 
     resolver.set(Answer::Found(vec![b, a]));
     next_lookup().await;

@@ -6,8 +6,8 @@
 //! heartbeat every few seconds. The router acknowledges message ids; the time from the oldest
 //! event in a delta to its acknowledgement is the `event_to_router_seconds` metric. When the
 //! stream fails (router restarted, network), reconnect with doubling backoff and start again
-//! with snapshots. If the delta channel overflows (a very slow router), snapshots are resent
-//! on the same stream.
+//! with snapshots; each failed session counts in `uplink_errors_total{router, reason}`. If the
+//! delta channel overflows (a very slow router), snapshots are resent on the same stream.
 //!
 //! The uplink sees the agent only through a [`FeedSource`] (the daemon's `Agent` in production,
 //! a fake in tests): it never names the daemon, so the daemon can start uplinks without the two
@@ -43,7 +43,7 @@ use tracing::Instrument;
 
 use crate::config::{AgentConfig, TlsFiles, read_token};
 use crate::engine::{EngineSnapshot, HashStatus, Update};
-use crate::metrics::{Metrics, RouterLabel};
+use crate::metrics::{Metrics, RouterLabel, UplinkErrorLabel};
 use crate::mirror::{BlockKey, Delta};
 
 /// Errors of one uplink session (each ends it; the uplink reconnects).
@@ -74,6 +74,93 @@ pub enum UplinkError {
     Closed(String),
     #[error("the agent's delta channel closed")]
     AgentGone,
+}
+
+/// Every [`UplinkError::reason`], so that a departed router's series can all be removed.
+pub const ERROR_REASONS: [&str; 23] = [
+    "address",
+    "connect",
+    "tls",
+    "plain_text_refused",
+    "closed",
+    "agent_gone",
+    "ok",
+    "cancelled",
+    "unknown",
+    "invalid_argument",
+    "deadline_exceeded",
+    "not_found",
+    "already_exists",
+    "permission_denied",
+    "resource_exhausted",
+    "failed_precondition",
+    "aborted",
+    "out_of_range",
+    "unimplemented",
+    "internal",
+    "unavailable",
+    "data_loss",
+    "unauthenticated",
+];
+
+impl UplinkError {
+    /// A short name for the `reason` label of `llmgw_agent_uplink_errors_total`: what failed
+    /// (`address`, `connect`, `tls` when connecting failed in the TLS handshake, say on a
+    /// router certificate for another name, ...), or the gRPC status a stream ended with, in
+    /// snake case (`unauthenticated`, `permission_denied`, ...).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            UplinkError::Address(..) => "address",
+            UplinkError::Connect { source, .. } if caused_by_tls(source) => "tls",
+            UplinkError::Connect { .. } => "connect",
+            UplinkError::Stream { status, .. } => status_reason(status.code()),
+            UplinkError::PlainTextRefused { .. } => "plain_text_refused",
+            UplinkError::Closed(_) => "closed",
+            UplinkError::AgentGone => "agent_gone",
+        }
+    }
+}
+
+/// Whether a TLS error lies somewhere in `error`'s causes. (An `io::Error` hides the error it
+/// wraps from `source()`, so those are opened with `get_ref`.)
+fn caused_by_tls(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(error);
+    while let Some(e) = cause {
+        let wrapped = e
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+            .map(|inner| inner as &(dyn std::error::Error + 'static));
+        if e.is::<tokio_rustls::rustls::Error>()
+            || wrapped.is_some_and(|w| w.is::<tokio_rustls::rustls::Error>())
+        {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
+}
+
+fn status_reason(code: tonic::Code) -> &'static str {
+    use tonic::Code;
+    match code {
+        Code::Ok => "ok",
+        Code::Cancelled => "cancelled",
+        Code::Unknown => "unknown",
+        Code::InvalidArgument => "invalid_argument",
+        Code::DeadlineExceeded => "deadline_exceeded",
+        Code::NotFound => "not_found",
+        Code::AlreadyExists => "already_exists",
+        Code::PermissionDenied => "permission_denied",
+        Code::ResourceExhausted => "resource_exhausted",
+        Code::FailedPrecondition => "failed_precondition",
+        Code::Aborted => "aborted",
+        Code::OutOfRange => "out_of_range",
+        Code::Unimplemented => "unimplemented",
+        Code::Internal => "internal",
+        Code::Unavailable => "unavailable",
+        Code::DataLoss => "data_loss",
+        Code::Unauthenticated => "unauthenticated",
+    }
 }
 
 /// What an uplink reads from the agent.
@@ -452,7 +539,30 @@ impl Transport for Grpc {
     }
 }
 
+/// One session, its failure counted in `uplink_errors` (the agent going away is no failure).
 async fn session<S: FeedSource + ?Sized, T: Transport>(
+    source: &S,
+    transport: &T,
+    config: &UplinkConfig,
+    delay: &mut Duration,
+) -> Result<(), UplinkError> {
+    let result = stream_session(source, transport, config, delay).await;
+    if let Err(error) = &result
+        && !matches!(error, UplinkError::AgentGone)
+    {
+        source
+            .metrics()
+            .uplink_errors
+            .get_or_create(&UplinkErrorLabel {
+                router: config.router.clone(),
+                reason: error.reason(),
+            })
+            .inc();
+    }
+    result
+}
+
+async fn stream_session<S: FeedSource + ?Sized, T: Transport>(
     source: &S,
     transport: &T,
     config: &UplinkConfig,

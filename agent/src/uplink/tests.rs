@@ -99,6 +99,16 @@ impl FakeSource {
             .get()
     }
 
+    fn errors(&self, reason: &'static str) -> u64 {
+        self.metrics
+            .uplink_errors
+            .get_or_create(&UplinkErrorLabel {
+                router: ROUTER.into(),
+                reason,
+            })
+            .get()
+    }
+
     /// Deltas whose acknowledgement was timed.
     fn acked_deltas(&self) -> u64 {
         let text = self.metrics.encode();
@@ -434,6 +444,7 @@ async fn the_backoff_doubles_after_each_failure_up_to_its_cap() {
         0,
         "nothing is snapshotted for a router that cannot be reached"
     );
+    assert_eq!(source.errors("unavailable"), 7, "each failure counted");
 }
 
 #[tokio::test(start_paused = true)]
@@ -468,6 +479,8 @@ async fn an_acknowledged_session_starts_the_next_backoff_from_the_initial_delay(
     assert_eq!(gaps(&attempts[..3]), [ms(100), ms(200)]);
     assert_eq!(attempts[3] - acked_ended, ms(100));
     assert_eq!(attempts[4] - unacked_ended, ms(200));
+    assert_eq!(source.errors("unavailable"), 2, "the refused connections");
+    assert_eq!(source.errors("closed"), 2, "the streams the router closed");
 }
 
 #[tokio::test(start_paused = true)]
@@ -484,4 +497,42 @@ async fn the_uplink_ends_when_the_agent_is_gone() {
         .expect("without panicking");
     assert_eq!(router.attempts().len(), 1, "and does not reconnect");
     assert_eq!(source.connected(), 0);
+    let text = source.metrics.encode();
+    assert!(
+        !text.contains("llmgw_agent_uplink_errors_total{"),
+        "shutting down is no uplink error: {text}"
+    );
+}
+
+#[test]
+fn every_error_reason_is_listed_once() {
+    let mut seen = std::collections::HashSet::new();
+    for reason in ERROR_REASONS {
+        assert!(seen.insert(reason), "{reason} listed twice");
+    }
+    let stream = |code: i32| UplinkError::Stream {
+        router: ROUTER.into(),
+        status: Box::new(tonic::Status::new(tonic::Code::from_i32(code), "")),
+    };
+    let mut errors: Vec<UplinkError> = (0..=16).map(stream).collect();
+    errors.extend([
+        UplinkError::Address(ROUTER.into(), "bad".into()),
+        UplinkError::PlainTextRefused {
+            router: ROUTER.into(),
+            status: Box::new(tonic::Status::unavailable("")),
+        },
+        UplinkError::Closed(ROUTER.into()),
+        UplinkError::AgentGone,
+    ]);
+    let reasons: std::collections::HashSet<&str> = errors.iter().map(UplinkError::reason).collect();
+    assert_eq!(
+        reasons.len(),
+        errors.len(),
+        "one reason per status code and kind"
+    );
+    for reason in &reasons {
+        assert!(seen.contains(reason), "{reason} missing from ERROR_REASONS");
+    }
+    assert_eq!(stream(16).reason(), "unauthenticated");
+    assert_eq!(stream(7).reason(), "permission_denied");
 }
