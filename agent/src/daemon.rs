@@ -1,10 +1,15 @@
 //! The running agent: one intake and one mirror task per engine, plus the admin HTTP server
 //! (`/metrics`, `/healthz`, `/debug/engines`, `/debug/engines/{name}/blocks`).
 //!
+//! It also wires the feed: [`Agent`] is the [`FeedSource`] every uplink reads, and the spawner
+//! handed to each [`routers::follow`] starts an uplink on it. Neither `uplink` nor `routers`
+//! knows the agent, so no module here imports one that imports it back.
+//!
 //! # Concurrency model
 //! Tasks are spawned on the ambient tokio runtime and owned by [`Agent`] (aborted on drop).
-//! The admin server reads engine state through each [`Engine`]'s short-held lock and the
-//! metrics registry; it never blocks the intake.
+//! Uplink tasks and router followers are owned by whoever called [`Agent::start_uplinks`]; each
+//! uplink holds the agent through an `Arc`. The admin server reads engine state through each
+//! [`Engine`]'s short-held lock and the metrics registry; it never blocks the intake.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -19,9 +24,13 @@ use tokio::sync::{broadcast, mpsc};
 use tokio::task::JoinHandle;
 
 use crate::config::AgentConfig;
-use crate::engine::{Engine, EngineId, HashStatus, Input, MirrorTask, ReplicaId, Updates};
+use crate::engine::{
+    Engine, EngineId, EngineSnapshot, HashStatus, Input, MirrorTask, ReplicaId, Update, Updates,
+};
 use crate::hashcheck::HashCheck;
 use crate::metrics::Metrics;
+use crate::routers::{self, RouterService};
+use crate::uplink::{self, FeedSource, NodeInfo, UplinkConfig};
 use crate::zmq::{EngineEndpoint, Intake, ZmqError};
 
 /// Errors starting the agent.
@@ -166,25 +175,36 @@ impl Agent {
     /// Starts one uplink per configured router, and one follower per router service (which
     /// runs an uplink per address its name resolves to).
     pub fn start_uplinks(self: &Arc<Self>) -> Vec<JoinHandle<()>> {
-        let uplink = |router: &str| crate::uplink::UplinkConfig::for_agent(router, &self.config);
+        let spawn_uplink = self.uplink_spawner();
+        let config_for = |router: &str| UplinkConfig::for_agent(router, &self.config);
         let fixed = self
             .config
             .routers
             .iter()
-            .map(|r| tokio::spawn(crate::uplink::run(Arc::clone(self), uplink(r))));
+            .map(|r| spawn_uplink(config_for(r)));
         let followed = self.config.router_services.iter().map(|s| {
-            let service = crate::routers::RouterService {
+            let service = RouterService {
                 target: s.clone(),
                 interval: self.config.router_resolve_interval,
-                uplink: uplink(s),
+                uplink: config_for(s),
             };
-            tokio::spawn(crate::routers::follow(
-                Arc::clone(self),
+            tokio::spawn(routers::follow(
                 service,
-                crate::routers::Dns,
+                routers::Dns,
+                Arc::clone(&self.metrics),
+                spawn_uplink.clone(),
             ))
         });
         fixed.chain(followed).collect()
+    }
+
+    /// Starts an uplink on this agent for each config it is given (what a router follower
+    /// needs to start one per address).
+    pub fn uplink_spawner(
+        self: &Arc<Self>,
+    ) -> impl Fn(UplinkConfig) -> JoinHandle<()> + Clone + Send + 'static {
+        let agent = Arc::clone(self);
+        move |config| tokio::spawn(uplink::run(Arc::clone(&agent), config))
     }
 
     /// Resets an engine (the supervisor calls this when it restarts vLLM).
@@ -204,6 +224,24 @@ impl Agent {
         axum::serve(listener, admin_router(self))
             .await
             .map_err(|source| DaemonError::Admin { addr, source })
+    }
+}
+
+impl FeedSource for Agent {
+    fn node(&self) -> NodeInfo {
+        NodeInfo::of(&self.config)
+    }
+
+    fn subscribe(&self) -> broadcast::Receiver<Update> {
+        self.updates.subscribe()
+    }
+
+    fn snapshot_engines(&self) -> Vec<EngineSnapshot> {
+        self.engines.iter().map(|e| e.snapshot()).collect()
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
     }
 }
 

@@ -80,6 +80,8 @@ impl HealthWatch {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
     use tokio::sync::broadcast;
 
     use super::*;
@@ -173,10 +175,26 @@ mod tests {
             .await
             .expect("bind");
         let addr = listener.local_addr().expect("addr");
-        let app = axum::Router::new().route("/health", axum::routing::get(|| async { "" }));
+        let probes = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&probes);
+        let app = axum::Router::new().route(
+            "/health",
+            axum::routing::get(move || {
+                counted.fetch_add(1, Ordering::SeqCst);
+                async { "" }
+            }),
+        );
         tokio::spawn(async move { axum::serve(listener, app).await });
         let (engine, _metrics, _tx) = watched(format!("http://{addr}/health")).await;
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // The watch probes one at a time: once the second probe is answered, it has judged
+        // the first answer.
+        for _ in 0..500 {
+            if probes.load(Ordering::SeqCst) >= 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(probes.load(Ordering::SeqCst) >= 2, "the health was checked");
         assert!(!engine.is_stale());
         assert_eq!(engine.block_set().len(), 1);
     }

@@ -34,6 +34,13 @@ pub struct RouterLabel {
     pub router: String,
 }
 
+/// Why an uplink session ended (see `UplinkError::reason`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UplinkErrorLabel {
+    pub router: String,
+    pub reason: &'static str,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ServiceLabel {
     pub service: String,
@@ -61,6 +68,7 @@ pub struct Metrics {
     pub mirror_blocks: Family<EngineLabel, Gauge>,
     pub engine_stale: Family<EngineLabel, Gauge>,
     pub uplink_connected: Family<RouterLabel, Gauge>,
+    pub uplink_errors: Family<UplinkErrorLabel, Counter>,
     pub router_addresses: Family<ServiceLabel, Gauge>,
     pub event_to_flush: Family<EngineLabel, Histogram, fn() -> Histogram>,
     pub event_to_router: Family<RouterLabel, Histogram, fn() -> Histogram>,
@@ -87,6 +95,7 @@ impl Metrics {
         let mirror_blocks = Family::<EngineLabel, Gauge>::default();
         let engine_stale = Family::<EngineLabel, Gauge>::default();
         let uplink_connected = Family::<RouterLabel, Gauge>::default();
+        let uplink_errors = Family::<UplinkErrorLabel, Counter>::default();
         let router_addresses = Family::<ServiceLabel, Gauge>::default();
         let event_to_flush: Family<EngineLabel, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(latency_histogram);
@@ -145,6 +154,12 @@ impl Metrics {
             uplink_connected.clone(),
         );
         registry.register(
+            "uplink_errors",
+            "Uplink sessions ended by an error, by router and reason (connect, tls, a gRPC status \
+             such as unauthenticated or permission_denied, closed...)",
+            uplink_errors.clone(),
+        );
+        registry.register(
             "router_addresses",
             "Router addresses a --router-service name resolved to last",
             router_addresses.clone(),
@@ -173,6 +188,7 @@ impl Metrics {
             mirror_blocks,
             engine_stale,
             uplink_connected,
+            uplink_errors,
             router_addresses,
             event_to_flush,
             event_to_router,

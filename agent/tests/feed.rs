@@ -68,6 +68,15 @@ impl Resolve for Answer {
     }
 }
 
+/// Waits until two of `n`'s sessions to `r` have ended for `reason`: the first may have ended
+/// before anything was published, the second began after.
+async fn uplink_failed_twice(n: &Node, r: &Router, reason: &str) {
+    eventually(&format!("two sessions ended for {reason}"), || {
+        uplink_errors(n, &r.addr, Some(reason)) >= 2
+    })
+    .await;
+}
+
 fn streams(r: &Router) -> i64 {
     r.feed.metrics.streams.get()
 }
@@ -88,9 +97,10 @@ async fn a_router_service_is_followed_as_routers_join_and_leave() {
         uplink,
     };
     let follower = tokio::spawn(routers::follow(
-        Arc::clone(&n.agent),
         service,
         answer.clone(),
+        Arc::clone(&n.agent.metrics),
+        n.agent.uplink_spawner(),
     ));
     publish(&mut n, &frames).await;
     eventually("the first router", || a.index.hashes(REPLICA) == want).await;
@@ -135,11 +145,15 @@ async fn a_restarted_router_gets_a_snapshot_and_converges_again() {
     let want_12 = final_set(&frames[..12]);
     eventually("first life", || first.index.hashes(REPLICA) == want_12).await;
     drop(first);
+    eventually("the agent to see the router go", || {
+        connected(&n, &addr) == 0
+    })
+    .await;
     // While the router is down the engine moves on.
     publish(&mut n, &frames[12..20]).await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let second = router(Some(&addr), None).await;
     let want_20 = final_set(&frames[..20]);
+    eventually("the mirror to move on", || flushed_hashes(&n) == want_20).await;
+    let second = router(Some(&addr), None).await;
     eventually("snapshot after restart", || {
         second.index.hashes(REPLICA) == want_20
     })
@@ -157,9 +171,14 @@ async fn an_agent_claiming_another_nodes_replica_is_refused() {
     let frames = frames();
     let r = router(None, None).await;
     let mut n = node("10.9.9.9:8000", "1729", &[&r], None).await;
+    let flushed = Flushed::new(&n);
     publish(&mut n, &frames).await;
     eventually("the refusal", || r.feed.metrics.refused.get() >= 1).await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    all_acknowledged(&n, &r, frames.len(), &flushed).await;
+    assert!(
+        flushed.count() > 0,
+        "the engine's deltas went to the router"
+    );
     assert!(r.index.hashes("10.9.9.9:8000").is_empty());
     assert!(r.index.held.lock().is_empty());
 }
@@ -170,11 +189,12 @@ async fn the_shared_token_is_checked() {
     let r = router(None, Some("s3cret")).await;
     let mut wrong = node(REPLICA, "1729", &[&r], Some("guess")).await;
     publish(&mut wrong, &frames).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    uplink_failed_twice(&wrong, &r, "unauthenticated").await;
     assert!(
         r.index.hashes(REPLICA).is_empty(),
         "a wrong token sends nothing"
     );
+    assert_eq!(r.feed.metrics.snapshots.get(), 0);
     drop(wrong);
     let mut right = node(REPLICA, "1729", &[&r], Some("s3cret")).await;
     publish(&mut right, &frames).await;
@@ -187,12 +207,13 @@ async fn a_wrong_seed_is_a_hash_mismatch_and_the_router_gets_nothing() {
     let frames = frames();
     let r = router(None, None).await;
     let mut n = node(REPLICA, "31337", &[&r], None).await;
+    let flushed = Flushed::new(&n);
     publish(&mut n, &frames).await;
     eventually("the mismatch", || {
         n.agent.engines[0].hash_status() == HashStatus::Mismatch
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    all_acknowledged(&n, &r, frames.len(), &flushed).await;
     assert!(r.index.hashes(REPLICA).is_empty());
     let m = n.agent.metrics.encode();
     assert!(
@@ -340,7 +361,7 @@ async fn the_token_is_still_checked_over_mutual_tls() {
     let id = ca.client("n1");
     let mut n = mtls_node(&r, &ca, Some(&id), "guess").await;
     publish(&mut n, &frames).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    uplink_failed_twice(&n, &r, "unauthenticated").await;
     assert!(
         r.index.hashes(REPLICA).is_empty(),
         "a wrong token sends nothing"
@@ -396,7 +417,7 @@ async fn a_plain_text_agent_against_a_tls_router_fails_clearly() {
     let config = UplinkConfig::new(r.addr.clone(), Some("s3cret".into()));
     let error = tokio::time::timeout(
         Duration::from_secs(10),
-        uplink::session_once(&n.agent, &config),
+        uplink::session_once(&*n.agent, &config),
     )
     .await
     .expect("the session fails promptly")
@@ -414,7 +435,7 @@ async fn claim_n1_with(r: &Router, ca: &TestCa, id: &Pem) -> (Node, Result<(), U
     config.tls = Some(client_tls(ca, Some(id)));
     let first = tokio::time::timeout(
         Duration::from_secs(10),
-        uplink::session_once(&n.agent, &config),
+        uplink::session_once(&*n.agent, &config),
     )
     .await;
     (n, first.unwrap_or(Ok(())))
@@ -484,7 +505,7 @@ async fn a_rotated_token_file_is_read_at_the_next_connection() {
     config.token_file = Some(token_file.clone());
     let _uplink = spawn_uplink(&n.agent, config);
     publish(&mut n, &frames).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    uplink_failed_twice(&n, &r, "unauthenticated").await;
     assert!(
         r.index.hashes(REPLICA).is_empty(),
         "the old token is refused"
@@ -549,14 +570,19 @@ async fn over_tls_a_router_service_is_checked_against_its_host_name() {
             interval: Duration::from_millis(50),
             uplink,
         };
-        tokio::spawn(routers::follow(Arc::clone(&n.agent), service, answer))
+        tokio::spawn(routers::follow(
+            service,
+            answer,
+            Arc::clone(&n.agent.metrics),
+            n.agent.uplink_spawner(),
+        ))
     };
     // The routers' certificate names localhost (and 127.0.0.1), not routers.test.
     let wrong = mtls_router(&ca).await;
     let mut n = node(REPLICA, "1729", &[], None).await;
     let _follower = follow(&n, &wrong, "routers.test:9004");
     publish(&mut n, &frames).await;
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    uplink_failed_twice(&n, &wrong, "tls").await;
     assert_eq!(
         streams(&wrong),
         0,
@@ -593,7 +619,7 @@ async fn the_router_reads_its_rotated_token_file_for_each_stream() {
         UplinkConfig::new(r.addr.clone(), Some("new-token".into())),
     );
     publish(&mut n, &frames).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    uplink_failed_twice(&n, &r, "unauthenticated").await;
     assert!(
         r.index.hashes(REPLICA).is_empty(),
         "not the router's token yet"
@@ -631,7 +657,7 @@ async fn the_router_serves_renewed_certificates_without_a_restart() {
     config.tls = Some(client_tls(&ca, None));
     let _uplink = spawn_uplink(&n.agent, config);
     publish(&mut n, &frames).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    uplink_failed_twice(&n, &r, "tls").await;
     assert!(
         r.index.hashes(REPLICA).is_empty(),
         "the agent rejects that name"

@@ -242,6 +242,18 @@ async fn the_topic_filter_keeps_other_topics_out() {
     }
     kv.wait_for("the prefix-matching subscriber", |r| r.batches() == 3)
         .await;
+    // One message on "other" after those: once it has arrived, so would have any before it.
+    publisher
+        .send_raw(
+            Bytes::from_static(b"other"),
+            vec![Bytes::from_static(b"not three frames")],
+        )
+        .await
+        .expect("send");
+    let bad = |r: &Rig| r.count(|m| m.bad_messages.get_or_create(&Metrics::engine("e0")).get());
+    other
+        .wait_for("the message on its own topic", |r| bad(r) == 1)
+        .await;
     assert_eq!(other.batches(), 0);
     assert!(other.hashes().is_empty());
 }

@@ -13,10 +13,13 @@ use llmgw::kvindex::{KvEventSink, Medium};
 use llmgw_agent::capture::{Capture, Frame};
 use llmgw_agent::config::{AgentArgs, EngineSpec};
 use llmgw_agent::daemon::Agent;
+use llmgw_agent::engine::Update;
+use llmgw_agent::metrics::Metrics;
 use llmgw_agent::uplink::{self, UplinkConfig};
 use llmgw_agent::wire::{KvEvent, decode_batch};
 use llmgw_agent::zmq::{Publisher, ReplyShape};
 use parking_lot::Mutex;
+use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
 use tonic::transport::ClientTlsConfig;
 
@@ -229,12 +232,119 @@ pub async fn node_tls(
             tokio::spawn(uplink::run(Arc::clone(&agent), cfg))
         })
         .collect();
+    // PUB drops messages until the agent's SUB has subscribed, which nothing reports.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    Node {
+    let node = Node {
         agent,
         publisher,
         uplinks,
+    };
+    // Each uplink's first session has got somewhere: streaming (so its snapshots were taken
+    // before anything was published), or failed.
+    for r in routers {
+        eventually("the uplink's first session", || {
+            connected(&node, &r.addr) == 1 || uplink_errors(&node, &r.addr, None) >= 1
+        })
+        .await;
     }
+    node
+}
+
+/// The sum of the agent's samples whose series starts with `series` (name and labels so far).
+pub fn agent_metric(node: &Node, series: &str) -> f64 {
+    node.agent
+        .metrics
+        .encode()
+        .lines()
+        .filter_map(|l| l.strip_prefix(series))
+        .filter_map(|rest| rest.rsplit_once(' '))
+        .filter_map(|(_, value)| value.parse::<f64>().ok())
+        .sum()
+}
+
+/// Whether the agent's uplink to `router` is streaming (1) or not (0).
+pub fn connected(node: &Node, router: &str) -> i64 {
+    agent_metric(
+        node,
+        &format!("llmgw_agent_uplink_connected{{router=\"{router}\"}}"),
+    ) as i64
+}
+
+/// Sessions to `router` that ended with `reason` (any reason when `None`).
+pub fn uplink_errors(node: &Node, router: &str, reason: Option<&str>) -> u64 {
+    let series = match reason {
+        Some(reason) => {
+            format!("llmgw_agent_uplink_errors_total{{router=\"{router}\",reason=\"{reason}\"}}")
+        }
+        None => format!("llmgw_agent_uplink_errors_total{{router=\"{router}\","),
+    };
+    agent_metric(node, &series) as u64
+}
+
+/// Deltas `router` has acknowledged to the agent.
+pub fn acked_deltas(node: &Node, router: &str) -> u64 {
+    agent_metric(
+        node,
+        &format!("llmgw_agent_event_to_router_seconds_count{{router=\"{router}\"}}"),
+    ) as u64
+}
+
+/// The hashes the agent's (first) engine has flushed, pending changes excluded.
+pub fn flushed_hashes(node: &Node) -> HashSet<u64> {
+    node.agent.engines[0]
+        .snapshot()
+        .snapshot
+        .blocks
+        .iter()
+        .map(|(k, _)| k.hash.0)
+        .collect()
+}
+
+/// Counts the deltas the agent flushes from its creation on (make it before publishing).
+pub struct Flushed(Mutex<(broadcast::Receiver<Update>, u64)>);
+
+impl Flushed {
+    pub fn new(node: &Node) -> Flushed {
+        Flushed(Mutex::new((node.agent.updates.subscribe(), 0)))
+    }
+
+    pub fn count(&self) -> u64 {
+        let mut guard = self.0.lock();
+        let (rx, n) = &mut *guard;
+        loop {
+            match rx.try_recv() {
+                Ok(_) => *n += 1,
+                Err(broadcast::error::TryRecvError::Lagged(missed)) => *n += missed,
+                Err(_) => return *n,
+            }
+        }
+    }
+}
+
+/// Waits until the agent has applied all `batches` and flushed them, and `router` has
+/// acknowledged every delta in `flushed`: the router has seen all there was to see.
+pub async fn all_acknowledged(node: &Node, router: &Router, batches: usize, flushed: &Flushed) {
+    let engine = &node.agent.engines[0];
+    let applied = || {
+        node.agent
+            .metrics
+            .batches
+            .get_or_create(&Metrics::engine(&engine.id.0))
+            .get()
+    };
+    eventually("every delta flushed and acknowledged", || {
+        let keys: HashSet<_> = engine
+            .snapshot()
+            .snapshot
+            .blocks
+            .iter()
+            .map(|(k, _)| *k)
+            .collect();
+        applied() == batches as u64
+            && keys == engine.block_set()
+            && acked_deltas(node, &router.addr) == flushed.count()
+    })
+    .await;
 }
 
 pub async fn publish(node: &mut Node, frames: &[Frame]) {

@@ -8,10 +8,16 @@
 //! routers that are still there. With TLS the agent connects to the address but checks the
 //! router's certificate against the service's host name.
 //!
+//! The follower does not start uplinks itself: it is handed a spawner (the daemon's runs
+//! [`crate::uplink::run`] against the agent), so it needs neither the agent nor the network.
+//!
 //! # Concurrency model
-//! One task per service name ([`follow`]). It owns the uplink tasks it starts (one per address,
-//! each [`crate::uplink::run`]) and aborts them when their address leaves the answer or when
-//! the follower itself is dropped.
+//! One task per service name ([`follow`]). It owns the uplink tasks it has the spawner start (one
+//! per address) and aborts them when their address leaves the answer or when the follower itself
+//! is dropped.
+
+#[cfg(test)]
+mod tests;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
@@ -22,9 +28,8 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
-use crate::daemon::Agent;
-use crate::metrics::{RouterLabel, ServiceLabel};
-use crate::uplink::UplinkConfig;
+use crate::metrics::{Metrics, RouterLabel, ServiceLabel, UplinkErrorLabel};
+use crate::uplink::{ERROR_REASONS, UplinkConfig};
 
 /// Looks a `HOST:PORT` name up.
 pub trait Resolve: Send + Sync + 'static {
@@ -55,7 +60,7 @@ pub struct RouterService {
 
 /// The uplinks of one service, aborted together when dropped.
 struct Uplinks {
-    agent: Arc<Agent>,
+    metrics: Arc<Metrics>,
     running: BTreeMap<SocketAddr, JoinHandle<()>>,
 }
 
@@ -67,8 +72,14 @@ impl Uplinks {
             let label = RouterLabel {
                 router: addr.to_string(),
             };
-            self.agent.metrics.uplink_connected.remove(&label);
-            self.agent.metrics.event_to_router.remove(&label);
+            self.metrics.uplink_connected.remove(&label);
+            self.metrics.event_to_router.remove(&label);
+            for reason in ERROR_REASONS {
+                self.metrics.uplink_errors.remove(&UplinkErrorLabel {
+                    router: label.router.clone(),
+                    reason,
+                });
+            }
         }
     }
 }
@@ -82,9 +93,14 @@ impl Drop for Uplinks {
     }
 }
 
-/// Resolves `service.target` every `service.interval` and keeps one uplink per address.
-/// Runs until dropped.
-pub async fn follow(agent: Arc<Agent>, service: RouterService, resolver: impl Resolve) {
+/// Resolves `service.target` every `service.interval` and keeps one uplink per address, each
+/// started by `spawn_uplink` (which returns its task). Runs until dropped.
+pub async fn follow(
+    service: RouterService,
+    resolver: impl Resolve,
+    metrics: Arc<Metrics>,
+    spawn_uplink: impl Fn(UplinkConfig) -> JoinHandle<()> + Send + 'static,
+) {
     let host = match crate::config::split_host_port(&service.target) {
         Ok((host, _)) => host.to_owned(),
         Err(error) => {
@@ -97,7 +113,7 @@ pub async fn follow(agent: Arc<Agent>, service: RouterService, resolver: impl Re
         service: service.target.clone(),
     };
     let mut uplinks = Uplinks {
-        agent: Arc::clone(&agent),
+        metrics: Arc::clone(&metrics),
         running: BTreeMap::new(),
     };
     let mut tick = tokio::time::interval(service.interval);
@@ -144,14 +160,9 @@ pub async fn follow(agent: Arc<Agent>, service: RouterService, resolver: impl Re
                 tls_server_name: Some(host.clone()),
                 ..service.uplink.clone()
             };
-            let task = tokio::spawn(crate::uplink::run(Arc::clone(&agent), config));
-            uplinks.running.insert(addr, task);
+            uplinks.running.insert(addr, spawn_uplink(config));
         }
         let count = i64::try_from(uplinks.running.len()).unwrap_or(i64::MAX);
-        agent
-            .metrics
-            .router_addresses
-            .get_or_create(&label)
-            .set(count);
+        metrics.router_addresses.get_or_create(&label).set(count);
     }
 }

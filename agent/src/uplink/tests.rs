@@ -1,0 +1,538 @@
+//! Sessions against a fake source and a fake router (channels, no network), on a paused clock,
+//! so backoff and heartbeat times are exact.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use super::*;
+use crate::engine::{EngineId, ReplicaId};
+use crate::mirror::{GroupIdx, Snapshot};
+use crate::wire::ExternalHash;
+
+const ROUTER: &str = "router.test:9003";
+
+fn key(hash: u64) -> BlockKey {
+    BlockKey {
+        hash: ExternalHash(hash),
+        group: GroupIdx(0),
+        tier: Tier::Gpu,
+    }
+}
+
+fn replica_of(engine: &str) -> String {
+    format!("{engine}.replica:8000")
+}
+
+fn snapshot(engine: &str, epoch: u64, seq: u64, blocks: &[u64]) -> EngineSnapshot {
+    EngineSnapshot {
+        engine: EngineId(Arc::from(engine)),
+        replica: ReplicaId(Arc::from(replica_of(engine).as_str())),
+        hash: HashStatus::Verified,
+        snapshot: Snapshot {
+            epoch,
+            seq,
+            blocks: blocks.iter().map(|h| (key(*h), 1)).collect(),
+        },
+    }
+}
+
+/// A delta storing block `seq` (so each delta is told apart by its blocks too).
+fn update(engine: &str, epoch: u64, seq: u64) -> Update {
+    Update {
+        engine: EngineId(Arc::from(engine)),
+        replica: ReplicaId(Arc::from(replica_of(engine).as_str())),
+        delta: Arc::new(Delta {
+            epoch,
+            seq,
+            reset: false,
+            stored: vec![key(seq)],
+            removed: Vec::new(),
+        }),
+        oldest_event_ts: Some(1.0),
+        batch_span: None,
+    }
+}
+
+/// The agent as an uplink sees it: snapshots the test sets and a delta channel it feeds.
+struct FakeSource {
+    updates: Mutex<Option<broadcast::Sender<Update>>>,
+    engines: Mutex<Vec<EngineSnapshot>>,
+    snapshots_taken: AtomicUsize,
+    /// Flushed right after the next snapshot is taken, as a mirror task may do meanwhile.
+    after_snapshot: Mutex<Vec<Update>>,
+    metrics: Metrics,
+}
+
+impl FakeSource {
+    fn new(capacity: usize, engines: Vec<EngineSnapshot>) -> Arc<FakeSource> {
+        Arc::new(FakeSource {
+            updates: Mutex::new(Some(broadcast::channel(capacity).0)),
+            engines: Mutex::new(engines),
+            snapshots_taken: AtomicUsize::new(0),
+            after_snapshot: Mutex::new(Vec::new()),
+            metrics: Metrics::new(),
+        })
+    }
+
+    fn flush(&self, update: Update) {
+        if let Some(tx) = &*self.updates.lock() {
+            let _ = tx.send(update);
+        }
+    }
+
+    /// The agent shuts down: its delta channel closes.
+    fn close(&self) {
+        self.updates.lock().take();
+    }
+
+    fn connected(&self) -> i64 {
+        self.metrics
+            .uplink_connected
+            .get_or_create(&RouterLabel {
+                router: ROUTER.into(),
+            })
+            .get()
+    }
+
+    fn errors(&self, reason: &'static str) -> u64 {
+        self.metrics
+            .uplink_errors
+            .get_or_create(&UplinkErrorLabel {
+                router: ROUTER.into(),
+                reason,
+            })
+            .get()
+    }
+
+    /// Deltas whose acknowledgement was timed.
+    fn acked_deltas(&self) -> u64 {
+        let text = self.metrics.encode();
+        let series = format!("llmgw_agent_event_to_router_seconds_count{{router=\"{ROUTER}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&series))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+impl FeedSource for FakeSource {
+    fn node(&self) -> NodeInfo {
+        NodeInfo {
+            node: "n1".into(),
+            model: "m".into(),
+            block_size: 16,
+            hash_algo: "sha256_cbor".into(),
+            hash_seed_set: true,
+        }
+    }
+
+    fn subscribe(&self) -> broadcast::Receiver<Update> {
+        match &*self.updates.lock() {
+            Some(tx) => tx.subscribe(),
+            // Closed already: a receiver whose sender is gone.
+            None => broadcast::channel(1).1,
+        }
+    }
+
+    fn snapshot_engines(&self) -> Vec<EngineSnapshot> {
+        self.snapshots_taken.fetch_add(1, Ordering::SeqCst);
+        let snapshots = self.engines.lock().clone();
+        let racing: Vec<Update> = std::mem::take(&mut *self.after_snapshot.lock());
+        for u in racing {
+            self.flush(u);
+        }
+        snapshots
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+}
+
+/// The router's end of one stream.
+struct RouterEnd {
+    from_agent: mpsc::Receiver<pb::AgentMessage>,
+    to_agent: mpsc::UnboundedSender<Result<pb::RouterMessage, tonic::Status>>,
+}
+
+impl RouterEnd {
+    /// Everything the agent has sent so far.
+    fn received(&mut self) -> Vec<pb::AgentMessage> {
+        let mut got = Vec::new();
+        while let Ok(m) = self.from_agent.try_recv() {
+            got.push(m);
+        }
+        got
+    }
+
+    fn ack(&self, id: u64) {
+        let ack = pb::RouterMessage {
+            body: Some(pb::router_message::Body::Ack(pb::Ack { id })),
+        };
+        self.to_agent.send(Ok(ack)).expect("the session listens");
+    }
+}
+
+/// A router reached over channels: it refuses the first `refuse` connections, then hands each
+/// stream the agent opens to the test.
+#[derive(Clone)]
+struct FakeRouter {
+    attempts: Arc<Mutex<Vec<Instant>>>,
+    refuse: Arc<AtomicUsize>,
+    streams: mpsc::UnboundedSender<RouterEnd>,
+}
+
+impl FakeRouter {
+    fn new(refuse: usize) -> (FakeRouter, mpsc::UnboundedReceiver<RouterEnd>) {
+        let (streams, rx) = mpsc::unbounded_channel();
+        let router = FakeRouter {
+            attempts: Arc::new(Mutex::new(Vec::new())),
+            refuse: Arc::new(AtomicUsize::new(refuse)),
+            streams,
+        };
+        (router, rx)
+    }
+
+    fn attempts(&self) -> Vec<Instant> {
+        self.attempts.lock().clone()
+    }
+}
+
+impl Transport for FakeRouter {
+    type Connection = ();
+
+    async fn connect(&self, router: &str, _: &Credentials) -> Result<(), UplinkError> {
+        self.attempts.lock().push(Instant::now());
+        let refused = self
+            .refuse
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if refused {
+            return Err(UplinkError::Stream {
+                router: router.to_owned(),
+                status: Box::new(tonic::Status::unavailable("connection refused")),
+            });
+        }
+        Ok(())
+    }
+
+    async fn open(
+        &self,
+        (): (),
+        _: &str,
+        _: &Credentials,
+        outbound: mpsc::Receiver<pb::AgentMessage>,
+    ) -> Result<Inbound, UplinkError> {
+        let (to_agent, inbound) = mpsc::unbounded_channel();
+        let _ = self.streams.send(RouterEnd {
+            from_agent: outbound,
+            to_agent,
+        });
+        Ok(Box::pin(UnboundedReceiverStream::new(inbound)))
+    }
+}
+
+fn config() -> UplinkConfig {
+    let mut config = UplinkConfig::new(ROUTER, None);
+    config.heartbeat = Duration::from_secs(5);
+    config.backoff_initial = Duration::from_millis(100);
+    config.backoff_max = Duration::from_secs(1);
+    config
+}
+
+fn start(source: &Arc<FakeSource>, router: &FakeRouter, config: UplinkConfig) -> JoinHandle<()> {
+    let (source, router) = (Arc::clone(source), router.clone());
+    tokio::spawn(async move { reconnect(&*source, &router, &config).await })
+}
+
+/// Lets the uplink act on what the test just did (no timer is due this soon).
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(1)).await;
+}
+
+/// A message as `kind engine epoch/seq`, enough to tell the sequence apart.
+fn describe(m: &pb::AgentMessage) -> String {
+    match &m.body {
+        Some(pb::agent_message::Body::Hello(h)) => format!("hello {}", h.node),
+        Some(pb::agent_message::Body::Snapshot(s)) => {
+            format!("snapshot {} {}/{}", s.engine, s.epoch, s.seq)
+        }
+        Some(pb::agent_message::Body::Delta(d)) => {
+            format!("delta {} {}/{}", d.engine, d.epoch, d.seq)
+        }
+        Some(pb::agent_message::Body::Heartbeat(_)) => "heartbeat".into(),
+        None => "empty".into(),
+    }
+}
+
+fn describe_all(messages: &[pb::AgentMessage]) -> Vec<String> {
+    messages.iter().map(describe).collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn hello_then_a_snapshot_per_engine_then_only_the_deltas_newer_than_each() {
+    let source = FakeSource::new(
+        64,
+        vec![snapshot("a", 1, 3, &[30, 31]), snapshot("b", 2, 0, &[])],
+    );
+    // While the agent snapshots, engine a flushes its next delta: it must still go out, so the
+    // uplink must have subscribed before snapshotting.
+    *source.after_snapshot.lock() = vec![update("a", 1, 3), update("a", 1, 4)];
+    let (router, mut streams) = FakeRouter::new(0);
+    let _uplink = start(&source, &router, config());
+    let mut end = streams.recv().await.expect("a stream");
+    settle().await;
+    let first = end.received();
+    assert_eq!(
+        describe_all(&first),
+        [
+            "hello n1",
+            "snapshot a 1/3",
+            "snapshot b 2/0",
+            "delta a 1/4"
+        ],
+        "a 1/3 is inside the snapshot already"
+    );
+    let Some(pb::agent_message::Body::Hello(hello)) = &first[0].body else {
+        panic!("not a hello: {:?}", first[0]);
+    };
+    let engines: Vec<(&str, &str, u32, &str, bool)> = hello
+        .engines
+        .iter()
+        .map(|e| {
+            (
+                e.engine.as_str(),
+                e.replica.as_str(),
+                e.block_size,
+                e.hash_algo.as_str(),
+                e.hash_seed_set,
+            )
+        })
+        .collect();
+    assert_eq!(
+        engines,
+        [
+            ("a", "a.replica:8000", 16, "sha256_cbor", true),
+            ("b", "b.replica:8000", 16, "sha256_cbor", true)
+        ]
+    );
+    let Some(pb::agent_message::Body::Snapshot(snap)) = &first[1].body else {
+        panic!("not a snapshot: {:?}", first[1]);
+    };
+    let mut hashes: Vec<u64> = snap.blocks.iter().map(|b| b.hash).collect();
+    hashes.sort_unstable();
+    assert_eq!(hashes, [30, 31]);
+    assert_eq!(snap.hash_status, pb::HashStatus::Verified as i32);
+    assert_eq!(source.connected(), 1);
+
+    // A refusal from the router is only logged: the stream goes on.
+    end.to_agent
+        .send(Ok(pb::RouterMessage {
+            body: Some(pb::router_message::Body::Refused(pb::Refused {
+                engine: "b".into(),
+                replica: replica_of("b"),
+                reason: "not on this node".into(),
+            })),
+        }))
+        .expect("send");
+    for u in [
+        update("b", 2, 1),
+        update("a", 1, 2), // older than a's snapshot
+        update("a", 1, 5),
+        update("a", 2, 1), // a reset engine: a new epoch
+        update("b", 1, 9), // an epoch b has left
+    ] {
+        source.flush(u);
+    }
+    settle().await;
+    let next = end.received();
+    assert_eq!(
+        describe_all(&next),
+        ["delta b 2/1", "delta a 1/5", "delta a 2/1"]
+    );
+    let ids: Vec<u64> = first.iter().chain(&next).map(|m| m.id).collect();
+    assert_eq!(ids, [1, 2, 3, 4, 5, 6, 7], "numbered in sending order");
+
+    // Acknowledgements time the deltas up to the acknowledged id.
+    end.ack(5);
+    settle().await;
+    assert_eq!(source.acked_deltas(), 2, "deltas 4 and 5");
+    end.ack(7);
+    settle().await;
+    assert_eq!(source.acked_deltas(), 4);
+    assert_eq!(router.attempts().len(), 1, "one stream all along");
+}
+
+#[tokio::test(start_paused = true)]
+async fn heartbeats_go_out_once_per_interval_after_the_snapshots() {
+    let source = FakeSource::new(64, vec![snapshot("a", 1, 0, &[])]);
+    let (router, mut streams) = FakeRouter::new(0);
+    let config = config();
+    let every = config.heartbeat;
+    let _uplink = start(&source, &router, config);
+    let mut end = streams.recv().await.expect("a stream");
+    settle().await;
+    assert_eq!(
+        describe_all(&end.received()),
+        ["hello n1", "snapshot a 1/0"]
+    );
+    tokio::time::sleep(every - Duration::from_millis(2)).await;
+    assert!(end.received().is_empty(), "none before the first interval");
+    tokio::time::sleep(every * 2 + Duration::from_millis(2)).await;
+    let beats = end.received();
+    assert_eq!(
+        describe_all(&beats),
+        ["heartbeat", "heartbeat", "heartbeat"]
+    );
+    for b in &beats {
+        let Some(pb::agent_message::Body::Heartbeat(h)) = &b.body else {
+            unreachable!("checked above");
+        };
+        assert!(h.unix_ms > 0, "carries the agent's clock");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lagging_subscription_resends_every_snapshot_on_the_same_stream() {
+    let source = FakeSource::new(4, vec![snapshot("a", 1, 3, &[]), snapshot("b", 2, 0, &[])]);
+    let (router, mut streams) = FakeRouter::new(0);
+    let _uplink = start(&source, &router, config());
+    let mut end = streams.recv().await.expect("a stream");
+    settle().await;
+    assert_eq!(end.received().len(), 3, "hello and two snapshots");
+
+    // Ten deltas before the uplink reads one: the channel keeps four, the rest are lost to it.
+    source.engines.lock()[0] = snapshot("a", 1, 13, &[7]);
+    for seq in 4..=13 {
+        source.flush(update("a", 1, seq));
+    }
+    settle().await;
+    source.flush(update("a", 1, 14));
+    settle().await;
+    assert_eq!(
+        describe_all(&end.received()),
+        ["snapshot a 1/13", "snapshot b 2/0", "delta a 1/14"],
+        "the deltas kept in the channel are inside the new snapshot"
+    );
+    assert_eq!(source.snapshots_taken.load(Ordering::SeqCst), 2);
+    assert_eq!(router.attempts().len(), 1, "no reconnection");
+}
+
+/// Gaps between successive connection attempts.
+fn gaps(attempts: &[Instant]) -> Vec<Duration> {
+    attempts.windows(2).map(|w| w[1] - w[0]).collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_backoff_doubles_after_each_failure_up_to_its_cap() {
+    let source = FakeSource::new(64, vec![snapshot("a", 1, 0, &[])]);
+    let (router, _streams) = FakeRouter::new(usize::MAX);
+    let _uplink = start(&source, &router, config());
+    tokio::time::sleep(Duration::from_millis(3600)).await;
+    let ms = Duration::from_millis;
+    assert_eq!(
+        gaps(&router.attempts()),
+        [ms(100), ms(200), ms(400), ms(800), ms(1000), ms(1000)]
+    );
+    assert_eq!(
+        source.snapshots_taken.load(Ordering::SeqCst),
+        0,
+        "nothing is snapshotted for a router that cannot be reached"
+    );
+    assert_eq!(source.errors("unavailable"), 7, "each failure counted");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_acknowledged_session_starts_the_next_backoff_from_the_initial_delay() {
+    let source = FakeSource::new(64, vec![snapshot("a", 1, 0, &[])]);
+    let (router, mut streams) = FakeRouter::new(2);
+    let _uplink = start(&source, &router, config());
+
+    // Refused twice (backoff 100 ms, then 200 ms), then a stream the router acknowledges.
+    let end = streams.recv().await.expect("a stream");
+    settle().await;
+    assert_eq!(source.connected(), 1);
+    end.ack(1);
+    settle().await;
+    let acked_ended = Instant::now();
+    drop(end);
+    settle().await;
+    assert_eq!(
+        source.connected(),
+        0,
+        "down once the router closed the stream"
+    );
+
+    // The backoff starts over: 100 ms, not 400. This stream is closed unacknowledged...
+    let end = streams.recv().await.expect("a second stream");
+    let unacked_ended = Instant::now();
+    drop(end);
+    // ...so the next wait doubles.
+    let _third = streams.recv().await.expect("a third stream");
+    let attempts = router.attempts();
+    let ms = Duration::from_millis;
+    assert_eq!(gaps(&attempts[..3]), [ms(100), ms(200)]);
+    assert_eq!(attempts[3] - acked_ended, ms(100));
+    assert_eq!(attempts[4] - unacked_ended, ms(200));
+    assert_eq!(source.errors("unavailable"), 2, "the refused connections");
+    assert_eq!(source.errors("closed"), 2, "the streams the router closed");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_uplink_ends_when_the_agent_is_gone() {
+    let source = FakeSource::new(64, vec![snapshot("a", 1, 0, &[])]);
+    let (router, mut streams) = FakeRouter::new(0);
+    let uplink = start(&source, &router, config());
+    let _end = streams.recv().await.expect("a stream");
+    settle().await;
+    source.close();
+    tokio::time::timeout(Duration::from_secs(3600), uplink)
+        .await
+        .expect("the uplink returns")
+        .expect("without panicking");
+    assert_eq!(router.attempts().len(), 1, "and does not reconnect");
+    assert_eq!(source.connected(), 0);
+    let text = source.metrics.encode();
+    assert!(
+        !text.contains("llmgw_agent_uplink_errors_total{"),
+        "shutting down is no uplink error: {text}"
+    );
+}
+
+#[test]
+fn every_error_reason_is_listed_once() {
+    let mut seen = std::collections::HashSet::new();
+    for reason in ERROR_REASONS {
+        assert!(seen.insert(reason), "{reason} listed twice");
+    }
+    let stream = |code: i32| UplinkError::Stream {
+        router: ROUTER.into(),
+        status: Box::new(tonic::Status::new(tonic::Code::from_i32(code), "")),
+    };
+    let mut errors: Vec<UplinkError> = (0..=16).map(stream).collect();
+    errors.extend([
+        UplinkError::Address(ROUTER.into(), "bad".into()),
+        UplinkError::PlainTextRefused {
+            router: ROUTER.into(),
+            status: Box::new(tonic::Status::unavailable("")),
+        },
+        UplinkError::Closed(ROUTER.into()),
+        UplinkError::AgentGone,
+    ]);
+    let reasons: std::collections::HashSet<&str> = errors.iter().map(UplinkError::reason).collect();
+    assert_eq!(
+        reasons.len(),
+        errors.len(),
+        "one reason per status code and kind"
+    );
+    for reason in &reasons {
+        assert!(seen.contains(reason), "{reason} missing from ERROR_REASONS");
+    }
+    assert_eq!(stream(16).reason(), "unauthenticated");
+    assert_eq!(stream(7).reason(), "permission_denied");
+}
