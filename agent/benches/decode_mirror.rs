@@ -5,6 +5,12 @@
 //! * `steady/{map,array}`: a synthetic steady state of one-block stores and removes (the shape
 //!   decode steps produce), 64 events per batch, in both event encodings.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a bench or test harness: a panic is a failed run, not a crashed router"
+)]
+
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};

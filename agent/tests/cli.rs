@@ -1,6 +1,12 @@
 //! The `llmgw-agent` binary: `vllm-args`, `tail` and `serve` against an in-process publisher
 //! replaying the recorded vLLM 0.32.0 stream.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a bench or test harness: a panic is a failed run, not a crashed router"
+)]
+
 use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;

@@ -1,6 +1,12 @@
 //! End to end inside one process: the recorded vLLM stream on a PUB socket → the agent (intake,
 //! mirror, uplink) → the router's feed service (`llmgw::feed`) → an index stand-in.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a bench or test harness: a panic is a failed run, not a crashed router"
+)]
+
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,6 +1,11 @@
 //! Shared by the agent's integration tests: a router's feed service over an index stand-in, an
 //! engine publisher with an agent mirroring it, and the recorded vLLM stream.
 #![allow(dead_code)] // each test binary uses its own subset
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a panic is a failed test"
+)]
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
