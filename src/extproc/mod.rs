@@ -60,6 +60,10 @@ pub const MAX_CHUNK: usize = 64 * 1024;
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 /// The subset hint key Envoy may send in `envoy.lb` metadata.
 pub const SUBSET_HINT_KEY: &str = "x-gateway-destination-endpoint-subset";
+
+/// The filter-metadata namespace GIE gateways put the subset hint in (GIE's `pkg/epp` and lwepp
+/// read it there). Older gateways put it under `envoy.lb`, which is read when this is absent.
+pub const SUBSET_HINT_NAMESPACE: &str = "envoy.lb.subset_hint";
 /// The key under which the proxy reports, on the response path, the endpoint that actually
 /// served the request (Envoy's `override_host` `selected_host_key`).
 pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";

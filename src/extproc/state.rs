@@ -26,7 +26,7 @@ use super::response;
 use super::wire::{Inbound, InboundBody, InboundPart as Message};
 use super::{
     ExtProcSettings, Picker, ProtocolError, Rejection, RoutingRequest, SERVED_KEY, SUBSET_HINT_KEY,
-    TEST_SELECTION_HEADER,
+    SUBSET_HINT_NAMESPACE, TEST_SELECTION_HEADER,
 };
 
 /// How the filter sends the request body (from `protocol_config`; BUFFERED when absent).
@@ -411,11 +411,13 @@ pub fn served_endpoint(metadata: Option<&Metadata>) -> Option<&str> {
     }
 }
 
-/// `envoy.lb` → `x-gateway-destination-endpoint-subset`, a list of strings or one
-/// comma-separated string.
+/// `envoy.lb.subset_hint` (GIE's namespace; else `envoy.lb`, as older gateways sent it) →
+/// `x-gateway-destination-endpoint-subset`, a list of strings or one comma-separated string.
 fn subset_hint(metadata: Option<&Metadata>) -> Option<Vec<String>> {
-    let lb = metadata?.filter_metadata.get("envoy.lb")?;
-    let value = lb.fields.get(SUBSET_HINT_KEY)?;
+    let namespaces = &metadata?.filter_metadata;
+    let value = [SUBSET_HINT_NAMESPACE, "envoy.lb"]
+        .iter()
+        .find_map(|namespace| namespaces.get(*namespace)?.fields.get(SUBSET_HINT_KEY))?;
     let mut endpoints = Vec::new();
     let mut push_all = |s: &str| {
         endpoints.extend(

@@ -516,6 +516,59 @@ async fn subset_hint_and_test_header_reach_the_picker() {
     assert_eq!(seen[0].test_selection.as_deref(), Some("10.0.0.9:1"));
 }
 
+/// The subset hint of one BUFFERED request whose metadata has `namespaces` → the hint's string.
+async fn hint_seen(namespaces: &[(&str, &str)]) -> Option<Vec<String>> {
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    let mut message = headers_msg(BodySendMode::Buffered, true, &[]);
+    let string = |s: &str| Value {
+        kind: Some(Kind::StringValue(s.to_owned())),
+    };
+    message.metadata_context = Some(Metadata {
+        filter_metadata: namespaces
+            .iter()
+            .map(|(namespace, hint)| {
+                let fields = [(SUBSET_HINT_KEY.to_string(), string(hint))];
+                (
+                    namespace.to_string(),
+                    Struct {
+                        fields: fields.into_iter().collect(),
+                    },
+                )
+            })
+            .collect(),
+        ..Default::default()
+    });
+    stream.on_message(message).await.unwrap();
+    let seen = picker.seen.lock();
+    seen[0].subset.clone()
+}
+
+#[tokio::test]
+async fn the_subset_hint_is_read_from_gies_namespace_before_envoy_lb() {
+    let gie = super::SUBSET_HINT_NAMESPACE;
+    assert_eq!(
+        hint_seen(&[(gie, "10.0.0.1:8000,10.0.0.2:8000")]).await,
+        Some(vec!["10.0.0.1:8000".to_owned(), "10.0.0.2:8000".to_owned()])
+    );
+    assert_eq!(
+        hint_seen(&[("envoy.lb", "10.0.0.9:8000"), (gie, "10.0.0.1:8000")]).await,
+        Some(vec!["10.0.0.1:8000".to_owned()]),
+        "GIE's namespace wins over the older place"
+    );
+    assert_eq!(
+        hint_seen(&[("envoy.lb", "10.0.0.9:8000")]).await,
+        Some(vec!["10.0.0.9:8000".to_owned()]),
+        "older gateways still work"
+    );
+    assert_eq!(hint_seen(&[("other", "10.0.0.9:8000")]).await, None);
+    assert_eq!(
+        hint_seen(&[(gie, "")]).await,
+        Some(vec![]),
+        "an empty hint is 503 downstream"
+    );
+}
+
 #[tokio::test]
 async fn response_messages_pass_through_and_echo_in_full_duplex() {
     let picker = Arc::new(FakePicker::default());
