@@ -38,16 +38,16 @@ struct TimedIndex {
 }
 
 impl KvEventSink for TimedIndex {
-    fn stored(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
-        self.index.stored(replica, hashes, medium);
+    fn stored_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium) {
+        self.index.stored_copies(replica, blocks, medium);
         let now = Instant::now();
         let mut arrived = self.arrived.lock();
-        for h in hashes {
+        for (h, _) in blocks {
             arrived.entry(h.0).or_insert(now);
         }
     }
-    fn removed(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
-        self.index.removed(replica, hashes, medium);
+    fn removed_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium) {
+        self.index.removed_copies(replica, blocks, medium);
     }
     fn cleared(&self, replica: &str) {
         self.index.cleared(replica);
@@ -136,6 +136,7 @@ async fn run(opts: Options) -> anyhow::Result<()> {
     let feed = FeedService::new(
         Arc::clone(&sink) as Arc<dyn KvEventSink>,
         FeedConfig {
+            limits: llmgw::feed::FeedLimits::default(),
             token: None,
             nodes,
             grace: Duration::from_secs(60),

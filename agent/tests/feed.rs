@@ -179,7 +179,7 @@ async fn an_agent_claiming_another_nodes_replica_is_refused() {
     let mut n = node("10.9.9.9:8000", "1729", &[&r], None).await;
     let flushed = Flushed::new(&n);
     publish(&mut n, &frames).await;
-    eventually("the refusal", || r.feed.metrics.refused.get() >= 1).await;
+    eventually("the refusal", || r.feed.metrics.refused_total() >= 1).await;
     all_acknowledged(&n, &r, frames.len(), &flushed).await;
     assert!(
         flushed.count() > 0,

@@ -137,6 +137,7 @@ pub async fn serve(
             token: settings.feed_token.clone(),
             nodes,
             grace: settings.feed_grace,
+            limits: settings.feed_limits,
         },
     )
     .expect_settings(&settings.models)

@@ -182,6 +182,7 @@ impl FeedStream {
                 })
                 .collect(),
             hash_status: 0,
+            more: false,
         });
         for (id, body) in [(1, hello), (2, snapshot)] {
             tx.send(pb::AgentMessage {

@@ -22,6 +22,7 @@
 //! tokenize_deadline: 50ms
 //! feed_addr: 0.0.0.0:9003      # agents stream KV events here
 //! feed_token_file: /etc/llmgw/feed-token
+//! feed_max_blocks_per_engine: 4000000   # an engine reporting more block copies is refused
 //! feed_tls_cert: /etc/llmgw/feed.pem        # TLS on the feed port (with feed_tls_key)
 //! feed_tls_key: /etc/llmgw/feed-key.pem
 //! feed_tls_client_ca: /etc/llmgw/agents-ca.pem   # mutual TLS: agents need a cert it signed
@@ -199,6 +200,10 @@ pub struct ServeArgs {
     /// How long a node's blocks stay in the index after its agent's stream ended (default 30s).
     #[arg(long, env = "LLMGW_FEED_GRACE", value_parser = parse_duration)]
     pub feed_grace: Option<Duration>,
+    /// Most block copies one engine may report over the feed (all tiers); an engine reporting
+    /// more is refused, its blocks dropped (default 4000000, at most 4294967295).
+    #[arg(long, env = "LLMGW_FEED_MAX_BLOCKS_PER_ENGINE")]
+    pub feed_max_blocks_per_engine: Option<u64>,
     /// PEM certificate (chain) of the feed port: serve the feed over TLS (needs --feed-tls-key).
     #[arg(long, env = "LLMGW_FEED_TLS_CERT")]
     pub feed_tls_cert: Option<PathBuf>,
@@ -256,6 +261,7 @@ pub struct FileConfig {
     pub feed_token_file: Option<PathBuf>,
     #[serde(default, deserialize_with = "opt_duration")]
     pub feed_grace: Option<Duration>,
+    pub feed_max_blocks_per_engine: Option<u64>,
     pub feed_tls_cert: Option<PathBuf>,
     pub feed_tls_key: Option<PathBuf>,
     pub feed_tls_client_ca: Option<PathBuf>,
@@ -321,6 +327,8 @@ pub struct Settings {
     /// Where `feed_token` was read from: read again for each agent stream (rotation).
     pub feed_token_file: Option<PathBuf>,
     pub feed_grace: Duration,
+    /// Bounds on what one agent stream may claim.
+    pub feed_limits: crate::feed::FeedLimits,
     /// TLS on the feed port (`None`: plain text).
     pub feed_tls: Option<FeedTlsPaths>,
 }
@@ -476,6 +484,14 @@ impl Settings {
                 .feed_grace
                 .or(file.feed_grace)
                 .unwrap_or(Duration::from_secs(30)),
+            feed_limits: crate::feed::FeedLimits {
+                max_blocks_per_engine: args
+                    .feed_max_blocks_per_engine
+                    .or(file.feed_max_blocks_per_engine)
+                    .unwrap_or(crate::feed::state::DEFAULT_MAX_BLOCKS_PER_ENGINE)
+                    .min(u64::from(u32::MAX)),
+                ..crate::feed::FeedLimits::default()
+            },
             feed_tls,
         };
         for (name, value) in [

@@ -1,33 +1,44 @@
 //! The router's end of the agent feed (`llmgw.feed.v1.Feed/Stream`, see
 //! `proto/llmgw/feed/v1/feed.proto`): applies each node agent's snapshots and deltas to the KV
-//! index through [`KvEventSink`].
+//! index through [`KvEventSink`]. The protocol's rules live in [`state`], a pure state machine;
+//! this module is the gRPC service around it.
 //!
-//! Rules enforced here:
+//! Rules enforced here and there:
 //! * with TLS configured ([`FeedService::with_tls`]), every connection is TLS, and with a
 //!   client CA every agent must present a certificate that CA signed (see [`tls`]), and its
 //!   Hello must claim a node that certificate names (else `PERMISSION_DENIED`, counted in
 //!   `llmgw_feed_tls_refused_total{reason="node_not_in_cert"}`), unless turned off;
-//! * the agent presents the shared token (`authorization: Bearer …`) when one is configured;
+//! * the agent presents the shared token (`authorization: Bearer …`, compared in constant
+//!   time) when one is configured;
+//! * no message over [`MAX_MESSAGE_BYTES`] is decoded; snapshots arrive in parts below it;
 //! * a node may only report replicas configured on it ([`FeedConfig::nodes`]); others are
-//!   refused (a `Refused` message, a metric and a log line) and their changes ignored;
-//! * a snapshot replaces what the feed held for that engine; a delta applies only if it is the
-//!   next of its engine's epoch (a new epoch must start with a reset); a delta out of order ends
-//!   the stream with `DATA_LOSS`, so the agent reconnects and resends snapshots;
+//!   refused (a `Refused` message, `llmgw_feed_refused_total{reason}` and a log line) and their
+//!   changes ignored; so is an engine that reports more blocks than
+//!   [`FeedLimits::max_blocks_per_engine`], checked before any of them is applied;
+//! * one stream owns a node: a newer stream's Hello takes it over, the old stream's blocks are
+//!   dropped at once and it ends with `ABORTED` (`llmgw_feed_takeovers_total`);
+//! * a snapshot replaces what the feed held for that engine; a delta applies only after the
+//!   stream's snapshot of it and only if it is the next of its engine's epoch (a new epoch must
+//!   start with a reset). A delta that skips ahead ends the stream with `DATA_LOSS`, so the
+//!   agent reconnects and resends snapshots; one that breaks the protocol (before Hello or the
+//!   snapshot, an unknown engine, epoch or seq going back, …) ends it with `INVALID_ARGUMENT`,
+//!   counted in `llmgw_feed_violations_total{reason}`, and nothing of it is applied;
 //! * only KV-cache group 0 (the full-attention group) reaches the index;
-//! * a node whose streams have all been gone longer than [`FeedConfig::grace`] is dropped:
-//!   its replicas are cleared from the index;
+//! * a node whose stream has been gone longer than [`FeedConfig::grace`] is dropped: its
+//!   replicas are cleared from the index;
 //! * the node → replica map follows configuration reloads ([`FeedService::set_nodes`]): an
-//!   engine whose replica left its node is dropped from the index at once, and the streams of
-//!   every node whose replicas changed are ended with `UNAVAILABLE`, so its agent reconnects
+//!   engine whose replica left its node is dropped from the index at once, and the stream of
+//!   every node whose replicas changed is ended with `UNAVAILABLE`, so its agent reconnects
 //!   and resends Hello and snapshots, judged against the new map.
 //!
 //! # Concurrency model
-//! One tonic task per stream. All feed state (per node, per engine: epoch, seq and the blocks
-//! held, so a replica shared by several data-parallel engines can be rebuilt after one of them
-//! resets) sits behind one `parking_lot::Mutex`, held while one message is applied, never across
-//! an `.await`. The index is written through the sink while that lock is held, so two streams
-//! never interleave one replica's changes. A reaper task drops expired nodes.
+//! One tonic task per stream. All feed state ([`FeedState`]) sits behind one
+//! `parking_lot::Mutex`, held while one message is applied, never across an `.await`. The index
+//! is written through the sink while that lock is held, so two streams never interleave one
+//! replica's changes. A reaper task drops expired nodes; streams are ended from outside (node
+//! map reloads, takeovers) through a broadcast of stream ids.
 
+pub mod state;
 #[cfg(test)]
 mod tests;
 pub mod tls;
@@ -42,20 +53,23 @@ use std::time::Duration;
 use futures::Stream;
 use llmgw_feed_proto::v1 as pb;
 use parking_lot::Mutex;
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+use subtle::ConstantTimeEq as _;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::StreamExt as _;
-
-use crate::blockhash::HashSettings;
-use crate::models::ModelSettings;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::blockhash::ExternalHash;
-use crate::kvindex::{KvEventSink, Medium};
+use crate::kvindex::KvEventSink;
+use crate::models::ModelSettings;
+
+pub use state::{FeedLimits, FeedState, StreamEnd, StreamId, Violation};
 
 pub use pb::feed_server::FeedServer;
 
@@ -88,6 +102,35 @@ pub struct FeedConfig {
     pub nodes: NodeMap,
     /// How long a node's state survives after its last stream ended.
     pub grace: Duration,
+    /// Bounds on what one stream may claim.
+    pub limits: FeedLimits,
+}
+
+/// Why an engine's KV events are refused; the label of `llmgw_feed_refused_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RefusalReason {
+    /// Its replica is not configured on the agent's node.
+    NotConfigured,
+    /// It hashes with other settings than the router's for its model.
+    HashSettings,
+    /// It reported more block copies than [`FeedLimits::max_blocks_per_engine`].
+    OverBlockCeiling,
+}
+
+impl RefusalReason {
+    pub fn label(self) -> &'static str {
+        match self {
+            RefusalReason::NotConfigured => "not_configured",
+            RefusalReason::HashSettings => "hash_settings",
+            RefusalReason::OverBlockCeiling => "over_block_ceiling",
+        }
+    }
+}
+
+/// A metric label: one reason.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: &'static str,
 }
 
 /// Counters of the feed (register them with [`FeedMetrics::register`]).
@@ -96,7 +139,12 @@ pub struct FeedMetrics {
     pub streams: Gauge,
     pub snapshots: Counter,
     pub deltas: Counter,
-    pub refused: Counter,
+    /// Engines refused, by [`RefusalReason`].
+    pub refused: Family<ReasonLabel, Counter>,
+    /// Streams ended for breaking the protocol, by [`Violation`].
+    pub violations: Family<ReasonLabel, Counter>,
+    /// Nodes taken over by a newer stream.
+    pub takeovers: Counter,
     pub out_of_order: Counter,
     pub nodes_expired: Counter,
     /// Node maps applied after a configuration reload changed them.
@@ -117,8 +165,18 @@ impl FeedMetrics {
         r.register("deltas", "Engine deltas applied", self.deltas.clone());
         r.register(
             "refused",
-            "Engines refused: replica not configured on the agent's node",
+            "Engines refused, by reason: not_configured (replica not on the agent's node), hash_settings, over_block_ceiling",
             self.refused.clone(),
+        );
+        r.register(
+            "violations",
+            "Agent streams ended for breaking the feed protocol, by violation",
+            self.violations.clone(),
+        );
+        r.register(
+            "takeovers",
+            "Nodes taken over by a newer stream (the older one ended, its blocks dropped)",
+            self.takeovers.clone(),
         );
         r.register(
             "out_of_order",
@@ -141,57 +199,37 @@ impl FeedMetrics {
             self.tls_refused.clone(),
         );
     }
-}
 
-/// One engine's blocks as the feed applied them (group 0 only).
-#[derive(Debug, Default)]
-struct EngineView {
-    replica: String,
-    epoch: u64,
-    seq: u64,
-    blocks: HashMap<(ExternalHash, Medium), u32>,
-}
+    pub(crate) fn refused(&self, reason: RefusalReason) {
+        self.refused
+            .get_or_create(&ReasonLabel {
+                reason: reason.label(),
+            })
+            .inc();
+    }
 
-#[derive(Debug, Default)]
-struct NodeState {
-    streams: usize,
-    gone_since: Option<Instant>,
-    engines: HashMap<String, EngineView>,
-    refused: HashSet<String>,
-}
+    /// Engines refused so far, over every reason.
+    pub fn refused_total(&self) -> u64 {
+        [
+            RefusalReason::NotConfigured,
+            RefusalReason::HashSettings,
+            RefusalReason::OverBlockCeiling,
+        ]
+        .into_iter()
+        .map(|r| {
+            self.refused
+                .get_or_create(&ReasonLabel { reason: r.label() })
+                .get()
+        })
+        .sum()
+    }
 
-#[derive(Default)]
-struct State {
-    nodes: HashMap<String, NodeState>,
-    /// Which replicas each node may report (the configuration, swapped on reloads).
-    configured: NodeMap,
-}
-
-/// The feed service; clone-cheap (shares its state).
-#[derive(Clone)]
-pub struct FeedService {
-    sink: Arc<dyn KvEventSink>,
-    config: Arc<FeedConfig>,
-    state: Arc<Mutex<State>>,
-    /// Flipped by [`FeedService::shutdown`]: every open stream then ends with `UNAVAILABLE`.
-    stop: Arc<tokio::sync::watch::Sender<bool>>,
-    /// Names of nodes whose streams must end (their replicas changed): they reconnect.
-    kick: Arc<tokio::sync::broadcast::Sender<String>>,
-    /// The router's own hash settings per model: an engine reporting others is refused, since
-    /// its blocks could never match the hashes the router computes.
-    expected: Arc<HashMap<String, HashSettings>>,
-    /// TLS on the feed port; `None` serves plain text.
-    tls: Option<tls::FeedTls>,
-    /// The file the token came from, read again for each stream (a rotated Secret).
-    token_file: Option<Arc<PathBuf>>,
-    pub metrics: FeedMetrics,
-}
-
-fn medium_of(m: i32) -> Medium {
-    if m == pb::Medium::Gpu as i32 {
-        Medium::Gpu
-    } else {
-        Medium::from_vllm(Some("offloaded"))
+    fn violation(&self, violation: Violation) {
+        self.violations
+            .get_or_create(&ReasonLabel {
+                reason: violation.label(),
+            })
+            .inc();
     }
 }
 
@@ -208,25 +246,51 @@ pub enum FeedServeError {
     Grpc(#[source] tonic::transport::Error),
 }
 
-/// A delta out of sequence: the stream must restart from snapshots.
-struct OutOfOrder(String);
+/// Why the service ends a stream from outside it.
+#[derive(Debug, Clone)]
+enum Kick {
+    /// Its node's replicas changed: reconnect and resend Hello and snapshots.
+    NodeMapChanged,
+    /// A newer stream took its node over.
+    Superseded(String),
+}
+
+/// The feed service; clone-cheap (shares its state).
+#[derive(Clone)]
+pub struct FeedService {
+    sink: Arc<dyn KvEventSink>,
+    config: Arc<FeedConfig>,
+    state: Arc<Mutex<FeedState>>,
+    /// Flipped by [`FeedService::shutdown`]: every open stream then ends with `UNAVAILABLE`.
+    stop: Arc<tokio::sync::watch::Sender<bool>>,
+    /// Streams that must end, and why.
+    kick: Arc<tokio::sync::broadcast::Sender<(StreamId, Kick)>>,
+    /// TLS on the feed port; `None` serves plain text.
+    tls: Option<tls::FeedTls>,
+    /// The file the token came from, read again for each stream (a rotated Secret).
+    token_file: Option<Arc<PathBuf>>,
+    pub metrics: FeedMetrics,
+}
 
 impl FeedService {
     pub fn new(sink: Arc<dyn KvEventSink>, config: FeedConfig) -> Self {
-        let state = State {
-            nodes: HashMap::new(),
-            configured: config.nodes.clone(),
-        };
+        let metrics = FeedMetrics::default();
+        let state = FeedState::new(
+            config.nodes.clone(),
+            HashMap::new(),
+            config.limits,
+            config.grace,
+            metrics.clone(),
+        );
         FeedService {
             sink,
             config: Arc::new(config),
             state: Arc::new(Mutex::new(state)),
             stop: Arc::new(tokio::sync::watch::channel(false).0),
             kick: Arc::new(tokio::sync::broadcast::channel(64).0),
-            expected: Arc::default(),
             tls: None,
             token_file: None,
-            metrics: FeedMetrics::default(),
+            metrics,
         }
     }
 
@@ -262,47 +326,17 @@ impl FeedService {
         self
     }
 
-    /// Checks each engine's reported hash settings against the router's for its model.
-    pub fn expect_settings(mut self, models: &[ModelSettings]) -> Self {
-        self.expected = Arc::new(
+    /// Checks each engine's reported hash settings against the router's for its model: an
+    /// engine reporting others is refused, since its blocks could never match the hashes the
+    /// router computes.
+    pub fn expect_settings(self, models: &[ModelSettings]) -> Self {
+        self.state.lock().set_expected(
             models
                 .iter()
                 .map(|m| (m.model.clone(), m.hashing.clone()))
                 .collect(),
         );
         self
-    }
-
-    /// Why an engine's hashes cannot match the router's, if they cannot.
-    fn settings_mismatch(&self, engine: &pb::EngineInfo) -> Option<String> {
-        let want = self.expected.get(&engine.model)?;
-        let mut problems = Vec::new();
-        if engine.block_size != 0 && engine.block_size as usize != want.block_size.get() {
-            problems.push(format!(
-                "block size {} (router: {})",
-                engine.block_size, want.block_size
-            ));
-        }
-        if !engine.hash_algo.is_empty() && engine.hash_algo != want.algo.as_str() {
-            problems.push(format!(
-                "hash algo {} (router: {})",
-                engine.hash_algo, want.algo
-            ));
-        }
-        if engine.hash_seed_set != want.seed.is_some() {
-            problems.push(format!(
-                "PYTHONHASHSEED {} (router: {})",
-                if engine.hash_seed_set { "set" } else { "unset" },
-                if want.seed.is_some() { "set" } else { "unset" },
-            ));
-        }
-        (!problems.is_empty()).then(|| {
-            format!(
-                "engine hash settings differ from the router's for model {:?}: {}",
-                engine.model,
-                problems.join(", ")
-            )
-        })
     }
 
     /// Ends every open stream (the router is going away); agents reconnect elsewhere or later
@@ -329,7 +363,7 @@ impl FeedService {
         let refused = self.metrics.tls_refused.clone();
         let server = tonic::transport::Server::builder()
             .tcp_nodelay(true)
-            .add_service(FeedServer::new(self));
+            .add_service(FeedServer::new(self).max_decoding_message_size(MAX_MESSAGE_BYTES));
         let result = match tls {
             Some(tls) => {
                 server
@@ -356,310 +390,33 @@ impl FeedService {
 
     /// Drops nodes gone longer than the grace period; returns how many.
     pub fn reap(&self, now: Instant) -> usize {
-        let mut st = self.state.lock();
-        let expired: Vec<String> = st
-            .nodes
-            .iter()
-            .filter(|(_, n)| {
-                n.streams == 0
-                    && n.gone_since
-                        .is_some_and(|t| now.duration_since(t) >= self.config.grace)
-            })
-            .map(|(name, _)| name.clone())
-            .collect();
-        for name in &expired {
-            if let Some(node) = st.nodes.remove(name) {
-                let replicas: HashSet<&String> =
-                    node.engines.values().map(|e| &e.replica).collect();
-                for r in replicas {
-                    self.sink.cleared(r);
-                }
-                tracing::warn!(
-                    node = name,
-                    "agent gone past the grace period: node dropped"
-                );
-                self.metrics.nodes_expired.inc();
-            }
+        let expired = self.state.lock().reap(&*self.sink, now);
+        for node in &expired {
+            tracing::warn!(node, "agent gone past the grace period: node dropped");
         }
         expired.len()
     }
 
     /// Block hashes the feed holds per replica (for `/debug` and tests).
     pub fn replica_blocks(&self) -> HashMap<String, HashSet<ExternalHash>> {
-        let st = self.state.lock();
-        let mut out: HashMap<String, HashSet<ExternalHash>> = HashMap::new();
-        for node in st.nodes.values() {
-            for e in node.engines.values() {
-                out.entry(e.replica.clone())
-                    .or_default()
-                    .extend(e.blocks.keys().map(|(h, _)| *h));
-            }
-        }
-        out
-    }
-
-    fn allowed(st: &State, node: &str, replica: &str) -> bool {
-        st.configured
-            .get(node)
-            .is_some_and(|rs| rs.contains(replica))
+        self.state.lock().replica_blocks()
     }
 
     /// Applies a reloaded node map. Engines whose replica is no longer configured on their
     /// node are dropped (their replica cleared from the index and rebuilt from any other node
-    /// still reporting it); every connected node whose replica set changed has its streams
+    /// still reporting it); every connected node whose replica set changed has its stream
     /// ended, so its agent reconnects and resends Hello and snapshots under the new map (an
     /// engine refused before may now be accepted). Returns whether the map changed.
     pub fn set_nodes(&self, nodes: NodeMap) -> bool {
-        let mut kick = Vec::new();
-        {
-            let mut st = self.state.lock();
-            if st.configured == nodes {
-                return false;
-            }
-            let changed: HashSet<String> = st
-                .configured
-                .keys()
-                .chain(nodes.keys())
-                .filter(|n| st.configured.get(*n) != nodes.get(*n))
-                .cloned()
-                .collect();
-            st.configured = nodes;
-            let mut cleared: HashSet<String> = HashSet::new();
-            for name in changed {
-                let State { nodes, configured } = &mut *st;
-                let Some(node) = nodes.get_mut(&name) else {
-                    continue;
-                };
-                let allowed = configured.get(&name);
-                let gone: Vec<String> = node
-                    .engines
-                    .iter()
-                    .filter(|(_, e)| !allowed.is_some_and(|rs| rs.contains(&e.replica)))
-                    .map(|(engine, _)| engine.clone())
-                    .collect();
-                for engine in gone {
-                    if let Some(view) = node.engines.remove(&engine) {
-                        tracing::warn!(
-                            node = name,
-                            engine,
-                            replica = view.replica,
-                            "replica no longer configured on the node: its blocks are dropped"
-                        );
-                        self.metrics.refused.inc();
-                        node.refused.insert(engine);
-                        cleared.insert(view.replica);
-                    }
-                }
-                if node.streams > 0 {
-                    kick.push(name);
-                }
-            }
-            for replica in &cleared {
-                self.sink.cleared(replica);
-                for node in st.nodes.values() {
-                    for e in node.engines.values().filter(|e| &e.replica == replica) {
-                        self.store_all(replica, &e.blocks);
-                    }
-                }
-            }
-        }
+        let Some(kick) = self.state.lock().set_nodes(&*self.sink, nodes) else {
+            return false;
+        };
         self.metrics.node_map_reloads.inc();
-        for name in kick {
-            tracing::info!(
-                node = name,
-                "node's replicas changed: asking its agent to resync"
-            );
-            let _ = self.kick.send(name);
+        for stream in kick {
+            tracing::info!("a node's replicas changed: asking its agent to resync");
+            let _ = self.kick.send((stream, Kick::NodeMapChanged));
         }
         true
-    }
-
-    /// Applies one agent message; returns what to send back.
-    fn apply(
-        &self,
-        node: &mut Option<String>,
-        msg: pb::AgentMessage,
-    ) -> Result<Vec<pb::RouterMessage>, OutOfOrder> {
-        let mut replies = Vec::new();
-        let Some(body) = msg.body else {
-            return Ok(replies);
-        };
-        let mut st = self.state.lock();
-        match body {
-            pb::agent_message::Body::Hello(hello) => {
-                if node.as_deref() != Some(hello.node.as_str()) {
-                    if let Some(old) = node.take() {
-                        Self::stream_ended(&mut st, &old);
-                    }
-                    let n = st.nodes.entry(hello.node.clone()).or_default();
-                    n.streams += 1;
-                    n.gone_since = None;
-                    *node = Some(hello.node.clone());
-                }
-                let allowed: Vec<bool> = hello
-                    .engines
-                    .iter()
-                    .map(|e| Self::allowed(&st, &hello.node, &e.replica))
-                    .collect();
-                let n = st.nodes.entry(hello.node.clone()).or_default();
-                for (e, allowed) in hello.engines.into_iter().zip(allowed) {
-                    let refusal = if !allowed {
-                        Some(format!("replica not configured on node {:?}", hello.node))
-                    } else {
-                        self.settings_mismatch(&e)
-                    };
-                    if let Some(reason) = refusal {
-                        tracing::warn!(
-                            node = hello.node,
-                            engine = e.engine,
-                            replica = e.replica,
-                            %reason,
-                            "refusing an engine's KV events"
-                        );
-                        self.metrics.refused.inc();
-                        n.refused.insert(e.engine.clone());
-                        replies.push(pb::RouterMessage {
-                            body: Some(pb::router_message::Body::Refused(pb::Refused {
-                                engine: e.engine,
-                                replica: e.replica,
-                                reason,
-                            })),
-                        });
-                    } else {
-                        n.refused.remove(&e.engine);
-                        n.engines.entry(e.engine).or_default().replica = e.replica;
-                    }
-                }
-            }
-            pb::agent_message::Body::Snapshot(s) => {
-                if let Some(n) = node.as_ref().and_then(|n| st.nodes.get_mut(n)) {
-                    self.apply_snapshot(n, s);
-                }
-            }
-            pb::agent_message::Body::Delta(d) => {
-                if let Some(n) = node.as_ref().and_then(|n| st.nodes.get_mut(n)) {
-                    self.apply_delta(n, d)?;
-                }
-            }
-            pb::agent_message::Body::Heartbeat(_) => {}
-        }
-        replies.push(pb::RouterMessage {
-            body: Some(pb::router_message::Body::Ack(pb::Ack { id: msg.id })),
-        });
-        Ok(replies)
-    }
-
-    fn stream_ended(st: &mut State, node: &str) {
-        if let Some(n) = st.nodes.get_mut(node) {
-            n.streams = n.streams.saturating_sub(1);
-            if n.streams == 0 {
-                n.gone_since = Some(Instant::now());
-            }
-        }
-    }
-
-    /// Clears `replica` in the index and re-stores what its other engines hold.
-    fn rebuild_replica(&self, node: &NodeState, replica: &str) {
-        self.sink.cleared(replica);
-        for e in node.engines.values().filter(|e| e.replica == replica) {
-            self.store_all(replica, &e.blocks);
-        }
-    }
-
-    fn store_all(&self, replica: &str, blocks: &HashMap<(ExternalHash, Medium), u32>) {
-        let mut by_medium: HashMap<Medium, Vec<ExternalHash>> = HashMap::new();
-        for ((h, m), &n) in blocks {
-            let list = by_medium.entry(*m).or_default();
-            list.extend(std::iter::repeat_n(*h, n as usize));
-        }
-        for (m, hashes) in by_medium {
-            self.sink.stored(replica, &hashes, m);
-        }
-    }
-
-    fn apply_snapshot(&self, node: &mut NodeState, s: pb::Snapshot) {
-        if node.refused.contains(&s.engine) {
-            return;
-        }
-        let Some(view) = node.engines.get_mut(&s.engine) else {
-            return;
-        };
-        view.epoch = s.epoch;
-        view.seq = s.seq;
-        view.blocks.clear();
-        for b in s.blocks.iter().filter(|b| b.group == 0 && b.count > 0) {
-            *view
-                .blocks
-                .entry((ExternalHash(b.hash), medium_of(b.medium)))
-                .or_insert(0) += b.count;
-        }
-        let replica = view.replica.clone();
-        self.rebuild_replica(node, &replica);
-        self.metrics.snapshots.inc();
-    }
-
-    fn apply_delta(&self, node: &mut NodeState, d: pb::Delta) -> Result<(), OutOfOrder> {
-        if node.refused.contains(&d.engine) {
-            return Ok(());
-        }
-        let Some(view) = node.engines.get_mut(&d.engine) else {
-            return Ok(());
-        };
-        let next_in_epoch = d.epoch == view.epoch && d.seq == view.seq + 1;
-        let new_epoch = d.epoch > view.epoch && d.reset && d.seq == 1;
-        if d.epoch < view.epoch || (d.epoch == view.epoch && d.seq <= view.seq) {
-            return Ok(()); // already covered by a snapshot
-        }
-        if !next_in_epoch && !new_epoch {
-            self.metrics.out_of_order.inc();
-            return Err(OutOfOrder(format!(
-                "engine {}: delta {}.{} after {}.{}",
-                d.engine, d.epoch, d.seq, view.epoch, view.seq
-            )));
-        }
-        view.epoch = d.epoch;
-        view.seq = d.seq;
-        let replica = view.replica.clone();
-        if d.reset {
-            view.blocks.clear();
-            self.rebuild_replica(node, &replica);
-        }
-        let Some(view) = node.engines.get_mut(&d.engine) else {
-            return Ok(());
-        };
-        let mut stored: HashMap<Medium, Vec<ExternalHash>> = HashMap::new();
-        for b in d.stored.iter().filter(|b| b.group == 0) {
-            let key = (ExternalHash(b.hash), medium_of(b.medium));
-            *view.blocks.entry(key).or_insert(0) += b.count;
-            stored
-                .entry(key.1)
-                .or_default()
-                .extend(std::iter::repeat_n(key.0, b.count as usize));
-        }
-        let mut removed: HashMap<Medium, Vec<ExternalHash>> = HashMap::new();
-        for b in d.removed.iter().filter(|b| b.group == 0) {
-            let key = (ExternalHash(b.hash), medium_of(b.medium));
-            let Some(held) = view.blocks.get_mut(&key) else {
-                continue;
-            };
-            let n = b.count.min(*held);
-            *held -= n;
-            if *held == 0 {
-                view.blocks.remove(&key);
-            }
-            removed
-                .entry(key.1)
-                .or_default()
-                .extend(std::iter::repeat_n(key.0, n as usize));
-        }
-        for (m, hashes) in &stored {
-            self.sink.stored(&replica, hashes, *m);
-        }
-        for (m, hashes) in &removed {
-            self.sink.removed(&replica, hashes, *m);
-        }
-        self.metrics.deltas.inc();
-        Ok(())
     }
 
     fn check_token<T>(&self, req: &Request<T>) -> Result<(), Status> {
@@ -671,14 +428,58 @@ impl FeedService {
             .get("authorization")
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
-        if presented == Some(token.as_str()) {
+        // Constant time in the token's bytes: a wrong guess says nothing of how close it was.
+        if presented.is_some_and(|p| bool::from(p.as_bytes().ct_eq(token.as_bytes()))) {
             Ok(())
         } else {
             tracing::warn!("feed stream refused: missing or wrong token");
             Err(Status::unauthenticated("missing or wrong feed token"))
         }
     }
+
+    /// Applies one message of `stream`: the replies to send, or the status that ends it.
+    fn apply(
+        &self,
+        stream: StreamId,
+        msg: pb::AgentMessage,
+    ) -> Result<Vec<pb::RouterMessage>, Status> {
+        let mut state = self.state.lock();
+        match state.apply(&*self.sink, stream, msg) {
+            Ok(applied) => {
+                if let Some(old) = applied.superseded {
+                    let node = state.node_of(stream).unwrap_or_default().to_owned();
+                    let _ = self.kick.send((old, Kick::Superseded(node)));
+                }
+                Ok(applied.replies)
+            }
+            Err(end) => {
+                let node = state.node_of(stream).map(str::to_owned);
+                drop(state);
+                Err(self.end_status(node.as_deref(), end))
+            }
+        }
+    }
+
+    /// Logs and counts why a stream ends, as the status the agent receives.
+    fn end_status(&self, node: Option<&str>, end: StreamEnd) -> Status {
+        match &end {
+            StreamEnd::Gap(_) => {
+                tracing::warn!(node, "{end}: asking for snapshots");
+                Status::data_loss(end.to_string())
+            }
+            StreamEnd::Violation { violation, .. } => {
+                self.metrics.violation(*violation);
+                tracing::warn!(node, "{end}: stream refused");
+                Status::invalid_argument(end.to_string())
+            }
+            StreamEnd::Superseded(_) => Status::aborted(end.to_string()),
+        }
+    }
 }
+
+/// The largest agent message the feed decodes. Snapshots come in parts well below it
+/// (`Snapshot.more`), so this bounds what one message can make the router allocate.
+pub const MAX_MESSAGE_BYTES: usize = 8 << 20;
 
 /// Resolves once the service is shut down.
 async fn stopped(mut rx: tokio::sync::watch::Receiver<bool>) {
@@ -718,10 +519,10 @@ impl pb::feed_server::Feed for FeedService {
         let svc = self.clone();
         let stopped = stopped(self.stop.subscribe());
         let mut kicks = self.kick.subscribe();
+        let stream = self.state.lock().open();
         tokio::spawn(async move {
             tokio::pin!(stopped);
             svc.metrics.streams.inc();
-            let mut node: Option<String> = None;
             loop {
                 let next = tokio::select! {
                     next = inbound.next() => next,
@@ -730,26 +531,40 @@ impl pb::feed_server::Feed for FeedService {
                         break;
                     }
                     kicked = kicks.recv() => {
-                        // Lagged: a burst of reloads; any kick for this node is among the
+                        // Lagged: a burst of reloads; any kick for this stream is among the
                         // newest, which the next receive returns.
-                        if let Ok(name) = kicked
-                            && node.as_deref() == Some(name.as_str())
-                        {
-                            let _ = tx
-                                .send(Err(Status::unavailable(
-                                    "this node's replicas changed: reconnect and resend snapshots",
-                                )))
-                                .await;
-                            break;
+                        let Ok((id, why)) = kicked else { continue };
+                        if id != stream {
+                            continue;
                         }
-                        continue;
+                        let status = match why {
+                            Kick::NodeMapChanged => Status::unavailable(
+                                "this node's replicas changed: reconnect and resend snapshots",
+                            ),
+                            Kick::Superseded(node) => {
+                                tracing::warn!(node, "feed stream superseded by a newer stream of its node");
+                                Status::aborted(format!(
+                                    "node {node:?} was taken over by a newer stream; this stream's blocks were dropped"
+                                ))
+                            }
+                        };
+                        let _ = tx.send(Err(status)).await;
+                        break;
                     }
                 };
                 let Some(msg) = next else { break };
                 let msg = match msg {
                     Ok(m) => m,
                     Err(status) => {
-                        tracing::info!(node = node.as_deref(), %status, "feed stream ended");
+                        let node = svc.state.lock().node_of(stream).map(str::to_owned);
+                        if status.code() == tonic::Code::OutOfRange {
+                            // A message over MAX_MESSAGE_BYTES, refused before decoding: tell
+                            // the agent, whose stream is otherwise intact.
+                            tracing::warn!(node, %status, "feed stream refused: message too large");
+                            let _ = tx.send(Err(status)).await;
+                        } else {
+                            tracing::info!(node, %status, "feed stream ended");
+                        }
                         break;
                     }
                 };
@@ -775,7 +590,7 @@ impl pb::feed_server::Feed for FeedService {
                     let _ = tx.send(Err(status)).await;
                     break;
                 }
-                match svc.apply(&mut node, msg) {
+                match svc.apply(stream, msg) {
                     Ok(replies) => {
                         for r in replies {
                             if tx.send(Ok(r)).await.is_err() {
@@ -783,16 +598,13 @@ impl pb::feed_server::Feed for FeedService {
                             }
                         }
                     }
-                    Err(OutOfOrder(what)) => {
-                        tracing::warn!(node = node.as_deref(), "{what}: asking for snapshots");
-                        let _ = tx.send(Err(Status::data_loss(what))).await;
+                    Err(status) => {
+                        let _ = tx.send(Err(status)).await;
                         break;
                     }
                 }
             }
-            if let Some(n) = &node {
-                Self::stream_ended(&mut svc.state.lock(), n);
-            }
+            svc.state.lock().close(stream, Instant::now());
             svc.metrics.streams.dec();
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))

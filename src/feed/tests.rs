@@ -1,364 +1,281 @@
+//! The feed service over real gRPC on loopback: what a hostile or broken agent sends ends its
+//! own stream, with a status saying why, and never the router. The protocol's rules are tested
+//! one by one (and against a model) in `state`.
+
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tonic::Code;
+
 use super::*;
-use crate::models::ModelSettings;
+use crate::kvindex::{IndexConfig, KvIndex};
 
-type Copies = HashMap<(ExternalHash, Medium), u32>;
-
-/// An index stand-in: copies per (replica, hash, medium), as the sink contract counts them.
-#[derive(Default)]
-struct Recorder {
-    held: Mutex<HashMap<String, Copies>>,
+/// A feed service on 127.0.0.1:0 in front of a real index, node n1 owning r1.
+async fn serve(token: Option<&str>) -> (SocketAddr, FeedService, Arc<KvIndex>) {
+    let index = Arc::new(KvIndex::new(IndexConfig::default()));
+    let nodes = [("n1".to_owned(), ["r1:8000".to_owned()].into())].into();
+    let svc = FeedService::new(
+        Arc::clone(&index) as Arc<dyn KvEventSink>,
+        FeedConfig {
+            token: token.map(str::to_owned),
+            nodes,
+            grace: Duration::from_secs(30),
+            limits: FeedLimits::default(),
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(svc.clone().serve_with_listener(listener));
+    (addr, svc, index)
 }
 
-impl KvEventSink for Recorder {
-    fn stored(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
-        let mut h = self.held.lock();
-        let r = h.entry(replica.to_owned()).or_default();
-        for x in hashes {
-            *r.entry((*x, medium)).or_insert(0) += 1;
+/// One hand-driven agent stream.
+struct Agent {
+    tx: mpsc::Sender<pb::AgentMessage>,
+    rx: Streaming<pb::RouterMessage>,
+    next_id: u64,
+}
+
+impl Agent {
+    async fn connect(addr: SocketAddr, token: Option<&str>) -> Result<Agent, Status> {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let (tx, rx) = mpsc::channel(16);
+        let mut request = Request::new(ReceiverStream::new(rx));
+        if let Some(token) = token {
+            request
+                .metadata_mut()
+                .insert("authorization", format!("Bearer {token}").parse().unwrap());
         }
+        let rx = pb::feed_client::FeedClient::new(channel)
+            .max_encoding_message_size(usize::MAX)
+            .stream(request)
+            .await?
+            .into_inner();
+        Ok(Agent { tx, rx, next_id: 0 })
     }
-    fn removed(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
-        let mut h = self.held.lock();
-        let r = h.entry(replica.to_owned()).or_default();
-        for x in hashes {
-            let n = r
-                .get_mut(&(*x, medium))
-                .expect("removed only what was stored");
-            *n -= 1;
-            if *n == 0 {
-                r.remove(&(*x, medium));
+
+    /// Sends `body` and reads the replies up to its acknowledgement, or the status that ended
+    /// the stream.
+    async fn send(
+        &mut self,
+        body: pb::agent_message::Body,
+    ) -> Result<Vec<pb::RouterMessage>, Status> {
+        self.next_id += 1;
+        let id = self.next_id;
+        self.tx
+            .send(pb::AgentMessage {
+                id,
+                body: Some(body),
+            })
+            .await
+            .map_err(|_| Status::cancelled("stream gone"))?;
+        let mut replies = Vec::new();
+        loop {
+            let reply = tokio::time::timeout(Duration::from_secs(10), self.rx.message())
+                .await
+                .map_err(|_| Status::deadline_exceeded("no reply"))??
+                .ok_or_else(|| Status::cancelled("stream closed"))?;
+            let acked = matches!(reply.body, Some(pb::router_message::Body::Ack(pb::Ack { id: a })) if a == id);
+            replies.push(reply);
+            if acked {
+                return Ok(replies);
             }
         }
     }
-    fn cleared(&self, replica: &str) {
-        self.held.lock().remove(replica);
+
+    /// The status the router ends the stream with.
+    async fn ended(mut self) -> Status {
+        loop {
+            match tokio::time::timeout(Duration::from_secs(10), self.rx.message()).await {
+                Ok(Ok(Some(_))) => {}
+                Ok(Ok(None)) => return Status::ok("closed"),
+                Ok(Err(status)) => return status,
+                Err(_) => panic!("the router never ended the stream"),
+            }
+        }
     }
 }
 
-impl Recorder {
-    fn hashes(&self, replica: &str) -> HashSet<u64> {
-        self.held
-            .lock()
-            .get(replica)
-            .map(|r| r.keys().map(|(h, _)| h.0).collect())
-            .unwrap_or_default()
-    }
-}
-
-fn service(grace: Duration) -> (FeedService, Arc<Recorder>) {
-    let rec = Arc::new(Recorder::default());
-    let nodes = [(
-        "n1".to_owned(),
-        ["r1:8000".to_owned()].into_iter().collect::<HashSet<_>>(),
-    )]
-    .into_iter()
-    .collect();
-    let svc = FeedService::new(
-        rec.clone(),
-        FeedConfig {
-            token: None,
-            nodes,
-            grace,
-        },
-    );
-    (svc, rec)
-}
-
-fn msg(id: u64, body: pb::agent_message::Body) -> pb::AgentMessage {
-    pb::AgentMessage {
-        id,
-        body: Some(body),
-    }
-}
-
-fn hello(engines: &[(&str, &str)]) -> pb::agent_message::Body {
+fn hello() -> pb::agent_message::Body {
     pb::agent_message::Body::Hello(pb::Hello {
         node: "n1".into(),
         agent_version: "test".into(),
-        engines: engines
-            .iter()
-            .map(|(e, r)| pb::EngineInfo {
-                engine: (*e).into(),
-                replica: (*r).into(),
-                ..pb::EngineInfo::default()
-            })
-            .collect(),
+        engines: vec![pb::EngineInfo {
+            engine: "e1".into(),
+            replica: "r1:8000".into(),
+            ..pb::EngineInfo::default()
+        }],
     })
 }
 
-fn block(h: u64) -> pb::Block {
+fn snapshot(blocks: Vec<pb::Block>) -> pb::agent_message::Body {
+    pb::agent_message::Body::Snapshot(pb::Snapshot {
+        engine: "e1".into(),
+        blocks,
+        ..pb::Snapshot::default()
+    })
+}
+
+fn block(hash: u64, count: u32) -> pb::Block {
     pb::Block {
-        hash: h,
-        group: 0,
-        medium: pb::Medium::Gpu as i32,
-        count: 1,
+        hash,
+        count,
+        ..pb::Block::default()
     }
 }
 
-fn delta(
-    engine: &str,
-    epoch: u64,
-    seq: u64,
-    reset: bool,
-    stored: &[u64],
-    removed: &[u64],
-) -> pb::agent_message::Body {
-    pb::agent_message::Body::Delta(pb::Delta {
-        engine: engine.into(),
-        epoch,
-        seq,
-        reset,
-        stored: stored.iter().map(|h| block(*h)).collect(),
-        removed: removed.iter().map(|h| block(*h)).collect(),
-        oldest_event_ts: 0.0,
-    })
+fn held(index: &KvIndex) -> Vec<u64> {
+    index
+        .replica_blocks("r1:8000")
+        .into_iter()
+        .map(|h| h.0)
+        .collect()
 }
 
-fn ok(svc: &FeedService, node: &mut Option<String>, m: pb::AgentMessage) -> Vec<pb::RouterMessage> {
-    svc.apply(node, m)
-        .unwrap_or_else(|OutOfOrder(w)| panic!("{w}"))
-}
-
-#[test]
-fn snapshots_and_deltas_reach_the_index_and_are_acknowledged() {
-    let (svc, rec) = service(Duration::from_secs(30));
-    let mut node = None;
-    ok(&svc, &mut node, msg(1, hello(&[("r1:8000", "r1:8000")])));
-    let snap = pb::agent_message::Body::Snapshot(pb::Snapshot {
-        engine: "r1:8000".into(),
-        epoch: 0,
-        seq: 2,
-        blocks: vec![
-            block(1),
-            block(2),
-            pb::Block {
-                group: 1,
-                ..block(9)
-            },
-        ],
-        hash_status: 0,
-    });
-    let replies = ok(&svc, &mut node, msg(2, snap));
-    assert!(matches!(
-        replies.last().and_then(|r| r.body.clone()),
-        Some(pb::router_message::Body::Ack(pb::Ack { id: 2 }))
-    ));
-    assert_eq!(
-        rec.hashes("r1:8000"),
-        [1, 2].into_iter().collect(),
-        "group 1 stays out"
-    );
-    // Delta 2 is in the snapshot already; 3 applies.
-    ok(
-        &svc,
-        &mut node,
-        msg(3, delta("r1:8000", 0, 2, false, &[7], &[])),
-    );
-    ok(
-        &svc,
-        &mut node,
-        msg(4, delta("r1:8000", 0, 3, false, &[3], &[1])),
-    );
-    assert_eq!(rec.hashes("r1:8000"), [2, 3].into_iter().collect());
-    // A new epoch starts with a reset.
-    ok(
-        &svc,
-        &mut node,
-        msg(5, delta("r1:8000", 1, 1, true, &[4], &[])),
-    );
-    assert_eq!(rec.hashes("r1:8000"), [4].into_iter().collect());
-    // A skipped delta ends the stream so the agent resends snapshots.
-    assert!(
-        svc.apply(&mut node, msg(6, delta("r1:8000", 1, 3, false, &[5], &[])))
-            .is_err()
-    );
-    assert_eq!(svc.metrics.out_of_order.get(), 1);
-}
-
-#[test]
-fn a_replica_not_configured_on_the_node_is_refused() {
-    let (svc, rec) = service(Duration::from_secs(30));
-    let mut node = None;
-    let replies = ok(&svc, &mut node, msg(1, hello(&[("other:9", "other:9")])));
-    assert!(replies.iter().any(|r| matches!(
-        &r.body,
-        Some(pb::router_message::Body::Refused(f)) if f.replica == "other:9"
-    )));
-    ok(
-        &svc,
-        &mut node,
-        msg(2, delta("other:9", 1, 1, true, &[1], &[])),
-    );
-    assert!(rec.hashes("other:9").is_empty());
-    assert_eq!(svc.metrics.refused.get(), 1);
-}
-
-#[test]
-fn data_parallel_engines_of_one_replica_survive_each_others_resets() {
-    let (svc, rec) = service(Duration::from_secs(30));
-    let mut node = None;
-    ok(
-        &svc,
-        &mut node,
-        msg(
-            1,
-            hello(&[("r1:8000", "r1:8000"), ("r1:8000#dp1", "r1:8000")]),
-        ),
-    );
-    ok(
-        &svc,
-        &mut node,
-        msg(2, delta("r1:8000", 1, 1, true, &[1], &[])),
-    );
-    ok(
-        &svc,
-        &mut node,
-        msg(3, delta("r1:8000#dp1", 1, 1, true, &[2], &[])),
-    );
-    ok(
-        &svc,
-        &mut node,
-        msg(4, delta("r1:8000", 2, 1, true, &[3], &[])),
-    );
-    assert_eq!(rec.hashes("r1:8000"), [2, 3].into_iter().collect());
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_node_gone_past_the_grace_period_is_dropped() {
-    let (svc, rec) = service(Duration::from_secs(10));
-    let mut node = None;
-    ok(&svc, &mut node, msg(1, hello(&[("r1:8000", "r1:8000")])));
-    ok(
-        &svc,
-        &mut node,
-        msg(2, delta("r1:8000", 1, 1, true, &[1], &[])),
-    );
-    FeedService::stream_ended(&mut svc.state.lock(), "n1");
-    tokio::time::advance(Duration::from_secs(5)).await;
-    assert_eq!(svc.reap(Instant::now()), 0, "still within the grace period");
-    assert_eq!(rec.hashes("r1:8000").len(), 1);
-    tokio::time::advance(Duration::from_secs(6)).await;
-    assert_eq!(svc.reap(Instant::now()), 1);
-    assert!(rec.hashes("r1:8000").is_empty());
-}
-
-#[test]
-fn an_engine_hashing_differently_from_the_router_is_refused() {
-    let (svc, rec) = service(Duration::from_secs(30));
-    let svc = svc.expect_settings(&["tiny=block_size=16,seed=1729"
-        .parse::<ModelSettings>()
-        .expect("settings")]);
-    let engine = |block_size: u32, algo: &str, seed_set: bool| pb::EngineInfo {
-        engine: "r1:8000".into(),
-        replica: "r1:8000".into(),
-        model: "tiny".into(),
-        block_size,
-        hash_algo: algo.into(),
-        hash_seed_set: seed_set,
-    };
-    let hello_with = |e: pb::EngineInfo| {
-        pb::agent_message::Body::Hello(pb::Hello {
-            node: "n1".into(),
-            agent_version: "test".into(),
-            engines: vec![e],
-        })
-    };
-    for (i, (bad, expect)) in [
-        (engine(32, "sha256_cbor", true), "block size 32"),
-        (engine(16, "xxhash_cbor", true), "hash algo xxhash_cbor"),
-        (engine(16, "sha256_cbor", false), "PYTHONHASHSEED unset"),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let mut node = None;
-        let replies = ok(&svc, &mut node, msg(i as u64 + 1, hello_with(bad)));
-        assert!(
-            replies.iter().any(|r| matches!(
-                &r.body,
-                Some(pb::router_message::Body::Refused(f)) if f.reason.contains(expect)
-            )),
-            "{expect}: {replies:?}"
-        );
-        ok(
-            &svc,
-            &mut node,
-            msg(10 + i as u64, delta("r1:8000", 1, 1, true, &[7], &[])),
-        );
-        assert!(rec.hashes("r1:8000").is_empty(), "{expect}");
-    }
-    assert_eq!(svc.metrics.refused.get(), 3);
-    // Matching settings are accepted.
-    let mut node = None;
-    ok(
-        &svc,
-        &mut node,
-        msg(20, hello_with(engine(16, "sha256_cbor", true))),
-    );
-    ok(
-        &svc,
-        &mut node,
-        msg(21, delta("r1:8000", 1, 1, true, &[7], &[])),
-    );
-    assert_eq!(rec.hashes("r1:8000"), HashSet::from([7]));
-}
-
-#[test]
-fn a_reloaded_node_map_drops_engines_whose_replica_left_and_admits_new_ones() {
-    let (svc, rec) = service(Duration::from_secs(30));
-    let mut node = None;
-    let replies = ok(
-        &svc,
-        &mut node,
-        msg(1, hello(&[("a", "r1:8000"), ("b", "r2:8000")])),
-    );
-    assert!(
-        replies
-            .iter()
-            .any(|r| matches!(r.body, Some(pb::router_message::Body::Refused(_)))),
-        "r2 is not n1's"
-    );
-    for (id, engine, h) in [(2, "a", 1), (3, "b", 2)] {
-        let snap = pb::agent_message::Body::Snapshot(pb::Snapshot {
-            engine: engine.into(),
-            epoch: 0,
-            seq: 0,
-            blocks: vec![block(h)],
-            hash_status: 0,
+#[tokio::test]
+async fn a_count_of_u32_max_is_refused_and_the_router_keeps_serving() {
+    let (addr, svc, index) = serve(None).await;
+    // The reported attacks: one block of count u32::MAX, two of 3e9 for one hash.
+    for blocks in [
+        vec![block(2, u32::MAX)],
+        vec![block(2, 3_000_000_000), block(2, 3_000_000_000)],
+    ] {
+        let mut agent = Agent::connect(addr, None).await.unwrap();
+        agent.send(hello()).await.unwrap();
+        agent.send(snapshot(vec![block(1, 1)])).await.unwrap();
+        assert_eq!(held(&index), [1]);
+        let replies = agent.send(snapshot(blocks)).await.unwrap();
+        let refused = replies.iter().find_map(|r| match &r.body {
+            Some(pb::router_message::Body::Refused(f)) => Some(f.reason.clone()),
+            _ => None,
         });
-        ok(&svc, &mut node, msg(id, snap));
+        assert!(
+            refused
+                .as_deref()
+                .is_some_and(|r| r.contains("over the ceiling")),
+            "{replies:?}"
+        );
+        assert!(held(&index).is_empty(), "the engine's blocks are dropped");
+        // The stream stays open, the engine's later changes ignored.
+        agent
+            .send(pb::agent_message::Body::Delta(pb::Delta {
+                engine: "e1".into(),
+                seq: 1,
+                stored: vec![block(5, 1)],
+                ..pb::Delta::default()
+            }))
+            .await
+            .unwrap();
+        assert!(held(&index).is_empty());
     }
-    assert_eq!(rec.hashes("r1:8000"), [1].into());
-    assert!(rec.hashes("r2:8000").is_empty());
+    assert_eq!(svc.metrics.refused_total(), 2);
+    // A fresh stream resyncs the engine.
+    let mut agent = Agent::connect(addr, None).await.unwrap();
+    agent.send(hello()).await.unwrap();
+    agent.send(snapshot(vec![block(3, 1)])).await.unwrap();
+    assert_eq!(held(&index), [3]);
+}
 
-    let same: NodeMap = [("n1".to_owned(), ["r1:8000".to_owned()].into())].into();
-    assert!(!svc.set_nodes(same), "an unchanged map is no reload");
-    let moved: NodeMap = [("n1".to_owned(), ["r2:8000".to_owned()].into())].into();
-    assert!(svc.set_nodes(moved));
+#[tokio::test]
+async fn a_protocol_violation_ends_only_that_stream_with_invalid_argument() {
+    let (addr, svc, index) = serve(None).await;
+    let mut agent = Agent::connect(addr, None).await.unwrap();
+    let status = agent
+        .send(pb::agent_message::Body::Delta(pb::Delta {
+            engine: "e1".into(),
+            seq: 1,
+            stored: vec![block(1, 1)],
+            ..pb::Delta::default()
+        }))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("before_hello"), "{status:?}");
+    assert_eq!(
+        svc.metrics
+            .violations
+            .get_or_create(&ReasonLabel {
+                reason: "before_hello"
+            })
+            .get(),
+        1
+    );
+    assert!(held(&index).is_empty());
+    // The router still serves other streams.
+    let mut agent = Agent::connect(addr, None).await.unwrap();
+    agent.send(hello()).await.unwrap();
+    agent.send(snapshot(vec![block(1, 1)])).await.unwrap();
+    assert_eq!(held(&index), [1]);
+}
+
+#[tokio::test]
+async fn a_message_over_the_size_limit_is_refused_before_it_is_decoded() {
+    let (addr, _svc, index) = serve(None).await;
+    let mut agent = Agent::connect(addr, None).await.unwrap();
+    agent.send(hello()).await.unwrap();
+    // About 14 bytes a block: this is over MAX_MESSAGE_BYTES.
+    let huge: Vec<pb::Block> = (0..(MAX_MESSAGE_BYTES / 10) as u64)
+        .map(|h| block(h, 1))
+        .collect();
+    let status = agent.send(snapshot(huge)).await.unwrap_err();
+    assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
+    assert!(held(&index).is_empty());
+    let mut agent = Agent::connect(addr, None).await.unwrap();
+    agent.send(hello()).await.unwrap();
+    agent.send(snapshot(vec![block(1, 1)])).await.unwrap();
+    assert_eq!(
+        held(&index),
+        [1],
+        "the router is alive and applies the next stream"
+    );
+}
+
+#[tokio::test]
+async fn a_second_stream_for_a_node_takes_it_over_and_the_first_is_told_why() {
+    let (addr, svc, index) = serve(None).await;
+    let mut first = Agent::connect(addr, None).await.unwrap();
+    first.send(hello()).await.unwrap();
+    first
+        .send(snapshot(vec![block(1, 1), block(2, 1)]))
+        .await
+        .unwrap();
+    let mut second = Agent::connect(addr, None).await.unwrap();
+    second.send(hello()).await.unwrap();
     assert!(
-        rec.hashes("r1:8000").is_empty(),
-        "r1 left n1: its blocks go"
+        held(&index).is_empty(),
+        "no block of the first stream remains"
     );
-    assert_eq!(svc.metrics.node_map_reloads.get(), 1);
-    // Deltas for the dropped engine are ignored.
-    ok(&svc, &mut node, msg(4, delta("a", 0, 1, false, &[5], &[])));
-    assert!(rec.hashes("r1:8000").is_empty());
+    let status = first.ended().await;
+    assert_eq!(status.code(), Code::Aborted, "{status:?}");
+    assert!(status.message().contains("taken over"), "{status:?}");
+    second.send(snapshot(vec![block(7, 1)])).await.unwrap();
+    assert_eq!(held(&index), [7]);
+    assert_eq!(svc.metrics.takeovers.get(), 1);
+}
 
-    // The agent reconnects (its stream was ended) and is judged by the new map.
-    let mut node = None;
-    ok(
-        &svc,
-        &mut node,
-        msg(1, hello(&[("a", "r1:8000"), ("b", "r2:8000")])),
-    );
-    let snap = pb::agent_message::Body::Snapshot(pb::Snapshot {
-        engine: "b".into(),
-        epoch: 0,
-        seq: 0,
-        blocks: vec![block(2)],
-        hash_status: 0,
-    });
-    ok(&svc, &mut node, msg(2, snap));
-    assert_eq!(rec.hashes("r2:8000"), [2].into());
-    assert!(rec.hashes("r1:8000").is_empty());
+#[tokio::test]
+async fn a_wrong_token_of_the_right_length_is_refused() {
+    let (addr, _svc, _index) = serve(Some("s3cret-token")).await;
+    for token in [
+        None,
+        Some("s3cret-tokeN"),
+        Some("s3cret"),
+        Some("s3cret-token-and-more"),
+    ] {
+        let status = match Agent::connect(addr, token).await {
+            Err(status) => status,
+            Ok(mut agent) => agent.send(hello()).await.unwrap_err(),
+        };
+        assert_eq!(
+            status.code(),
+            Code::Unauthenticated,
+            "{token:?}: {status:?}"
+        );
+    }
+    let mut agent = Agent::connect(addr, Some("s3cret-token")).await.unwrap();
+    agent.send(hello()).await.unwrap();
 }

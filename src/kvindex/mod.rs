@@ -59,13 +59,35 @@ impl Medium {
 
 /// Net changes to one replica's cached blocks. `replica` is the `host:port` the router knows the
 /// replica by; only full-attention groups are fed here.
+///
+/// Copies are counted: a block stored twice needs two removals. Counted forms take `(hash,
+/// copies)` pairs, so a wire count is applied as a number and never expanded into entries; an
+/// implementation may saturate large counts (the index keeps at most 15 references per tier).
 pub trait KvEventSink: Send + Sync {
-    /// Blocks now cached (each report counts once: a hash stored twice needs two removes).
-    fn stored(&self, replica: &str, hashes: &[ExternalHash], medium: Medium);
-    /// Blocks no longer cached.
-    fn removed(&self, replica: &str, hashes: &[ExternalHash], medium: Medium);
+    /// `copies` more references to each block (pairs with 0 copies are ignored).
+    fn stored_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium);
+    /// `copies` fewer references to each block.
+    fn removed_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium);
     /// Everything the replica held is gone (engine restart, cache reset, stream gap).
     fn cleared(&self, replica: &str);
+
+    /// One more reference to each block.
+    fn stored(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
+        for &hash in hashes {
+            self.stored_copies(replica, &[(hash, 1)], medium);
+        }
+    }
+    /// One reference fewer to each block.
+    fn removed(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
+        for &hash in hashes {
+            self.removed_copies(replica, &[(hash, 1)], medium);
+        }
+    }
+}
+
+/// A wire count as the index's reference count: saturated at the most a holder keeps.
+fn refs_of(copies: u32) -> u8 {
+    u8::try_from(copies).map_or(shard::MAX_REFS, |c| c.min(shard::MAX_REFS))
 }
 
 /// A replica's dense id inside the index (its position in the replica table).
@@ -233,17 +255,25 @@ impl KvIndex {
         (u64::from(self.config.max_blocks_per_replica) / EPOCHS_PER_CAP).max(1)
     }
 
-    fn store(&self, slot: ReplicaSlot, hashes: &[ExternalHash], medium: Medium) {
+    fn store(
+        &self,
+        slot: ReplicaSlot,
+        blocks: impl Iterator<Item = (ExternalHash, u32)>,
+        medium: Medium,
+    ) {
         let table = self.replicas.read();
         let mut book = table.books[slot.index()].lock();
         let epoch_len = self.epoch_len();
-        for &hash in hashes {
+        for (hash, copies) in blocks.filter(|&(_, copies)| copies > 0) {
             let epoch = (book.stores / epoch_len) as u8;
             book.stores += 1;
-            if self.shards[Self::shard_of(hash)]
-                .write()
-                .store(hash, slot, medium, epoch)
-            {
+            if self.shards[Self::shard_of(hash)].write().store(
+                hash,
+                slot,
+                medium,
+                epoch,
+                refs_of(copies),
+            ) {
                 book.blocks += 1;
             }
         }
@@ -275,13 +305,18 @@ impl KvIndex {
         }
     }
 
-    fn remove(&self, slot: ReplicaSlot, hashes: &[ExternalHash], medium: Medium) {
+    fn remove(
+        &self,
+        slot: ReplicaSlot,
+        blocks: impl Iterator<Item = (ExternalHash, u32)>,
+        medium: Medium,
+    ) {
         let table = self.replicas.read();
         let mut book = table.books[slot.index()].lock();
-        for &hash in hashes {
+        for (hash, copies) in blocks.filter(|&(_, copies)| copies > 0) {
             if self.shards[Self::shard_of(hash)]
                 .write()
-                .remove(hash, slot, medium)
+                .remove(hash, slot, medium, refs_of(copies))
             {
                 book.blocks = book.blocks.saturating_sub(1);
             }
@@ -438,16 +473,29 @@ impl KvIndex {
 }
 
 impl KvEventSink for KvIndex {
+    fn stored_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium) {
+        match self.slot_or_insert(replica) {
+            Ok(slot) => self.store(slot, blocks.iter().copied(), medium),
+            Err(err) => tracing::error!(%replica, %err, "blocks not indexed"),
+        }
+    }
+
+    fn removed_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium) {
+        if let Some(slot) = self.slot(replica) {
+            self.remove(slot, blocks.iter().copied(), medium);
+        }
+    }
+
     fn stored(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
         match self.slot_or_insert(replica) {
-            Ok(slot) => self.store(slot, hashes, medium),
+            Ok(slot) => self.store(slot, hashes.iter().map(|&h| (h, 1)), medium),
             Err(err) => tracing::error!(%replica, %err, "blocks not indexed"),
         }
     }
 
     fn removed(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
         if let Some(slot) = self.slot(replica) {
-            self.remove(slot, hashes, medium);
+            self.remove(slot, hashes.iter().map(|&h| (h, 1)), medium);
         }
     }
 

@@ -55,6 +55,10 @@ enum Others {
 const OTHERS_SHIFT: u32 = 30;
 const SLOT_MASK: u32 = 0x3fff;
 
+/// References a holder counts per tier; more copies saturate here (and one removal of this many
+/// drops them all).
+pub(super) const MAX_REFS: u8 = 15;
+
 /// The first slot the index cannot give out; as a slot, it marks a vacant place.
 pub(super) const MAX_SLOTS: usize = SLOT_MASK as usize;
 
@@ -62,8 +66,8 @@ impl Holder {
     /// A vacant place in [`Shard::few`].
     const VACANT: Holder = Holder(SLOT_MASK << 16);
 
-    fn new(slot: ReplicaSlot, medium: Medium, epoch: u8) -> Holder {
-        Holder(((u32::from(slot.0) & SLOT_MASK) << 16) | u32::from(epoch)).with_refs(medium, 1)
+    fn new(slot: ReplicaSlot, medium: Medium, epoch: u8, copies: u8) -> Holder {
+        Holder(((u32::from(slot.0) & SLOT_MASK) << 16) | u32::from(epoch)).with_refs(medium, copies)
     }
 
     pub(super) fn slot(self) -> ReplicaSlot {
@@ -102,7 +106,7 @@ impl Holder {
 
     fn with_refs(self, medium: Medium, refs: u8) -> Holder {
         let shift = Self::shift(medium);
-        Holder((self.0 & !(0xf << shift)) | (u32::from(refs.min(15)) << shift))
+        Holder((self.0 & !(0xf << shift)) | (u32::from(refs.min(MAX_REFS)) << shift))
     }
 
     pub(super) fn on_gpu(self) -> bool {
@@ -121,14 +125,14 @@ impl Holder {
         Holder((self.0 & !0xff) | u32::from(epoch))
     }
 
-    /// One more reference on `medium`, dated `epoch`.
-    fn stored_again(self, medium: Medium, epoch: u8) -> Holder {
-        self.with_refs(medium, self.refs(medium).saturating_add(1))
+    /// `copies` more references on `medium`, dated `epoch`.
+    fn stored_again(self, medium: Medium, epoch: u8, copies: u8) -> Holder {
+        self.with_refs(medium, self.refs(medium).saturating_add(copies))
             .with_epoch(epoch)
     }
 
-    fn removed_once(self, medium: Medium) -> Holder {
-        self.with_refs(medium, self.refs(medium).saturating_sub(1))
+    fn removed(self, medium: Medium, copies: u8) -> Holder {
+        self.with_refs(medium, self.refs(medium).saturating_sub(copies))
     }
 }
 
@@ -318,22 +322,24 @@ impl Shard {
         result
     }
 
-    /// Records one store; true when `slot` did not hold the block before.
+    /// Records `copies` (at least 1) more references; true when `slot` did not hold the block
+    /// before.
     pub(super) fn store(
         &mut self,
         hash: ExternalHash,
         slot: ReplicaSlot,
         medium: Medium,
         epoch: u8,
+        copies: u8,
     ) -> bool {
         let key = Key::new(hash);
-        let fresh = Holder::new(slot, medium, epoch);
+        let fresh = Holder::new(slot, medium, epoch, copies);
         let Some(entry) = self.one.get_mut(&key) else {
             self.one.insert(key, fresh);
             return true;
         };
         if entry.slot() == slot {
-            *entry = entry.stored_again(medium, epoch);
+            *entry = entry.stored_again(medium, epoch, copies);
             return false;
         }
         // The common cases in place: a second holder arrives, or one already there stores again.
@@ -347,14 +353,14 @@ impl Shard {
                 if let Some(second) = self.pair.get_mut(&key)
                     && second.slot() == slot
                 {
-                    *second = second.stored_again(medium, epoch);
+                    *second = second.stored_again(medium, epoch, copies);
                     return false;
                 }
             }
             Others::Few => {
                 if let Some(few) = self.few.get_mut(&key) {
                     if let Some(h) = few.iter_mut().find(|h| h.slot() == slot) {
-                        *h = h.stored_again(medium, epoch);
+                        *h = h.stored_again(medium, epoch, copies);
                         return false;
                     }
                     if let Some(vacant) = few.iter_mut().find(|h| **h == Holder::VACANT) {
@@ -367,7 +373,7 @@ impl Shard {
                 if let Some(lots) = self.lots.get_mut(&key) {
                     let fresh_holder = match lots.list.iter_mut().find(|h| h.slot() == slot) {
                         Some(h) => {
-                            *h = h.stored_again(medium, epoch);
+                            *h = h.stored_again(medium, epoch, copies);
                             false
                         }
                         None => {
@@ -385,7 +391,7 @@ impl Shard {
         self.change_holders(key, first, |list| {
             match list.iter_mut().find(|h| h.slot() == slot) {
                 Some(h) => {
-                    *h = h.stored_again(medium, epoch);
+                    *h = h.stored_again(medium, epoch, copies);
                     false
                 }
                 None => {
@@ -396,8 +402,14 @@ impl Shard {
         })
     }
 
-    /// Records one removal; true when `slot` no longer holds the block.
-    pub(super) fn remove(&mut self, hash: ExternalHash, slot: ReplicaSlot, medium: Medium) -> bool {
+    /// Records the removal of `copies` references; true when `slot` no longer holds the block.
+    pub(super) fn remove(
+        &mut self,
+        hash: ExternalHash,
+        slot: ReplicaSlot,
+        medium: Medium,
+        copies: u8,
+    ) -> bool {
         let key = Key::new(hash);
         let Some(entry) = self.one.get_mut(&key) else {
             return false;
@@ -406,7 +418,7 @@ impl Shard {
             if entry.slot() != slot {
                 return false;
             }
-            *entry = entry.removed_once(medium);
+            *entry = entry.removed(medium, copies);
             if entry.is_empty() {
                 self.one.remove(&key);
                 shrink_if_sparse(&mut self.one);
@@ -419,7 +431,7 @@ impl Shard {
             let Some(pos) = list.iter().position(|h| h.slot() == slot) else {
                 return false;
             };
-            let h = list[pos].removed_once(medium);
+            let h = list[pos].removed(medium, copies);
             if h.is_empty() {
                 list.remove(pos);
                 true
@@ -472,7 +484,7 @@ mod tests {
 
     fn store_all(shard: &mut Shard, blocks: u64, slot: u16) {
         for b in 0..blocks {
-            shard.store(ExternalHash(b), ReplicaSlot(slot), Medium::Gpu, 0);
+            shard.store(ExternalHash(b), ReplicaSlot(slot), Medium::Gpu, 0, 1);
         }
     }
 

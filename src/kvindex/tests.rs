@@ -52,6 +52,34 @@ fn duplicates_need_as_many_removes() {
 }
 
 #[test]
+fn copies_are_applied_as_counts_and_saturate_without_expanding() {
+    let index = KvIndex::new(IndexConfig::default());
+    index.stored_copies("a:1", &[(h(7), 3), (h(8), 0)], Medium::Gpu);
+    assert_eq!(
+        index.replica_block_count("a:1"),
+        1,
+        "a pair with no copies is ignored"
+    );
+    index.removed_copies("a:1", &[(h(7), 2)], Medium::Gpu);
+    assert_eq!(
+        matches(&index, &[7], &["a:1"]),
+        vec![1],
+        "one copy of three is left"
+    );
+    index.removed_copies("a:1", &[(h(7), 1)], Medium::Gpu);
+    assert_eq!(matches(&index, &[7], &["a:1"]), vec![0]);
+
+    // A count from the wire near u32::MAX costs one holder: it saturates, and as many
+    // removals take it out again.
+    index.stored_copies("a:1", &[(h(9), u32::MAX), (h(9), u32::MAX)], Medium::Gpu);
+    assert_eq!(index.replica_block_count("a:1"), 1);
+    assert_eq!(index.distinct_blocks(), 1);
+    index.removed_copies("a:1", &[(h(9), u32::MAX)], Medium::Gpu);
+    assert_eq!(index.replica_block_count("a:1"), 0);
+    assert_eq!(index.distinct_blocks(), 0);
+}
+
+#[test]
 fn offloaded_blocks_count_with_their_weight() {
     let index = KvIndex::new(IndexConfig {
         offloaded_weight: 0.25,

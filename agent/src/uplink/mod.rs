@@ -311,18 +311,35 @@ fn blocks(keys: impl IntoIterator<Item = (BlockKey, u32)>) -> Vec<pb::Block> {
         .collect()
 }
 
-fn snapshot_message(s: &EngineSnapshot) -> pb::agent_message::Body {
-    pb::agent_message::Body::Snapshot(pb::Snapshot {
-        engine: s.engine.0.to_string(),
-        epoch: s.snapshot.epoch,
-        seq: s.snapshot.seq,
-        blocks: blocks(s.snapshot.blocks.iter().copied()),
-        hash_status: match s.hash {
-            HashStatus::Unchecked => pb::HashStatus::Unchecked as i32,
-            HashStatus::Verified => pb::HashStatus::Verified as i32,
-            HashStatus::Mismatch => pb::HashStatus::Mismatch as i32,
-        },
-    })
+/// Blocks per snapshot part: about 1 MiB on the wire, well below the router's message limit
+/// (`llmgw::feed::MAX_MESSAGE_BYTES`).
+pub const SNAPSHOT_PART_BLOCKS: usize = 65_536;
+
+/// An engine's snapshot as feed messages: one, or parts of at most [`SNAPSHOT_PART_BLOCKS`]
+/// blocks, all but the last marked `more`.
+fn snapshot_messages(s: &EngineSnapshot) -> Vec<pb::agent_message::Body> {
+    let mut all = blocks(s.snapshot.blocks.iter().copied());
+    let hash_status = match s.hash {
+        HashStatus::Unchecked => pb::HashStatus::Unchecked as i32,
+        HashStatus::Verified => pb::HashStatus::Verified as i32,
+        HashStatus::Mismatch => pb::HashStatus::Mismatch as i32,
+    };
+    let mut parts = Vec::with_capacity(all.len().div_ceil(SNAPSHOT_PART_BLOCKS).max(1));
+    loop {
+        let rest = all.split_off(all.len().min(SNAPSHOT_PART_BLOCKS));
+        let more = !rest.is_empty();
+        parts.push(pb::agent_message::Body::Snapshot(pb::Snapshot {
+            engine: s.engine.0.to_string(),
+            epoch: s.snapshot.epoch,
+            seq: s.snapshot.seq,
+            blocks: std::mem::replace(&mut all, rest),
+            hash_status,
+            more,
+        }));
+        if !more {
+            return parts;
+        }
+    }
 }
 
 fn hello_message(node: NodeInfo, snapshots: &[EngineSnapshot]) -> pb::agent_message::Body {
@@ -585,7 +602,9 @@ async fn stream_session<S: FeedSource + ?Sized, T: Transport>(
     let mut sent_upto: HashMap<Arc<str>, (u64, u64)> = HashMap::new();
     for s in snapshots {
         sent_upto.insert(Arc::clone(&s.engine.0), (s.snapshot.epoch, s.snapshot.seq));
-        out.send(snapshot_message(&s)).await;
+        for part in snapshot_messages(&s) {
+            out.send(part).await;
+        }
     }
 
     let mut inbound = transport
@@ -630,7 +649,9 @@ async fn stream_session<S: FeedSource + ?Sized, T: Transport>(
                     tracing::warn!(router, missed = n, "uplink fell behind: resending snapshots");
                     for s in source.snapshot_engines() {
                         sent_upto.insert(Arc::clone(&s.engine.0), (s.snapshot.epoch, s.snapshot.seq));
-                        out.send(snapshot_message(&s)).await;
+                        for part in snapshot_messages(&s) {
+            out.send(part).await;
+        }
                     }
                 }
                 Err(broadcast::error::RecvError::Closed) => return Err(UplinkError::AgentGone),

@@ -536,3 +536,35 @@ fn every_error_reason_is_listed_once() {
     assert_eq!(stream(16).reason(), "unauthenticated");
     assert_eq!(stream(7).reason(), "permission_denied");
 }
+
+#[test]
+fn a_large_snapshot_goes_in_parts_below_the_routers_message_limit() {
+    use prost::Message as _;
+    let hashes: Vec<u64> = (0..(2 * SNAPSHOT_PART_BLOCKS as u64 + 5)).collect();
+    let parts = snapshot_messages(&snapshot("r1:8000", 3, 9, &hashes));
+    assert_eq!(parts.len(), 3);
+    let mut seen = 0;
+    for (i, part) in parts.iter().enumerate() {
+        let pb::agent_message::Body::Snapshot(s) = part else {
+            panic!("part {i} is not a snapshot");
+        };
+        assert_eq!((s.epoch, s.seq, s.more), (3, 9, i < 2), "part {i}");
+        assert!(s.blocks.len() <= SNAPSHOT_PART_BLOCKS);
+        let wire = pb::AgentMessage {
+            id: u64::MAX,
+            body: Some(part.clone()),
+        }
+        .encoded_len();
+        assert!(
+            wire < llmgw::feed::MAX_MESSAGE_BYTES / 4,
+            "part {i}: {wire} bytes"
+        );
+        seen += s.blocks.len();
+    }
+    assert_eq!(seen, hashes.len());
+    // An empty engine still sends one (final) snapshot.
+    let parts = snapshot_messages(&snapshot("r1:8000", 0, 0, &[]));
+    assert!(
+        matches!(&parts[..], [pb::agent_message::Body::Snapshot(s)] if !s.more && s.blocks.is_empty())
+    );
+}

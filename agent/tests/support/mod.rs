@@ -39,23 +39,23 @@ pub struct Index {
 }
 
 impl KvEventSink for Index {
-    fn stored(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
+    fn stored_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium) {
         let mut h = self.held.lock();
         let r = h.entry(replica.to_owned()).or_default();
-        for x in hashes {
-            *r.entry((*x, medium)).or_insert(0) += 1;
+        for &(x, n) in blocks {
+            *r.entry((x, medium)).or_insert(0) += n;
         }
     }
-    fn removed(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
+    fn removed_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium) {
         let mut h = self.held.lock();
         let r = h.entry(replica.to_owned()).or_default();
-        for x in hashes {
-            match r.get_mut(&(*x, medium)) {
-                Some(n) if *n > 1 => *n -= 1,
-                Some(_) => {
-                    r.remove(&(*x, medium));
+        for &(x, n) in blocks {
+            match r.get_mut(&(x, medium)) {
+                Some(held) if *held > n => *held -= n,
+                Some(held) if *held == n => {
+                    r.remove(&(x, medium));
                 }
-                None => panic!("router removed {x} from {replica} without holding it"),
+                _ => panic!("router removed {n} copies of {x} from {replica} without holding them"),
             }
         }
     }
@@ -111,6 +111,7 @@ pub fn feed_for_n1(token: Option<&str>) -> (Arc<Index>, FeedService) {
     let feed = FeedService::new(
         index.clone(),
         FeedConfig {
+            limits: llmgw::feed::FeedLimits::default(),
             token: token.map(str::to_owned),
             nodes,
             grace: Duration::from_secs(60),

@@ -66,6 +66,8 @@ pub fn sim(name: &str, models: &[&str], port: u16, extra: &[&str]) -> SimHandle 
 pub struct RouterProcess {
     pub grpc: SocketAddr,
     pub admin: SocketAddr,
+    /// The agent feed's port.
+    pub feed: SocketAddr,
     pub guard: ChildGuard,
 }
 
@@ -96,17 +98,21 @@ pub fn start_router(grpc_port: u16, replicas: &[String], extra: &[&str]) -> Rout
         if let Some(rest) = line.strip_prefix("llmgw-router listening ") {
             let mut grpc = None;
             let mut admin = None;
+            let mut feed = None;
             for part in rest.split_whitespace() {
                 if let Some(a) = part.strip_prefix("grpc=") {
                     grpc = a.parse().ok();
                 } else if let Some(a) = part.strip_prefix("admin=") {
                     admin = a.parse().ok();
+                } else if let Some(a) = part.strip_prefix("feed=") {
+                    feed = a.parse().ok();
                 }
             }
             std::thread::spawn(move || for _ in lines {});
             return RouterProcess {
                 grpc: grpc.expect("grpc address"),
                 admin: admin.expect("admin address"),
+                feed: feed.expect("feed address"),
                 guard,
             };
         }
