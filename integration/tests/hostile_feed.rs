@@ -1,0 +1,275 @@
+//! A hostile node against a real `llmgw-router` process behind a real Envoy: every feed message
+//! the issue reported as fatal (a count of u32::MAX, two counts of 3e9 for one hash, a message
+//! far over the size limit, a stream breaking the protocol, a second stream claiming a node) is
+//! refused with the router alive, its peak RSS under 100 MB, and still routing through Envoy;
+//! an intruder's blocks do not outlive the real agent's return.
+
+mod router_support;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use llmgw_feed_proto::v1 as pb;
+use llmgw_integration::free_port;
+use router_support::*;
+use tokio::sync::mpsc;
+use tonic::Code;
+
+/// One hand-driven agent stream on the router's feed port.
+struct Feed {
+    tx: mpsc::Sender<pb::AgentMessage>,
+    rx: tonic::Streaming<pb::RouterMessage>,
+    next_id: u64,
+}
+
+impl Feed {
+    async fn connect(addr: SocketAddr) -> Feed {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .expect("endpoint")
+            .connect()
+            .await
+            .expect("connect to the feed");
+        let (tx, rx) = mpsc::channel(4);
+        let rx = pb::feed_client::FeedClient::new(channel)
+            .max_encoding_message_size(usize::MAX)
+            .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .expect("open a feed stream")
+            .into_inner();
+        Feed { tx, rx, next_id: 0 }
+    }
+
+    /// Sends `body`; returns the replies up to its acknowledgement, or the status the router
+    /// ended the stream with.
+    async fn send(
+        &mut self,
+        body: pb::agent_message::Body,
+    ) -> Result<Vec<pb::RouterMessage>, tonic::Status> {
+        self.next_id += 1;
+        let id = self.next_id;
+        if self
+            .tx
+            .send(pb::AgentMessage {
+                id,
+                body: Some(body),
+            })
+            .await
+            .is_err()
+        {
+            return Err(tonic::Status::cancelled("stream gone"));
+        }
+        let mut replies = Vec::new();
+        loop {
+            let reply = tokio::time::timeout(Duration::from_secs(20), self.rx.message())
+                .await
+                .expect("the router answers")?
+                .ok_or_else(|| tonic::Status::cancelled("stream closed"))?;
+            let acked = matches!(reply.body, Some(pb::router_message::Body::Ack(pb::Ack { id: a })) if a == id);
+            replies.push(reply);
+            if acked {
+                return Ok(replies);
+            }
+        }
+    }
+
+    /// The status that ends the stream.
+    async fn ended(mut self) -> tonic::Status {
+        loop {
+            match tokio::time::timeout(Duration::from_secs(20), self.rx.message()).await {
+                Ok(Ok(Some(_))) => {}
+                Ok(Ok(None)) => return tonic::Status::ok("closed"),
+                Ok(Err(status)) => return status,
+                Err(_) => panic!("the router never ended the stream"),
+            }
+        }
+    }
+}
+
+fn hello(replica: SocketAddr) -> pb::agent_message::Body {
+    pb::agent_message::Body::Hello(pb::Hello {
+        node: "n1".into(),
+        agent_version: "hostile".into(),
+        engines: vec![pb::EngineInfo {
+            engine: "e1".into(),
+            replica: replica.to_string(),
+            ..pb::EngineInfo::default()
+        }],
+    })
+}
+
+fn snapshot(blocks: Vec<pb::Block>) -> pb::agent_message::Body {
+    pb::agent_message::Body::Snapshot(pb::Snapshot {
+        engine: "e1".into(),
+        blocks,
+        ..pb::Snapshot::default()
+    })
+}
+
+fn block(hash: u64, count: u32) -> pb::Block {
+    pb::Block {
+        hash,
+        count,
+        ..pb::Block::default()
+    }
+}
+
+fn refusal(replies: &[pb::RouterMessage]) -> Option<String> {
+    replies.iter().find_map(|r| match &r.body {
+        Some(pb::router_message::Body::Refused(f)) => Some(f.reason.clone()),
+        _ => None,
+    })
+}
+
+/// The router's peak resident memory so far, in MiB.
+fn peak_rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("router status");
+    llmgw_integration::scale_bench::parse_status_rss_mib(&status).1
+}
+
+async fn blocks_of(router: &RouterProcess, replica: SocketAddr) -> Vec<u64> {
+    let body: serde_json::Value = reqwest::get(format!(
+        "http://{}/debug/replicas/{replica}/blocks",
+        router.admin
+    ))
+    .await
+    .expect("GET blocks")
+    .json()
+    .await
+    .expect("blocks JSON");
+    let mut hashes: Vec<u64> = body["block_hashes"]
+        .as_array()
+        .map(|a| a.iter().filter_map(serde_json::Value::as_u64).collect())
+        .unwrap_or_default();
+    hashes.sort_unstable();
+    hashes
+}
+
+/// The router is alive, under 100 MB at its peak, and Envoy still routes through it.
+async fn still_routing(router: &RouterProcess, envoy: &EnvoyProcess, after: &str) {
+    let peak = peak_rss_mib(router.guard.id());
+    eprintln!("after {after}: router peak RSS {peak:.1} MiB");
+    assert!(peak < 100.0, "after {after}: router peak RSS {peak:.1} MiB");
+    let (status, replica, body) = post(
+        envoy,
+        "/v1/completions",
+        completion("tiny", "still routing?"),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200, "after {after}: {body}");
+    assert!(replica.is_some(), "after {after}: served by a replica");
+    assert!(
+        router.decisions("routed").await >= 1,
+        "after {after}: llmgw decided"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
+    let a = sim("a", &["tiny"], 0, &[]);
+    let b = sim("b", &["tiny"], 0, &[]);
+    let grpc = free_port();
+    let router = start_router(
+        grpc,
+        &[format!("tiny={}@n1", a.addr), format!("tiny={}@n2", b.addr)],
+        &[],
+    );
+    router.wait_healthy(&[a.addr, b.addr]).await;
+    let envoy = start_envoy("envoy.yaml", grpc, [a.addr, b.addr]).await;
+    still_routing(&router, &envoy, "start").await;
+
+    // One block of count u32::MAX, then two of 3e9 for one hash: refused over the ceiling.
+    for (what, blocks) in [
+        ("a count of u32::MAX", vec![block(1, u32::MAX)]),
+        (
+            "two counts of 3e9",
+            vec![block(1, 3_000_000_000), block(1, 3_000_000_000)],
+        ),
+    ] {
+        let mut feed = Feed::connect(router.feed).await;
+        feed.send(hello(a.addr)).await.expect("Hello");
+        let replies = feed
+            .send(snapshot(blocks))
+            .await
+            .expect("the stream stays up");
+        let reason =
+            refusal(&replies).unwrap_or_else(|| panic!("{what}: not refused: {replies:?}"));
+        assert!(reason.contains("over the ceiling"), "{what}: {reason}");
+        assert!(blocks_of(&router, a.addr).await.is_empty(), "{what}");
+        still_routing(&router, &envoy, what).await;
+    }
+
+    // A message far over the size limit is refused before it is decoded.
+    let mut feed = Feed::connect(router.feed).await;
+    feed.send(hello(a.addr)).await.expect("Hello");
+    let huge: Vec<pb::Block> = (0..1_500_000u64).map(|h| block(h, 1)).collect();
+    let status = feed.send(snapshot(huge)).await.expect_err("too large");
+    assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
+    still_routing(&router, &envoy, "an oversized message").await;
+
+    // A stream breaking the protocol ends, unapplied.
+    let mut feed = Feed::connect(router.feed).await;
+    feed.send(hello(a.addr)).await.expect("Hello");
+    let status = feed
+        .send(pb::agent_message::Body::Delta(pb::Delta {
+            engine: "e1".into(),
+            seq: 1,
+            stored: vec![block(5, 1)],
+            ..pb::Delta::default()
+        }))
+        .await
+        .expect_err("a delta before the snapshot");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(blocks_of(&router, a.addr).await.is_empty());
+    still_routing(&router, &envoy, "a protocol violation").await;
+
+    // The real agent streams; an intruder claims its node; the agent comes back. No block of
+    // the intruder remains, and the agent's later changes apply.
+    let mut agent = Feed::connect(router.feed).await;
+    agent.send(hello(a.addr)).await.expect("Hello");
+    agent
+        .send(snapshot(vec![block(10, 1), block(11, 1)]))
+        .await
+        .expect("snapshot");
+    assert_eq!(blocks_of(&router, a.addr).await, [10, 11]);
+    let mut intruder = Feed::connect(router.feed).await;
+    intruder.send(hello(a.addr)).await.expect("Hello");
+    intruder
+        .send(snapshot(vec![block(66, 1)]))
+        .await
+        .expect("snapshot");
+    assert_eq!(blocks_of(&router, a.addr).await, [66]);
+    let status = agent.ended().await;
+    assert_eq!(status.code(), Code::Aborted, "{status:?}");
+    let mut agent = Feed::connect(router.feed).await;
+    agent.send(hello(a.addr)).await.expect("Hello");
+    assert!(
+        blocks_of(&router, a.addr).await.is_empty(),
+        "the intruder's blocks are gone"
+    );
+    agent
+        .send(snapshot(vec![block(10, 1), block(11, 1)]))
+        .await
+        .expect("snapshot");
+    agent
+        .send(pb::agent_message::Body::Delta(pb::Delta {
+            engine: "e1".into(),
+            seq: 1,
+            stored: vec![block(12, 1)],
+            ..pb::Delta::default()
+        }))
+        .await
+        .expect("delta");
+    assert_eq!(blocks_of(&router, a.addr).await, [10, 11, 12]);
+    assert_eq!(intruder.ended().await.code(), Code::Aborted);
+    still_routing(&router, &envoy, "a takeover").await;
+
+    let metrics = router.metrics().await;
+    for series in [
+        "llmgw_feed_refused_total{reason=\"over_block_ceiling\"} 2",
+        "llmgw_feed_violations_total{reason=\"delta_before_snapshot\"} 1",
+        "llmgw_feed_takeovers_total 2",
+    ] {
+        assert!(metrics.contains(series), "{series} in\n{metrics}");
+    }
+}
