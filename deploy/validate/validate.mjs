@@ -166,6 +166,24 @@ function checkEnvoyFilter(where, obj) {
       };
       const cluster = p.patch.operation === "MERGE" ? merge(base, value) : value;
       envoyValidate(at, { static_resources: { clusters: [cluster] } });
+    } else if (p.applyTo === "LISTENER") {
+      // Merged into a listener as the proxy has one (an HTTP connection manager to a cluster).
+      const base = {
+        name: "l",
+        address: { socket_address: { address: "127.0.0.1", port_value: 10000 } },
+        filter_chains: [{ filters: [{
+          name: "envoy.filters.network.http_connection_manager",
+          typed_config: {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            stat_prefix: "l",
+            route_config: { virtual_hosts: [{ name: "v", domains: ["*"], routes: [{ match: { prefix: "/" }, route: { cluster: "upstream" } }] }] },
+            http_filters: [{ name: "envoy.filters.http.router", typed_config: { "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router" } }],
+          },
+        }] }],
+      };
+      const listener = p.patch.operation === "MERGE" ? merge(base, value) : value;
+      const upstream = { name: "upstream", type: "STATIC", connect_timeout: "1s", load_assignment: { cluster_name: "upstream", endpoints: [] } };
+      envoyValidate(at, { static_resources: { listeners: [listener], clusters: [upstream] } });
     } else {
       fail(at, "no Envoy check for this applyTo; add one to validate.mjs");
     }

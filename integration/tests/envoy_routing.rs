@@ -629,3 +629,86 @@ async fn streamed_ahead_passes_a_large_body_unchanged() {
         post(&envoy, "/v1/completions", completion("tiny", "hello"), &[]).await;
     assert_eq!((status, replica.as_deref()), (200, Some("a")), "{text}");
 }
+
+/// A body over the router's `--max-body-bytes` (16 MiB by default) through each shipped Envoy
+/// configuration: llmgw's own 413 with an OpenAI-style JSON error, never a reset or Envoy's
+/// plain-text answer, and the next request is routed as usual.
+async fn over_limit_body_gets_llmgws_413(config: &str, router_flags: &[&str], wiring: Wiring<'_>) {
+    let a = sim("a", &["tiny"], 0, &[]);
+    let b = sim("b", &["tiny"], 0, &[]);
+    let grpc = free_port();
+    let router = start_router(
+        grpc,
+        &[format!("tiny={}", a.addr), format!("tiny={}", b.addr)],
+        router_flags,
+    );
+    router.wait_healthy(&[a.addr, b.addr]).await;
+    let envoy = start_envoy_with(config, grpc, [a.addr, b.addr], |text| match wiring {
+        Wiring::StreamedAhead => envoy_config_streamed_ahead(&text),
+        _ => text,
+    })
+    .await;
+    if config != "envoy.yaml" {
+        // These check llmgw's health and fail closed until it is up (see the configurations).
+        envoy.wait_llmgw_marked_up().await;
+    }
+
+    let body = completion("tiny", &"x".repeat(17 << 20));
+    let response = client()
+        .post(envoy.url("/v1/completions"))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{config}: the 17 MiB request failed: {e}"));
+    assert_eq!(response.status().as_u16(), 413, "{config}");
+    assert_eq!(
+        response
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok()),
+        Some("application/json"),
+        "{config}"
+    );
+    let error: serde_json::Value = response.json().await.expect("JSON error body");
+    assert_eq!(error["error"]["code"], 413, "{config}: {error}");
+    assert_eq!(
+        error["error"]["type"], "invalid_request_error",
+        "{config}: {error}"
+    );
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("16777216")),
+        "{config}: {error}"
+    );
+    let (status, replica, body) =
+        post(&envoy, "/v1/completions", completion("tiny", "after"), &[]).await;
+    assert_eq!((status, replica.is_some()), (200, true), "{config}: {body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_config_answers_an_over_limit_body_with_llmgws_413() {
+    over_limit_body_gets_llmgws_413("envoy.yaml", &[], Wiring::AsIs).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_ahead_config_answers_an_over_limit_body_with_llmgws_413() {
+    over_limit_body_gets_llmgws_413("envoy.yaml", &[], Wiring::StreamedAhead).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gie_config_answers_an_over_limit_body_with_llmgws_413() {
+    over_limit_body_gets_llmgws_413("envoy-gie.yaml", &[], Wiring::AsIs).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn original_dst_config_answers_an_over_limit_body_with_llmgws_413() {
+    // Original destination takes one address: no fallbacks (see the configuration).
+    over_limit_body_gets_llmgws_413(
+        "envoy-original-dst.yaml",
+        &["--fallbacks", "0"],
+        Wiring::AsIs,
+    )
+    .await;
+}
