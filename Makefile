@@ -167,3 +167,13 @@ fuzz-agent:
 	python3 agent/fuzz/seed_corpus.py $(FUZZ_DIR)/corpus/decode_batch
 	cd agent && RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR=$(FUZZ_DIR) $(CARGO) fuzz run decode_batch \
 	  $(FUZZ_DIR)/corpus/decode_batch -- -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1
+
+# The router's feed state machine under libFuzzer (fuzz/): arbitrary agent streams and messages
+# in front of the real index, which must equal the state's account after every message.
+# `make fuzz-feed FUZZ_SECONDS=1200`; a crash lands in fuzz/artifacts/feed_session/.
+.PHONY: fuzz-feed
+fuzz-feed:
+	command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
+	mkdir -p $(FUZZ_DIR)/corpus/feed_session
+	RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR=$(FUZZ_DIR)/router $(CARGO) fuzz run --fuzz-dir fuzz feed_session \
+	  $(FUZZ_DIR)/corpus/feed_session -- -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1
