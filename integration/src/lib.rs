@@ -5,6 +5,7 @@
 pub mod routing_bench;
 pub mod scale_bench;
 pub mod sim;
+pub mod soak;
 pub mod system;
 pub mod workload;
 

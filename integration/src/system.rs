@@ -31,6 +31,9 @@ pub struct SystemConfig {
     pub routers: usize,
     /// Envoy's log level.
     pub envoy_log_level: String,
+    /// Replicas serve vLLM's replay socket and the agent uses it (as `deploy/` runs them), so
+    /// that a restarted agent recovers the blocks cached before it started.
+    pub replay: bool,
 }
 
 impl Default for SystemConfig {
@@ -47,6 +50,7 @@ impl Default for SystemConfig {
             agent: true,
             routers: 1,
             envoy_log_level: "error".to_owned(),
+            replay: false,
         }
     }
 }
@@ -69,11 +73,12 @@ pub struct System {
     /// Envoy's listener: where clients send requests.
     pub envoy: SocketAddr,
     pub envoy_admin: SocketAddr,
-    // Fields drop in declaration order: Envoy first, the replicas last.
+    // Fields drop in declaration order: Envoy first, the replicas last. A `None` process is
+    // stopped (a fault injected with `kill_*`) until its `restart_*`.
     _envoy: ChildGuard,
-    _agent: Option<ChildGuard>,
-    _router: ChildGuard,
-    _other_routers: Vec<ChildGuard>,
+    agent: Option<ChildGuard>,
+    /// Every router's process, the one Envoy asks first.
+    router_guards: Vec<Option<ChildGuard>>,
     pub sims: Vec<SimHandle>,
 }
 
@@ -94,40 +99,109 @@ impl System {
     pub fn replicas(&self) -> Vec<SocketAddr> {
         self.sims.iter().map(|s| s.addr).collect()
     }
+
+    /// The process id of router `i` (0: the one Envoy asks), while it runs.
+    pub fn router_pid(&self, i: usize) -> Option<u32> {
+        self.router_guards.get(i)?.as_ref().map(ChildGuard::id)
+    }
+
+    /// Stops router `i` (0: the one Envoy asks) at once, as a crash would.
+    pub fn kill_router(&mut self, i: usize) {
+        if let Some(slot) = self.router_guards.get_mut(i) {
+            *slot = None;
+        }
+    }
+
+    /// Starts router `i` again on the ports it had, so Envoy and the agent find it.
+    pub fn restart_router(&mut self, i: usize) {
+        let at = self.routers()[i];
+        let (addrs, guard) = start_router(&self.config, &self.sims, Some(at));
+        assert_eq!(addrs.grpc, at.grpc, "router restarted on its ports");
+        self.router_guards[i] = Some(guard);
+    }
+
+    /// Stops the agent at once.
+    pub fn kill_agent(&mut self) {
+        self.agent = None;
+    }
+
+    /// Starts the agent again, streaming to every router.
+    pub fn restart_agent(&mut self) {
+        let feeds: Vec<SocketAddr> = self.routers().iter().map(|r| r.feed).collect();
+        self.agent = Some(start_agent(&self.config, &self.sims, &feeds));
+    }
+
+    /// Kills replica `i` and starts it again on the same HTTP port and KV-events endpoint (an
+    /// engine restart: its cache starts empty); returns once it listens.
+    pub fn restart_replica(&mut self, i: usize) {
+        let addr = self.sims[i].addr;
+        let events = self.sims[i].events.clone().expect("sim publishes events");
+        // Kill first: the new process binds the same ports.
+        let _ = self.sims[i].guard.child.kill();
+        let _ = self.sims[i].guard.child.wait();
+        let port = addr.port().to_string();
+        // A `*` host binds (vLLM's convention); the agent keeps dialing the old endpoint.
+        let events_port = events.rsplit_once(':').map_or("0", |(_, p)| p);
+        let bind = format!("tcp://*:{events_port}");
+        let replay = self.sims[i].replay.clone();
+        let replay_bind = replay
+            .as_deref()
+            .and_then(|r| r.rsplit_once(':'))
+            .map(|(_, p)| format!("tcp://*:{p}"));
+        self.sims[i] = spawn_replica(&self.config, Some((&port, &bind, replay_bind.as_deref())));
+        assert_eq!(self.sims[i].addr, addr, "replica restarted on its port");
+        self.sims[i].events = Some(events);
+        self.sims[i].replay = replay;
+    }
+}
+
+/// Starts one replica; `at` is (HTTP port, KV-events endpoint, replay endpoint) to restart one
+/// on its ports.
+fn spawn_replica(config: &SystemConfig, at: Option<(&str, &str, Option<&str>)>) -> SimHandle {
+    let blocks = config.blocks_per_replica.to_string();
+    let block_size = config.block_size.to_string();
+    let max_model_len = ((config.blocks_per_replica - 1) * config.block_size)
+        .min(8192)
+        .to_string();
+    let endpoint = at.map_or("tcp://127.0.0.1:*", |(_, events, _)| events);
+    let replay = match at {
+        Some((_, _, Some(replay))) => format!(r#","replay_endpoint":"{replay}""#),
+        _ if config.replay => r#","replay_endpoint":"tcp://127.0.0.1:*""#.to_owned(),
+        _ => String::new(),
+    };
+    let events = format!(
+        r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"{endpoint}"{replay},"topic":"kv"}}"#
+    );
+    let mut args: Vec<&str> = vec![
+        "--served-model-name",
+        &config.model,
+        "--block-size",
+        &block_size,
+        "--num-gpu-blocks-override",
+        &blocks,
+        "--max-model-len",
+        &max_model_len,
+        "--kv-events-config",
+        &events,
+    ];
+    args.extend(config.sim_args.iter().map(String::as_str));
+    if let Some((port, _, _)) = at {
+        args.extend(["--port", port]);
+    }
+    spawn_sim_with_env(args, [("PYTHONHASHSEED", config.seed.as_str())])
 }
 
 /// Starts the system and waits until Envoy is ready, the router sees every replica healthy and
 /// (with an agent) the agent's stream is up. Test-support code: panics with a clear message
 /// when a part does not start.
 pub async fn start(config: SystemConfig) -> System {
-    let events = r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:*","topic":"kv"}"#;
-    let blocks = config.blocks_per_replica.to_string();
-    let block_size = config.block_size.to_string();
-    let max_model_len = ((config.blocks_per_replica - 1) * config.block_size)
-        .min(8192)
-        .to_string();
     let sims: Vec<SimHandle> = (0..config.replicas)
-        .map(|_| {
-            let mut args: Vec<&str> = vec![
-                "--served-model-name",
-                &config.model,
-                "--block-size",
-                &block_size,
-                "--num-gpu-blocks-override",
-                &blocks,
-                "--max-model-len",
-                &max_model_len,
-                "--kv-events-config",
-                events,
-            ];
-            args.extend(config.sim_args.iter().map(String::as_str));
-            spawn_sim_with_env(args, [("PYTHONHASHSEED", config.seed.as_str())])
-        })
+        .map(|_| spawn_replica(&config, None))
         .collect();
 
-    let (router, router_guard) = start_router(&config, &sims);
+    let (router, router_guard) = start_router(&config, &sims, None);
     let (other_routers, other_guards): (Vec<_>, Vec<_>) = (1..config.routers)
-        .map(|_| start_router(&config, &sims))
+        .map(|_| start_router(&config, &sims, None))
         .unzip();
     let feeds: Vec<SocketAddr> = std::iter::once(router.feed)
         .chain(other_routers.iter().map(|r| r.feed))
@@ -142,20 +216,27 @@ pub async fn start(config: SystemConfig) -> System {
         envoy,
         envoy_admin,
         _envoy: envoy_guard,
-        _agent: agent,
-        _router: router_guard,
-        _other_routers: other_guards,
+        agent,
+        router_guards: std::iter::once(Some(router_guard))
+            .chain(other_guards.into_iter().map(Some))
+            .collect(),
     };
     wait_ready(&system).await;
     system
 }
 
-fn start_router(config: &SystemConfig, sims: &[SimHandle]) -> (RouterAddrs, ChildGuard) {
+/// Starts a router for `sims`, on `at`'s ports when given (a restart), else on free ones.
+fn start_router(
+    config: &SystemConfig,
+    sims: &[SimHandle],
+    at: Option<RouterAddrs>,
+) -> (RouterAddrs, ChildGuard) {
+    let port = |addr: Option<SocketAddr>| addr.map_or("127.0.0.1:0".to_owned(), |a| a.to_string());
     let mut cmd = Command::new(bin_path("llmgw-router"));
     cmd.arg("serve")
-        .args(["--grpc-addr", "127.0.0.1:0"])
-        .args(["--admin-addr", "127.0.0.1:0"])
-        .args(["--feed-addr", "127.0.0.1:0"])
+        .args(["--grpc-addr", &port(at.map(|a| a.grpc))])
+        .args(["--admin-addr", &port(at.map(|a| a.admin))])
+        .args(["--feed-addr", &port(at.map(|a| a.feed))])
         .args(["--health-interval", "200ms", "--scrape-interval", "100ms"])
         .args(["--feed-grace", "5s"])
         .arg("--model")
@@ -213,7 +294,13 @@ fn start_agent(config: &SystemConfig, sims: &[SimHandle], feeds: &[SocketAddr]) 
         .args(["--admin-addr", "127.0.0.1:0"]);
     for sim in sims {
         let events = sim.events.as_deref().expect("sim publishes events");
-        cmd.arg("--engine").arg(format!("{}={events}", sim.addr));
+        let replay = sim
+            .replay
+            .as_deref()
+            .map(|r| format!(",replay={r}"))
+            .unwrap_or_default();
+        cmd.arg("--engine")
+            .arg(format!("{}={events}{replay}", sim.addr));
     }
     cmd.env(
         "LLMGW_AGENT_LOG",
