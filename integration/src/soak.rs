@@ -1,15 +1,16 @@
 //! The fault soak (`make soak`, and a short run in `make test`): the whole system on loopback
-//! (Envoy, two routers, the agent, four simulated replicas) under a steady request rate while a
-//! schedule of faults runs, one after another: a replica killed and restarted, the agent killed
-//! and restarted, the router Envoy asks killed and restarted, a replica's prefix cache reset,
-//! and a hostile feed client claiming the agent's node with counts of u32::MAX. Per fault it
-//! reports the requests sent while the fault lasted and how many did not get a 2xx, how long
-//! until every router's index equals every replica's own block list again, and the routers'
-//! RSS; the run ends by itself.
+//! (Envoy, two routers, the agent, four simulated replicas serving vLLM's replay socket) under
+//! a steady request rate while a schedule of faults runs, one after another: a replica killed
+//! and restarted, the agent killed and restarted, the router Envoy asks killed and restarted, a
+//! replica's prefix cache reset, `/tokenize` made slow on every replica, and a hostile feed
+//! client claiming the agent's node with counts of u32::MAX. Per fault it reports the requests
+//! sent during the fault's window and how many got no 2xx, how long from the fault's end until
+//! every router's index equals every replica's own block list again, and the routers' RSS at
+//! the window's end; the run ends by itself.
 //!
 //! Concurrency model: one task sends requests on a fixed schedule (each request its own task,
-//! so a slow answer never delays the next), one samples the routers' RSS once a second, and the
-//! fault schedule runs on the caller's task; results are collected behind short mutexes.
+//! so a slow answer never delays the next) and records outcomes behind a short mutex; the
+//! fault schedule, the convergence checks and the RSS readings run on the caller's task.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -53,15 +54,17 @@ pub enum Fault {
     AgentRestart,
     RouterRestart,
     PrefixCacheReset,
+    SlowTokenize,
     HostileFeed,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 5] = [
+    pub const ALL: [Fault; 6] = [
         Fault::ReplicaRestart,
         Fault::AgentRestart,
         Fault::RouterRestart,
         Fault::PrefixCacheReset,
+        Fault::SlowTokenize,
         Fault::HostileFeed,
     ];
 
@@ -71,6 +74,7 @@ impl Fault {
             Fault::AgentRestart => "agent killed and restarted",
             Fault::RouterRestart => "router (Envoy's) killed and restarted",
             Fault::PrefixCacheReset => "replica's prefix cache reset",
+            Fault::SlowTokenize => "/tokenize 300 ms slow on every replica for 3 s",
             Fault::HostileFeed => "hostile feed client (u32::MAX counts, node takeover)",
         }
     }
@@ -364,6 +368,18 @@ pub async fn run(config: SoakConfig) -> SoakReport {
             Fault::PrefixCacheReset => {
                 let url = format!("{}/reset_prefix_cache", system.sims[1].url());
                 let _ = reqwest::Client::new().post(url).send().await;
+            }
+            Fault::SlowTokenize => {
+                let client = reqwest::Client::new();
+                for ms in [300, 0] {
+                    for sim in &system.sims {
+                        let url = format!("{}/sim/tokenize_delay", sim.url());
+                        let _ = client.post(url).json(&json!({ "ms": ms })).send().await;
+                    }
+                    if ms > 0 {
+                        tokio::time::sleep(Duration::from_secs(3)).await;
+                    }
+                }
             }
             Fault::HostileFeed => {
                 let refused = hostile_feed(&system).await;

@@ -890,3 +890,40 @@ async fn the_routers_local_tokenizer_agrees_with_the_sims_tokenize() {
     assert_eq!(stats.local_mismatches.load(Ordering::Relaxed), 0);
     assert!(t.tokenizes_chat_locally("tiny"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_can_be_made_slow_at_run_time_within_a_bound() {
+    let sim = llmgw_integration::spawn_sim(["--served-model-name", "tiny"]);
+    let client = reqwest::Client::new();
+    let tokenize = || async {
+        let started = std::time::Instant::now();
+        let response = client
+            .post(format!("{}/tokenize", sim.url()))
+            .json(&serde_json::json!({"model": "tiny", "prompt": "hello there"}))
+            .send()
+            .await
+            .expect("tokenize");
+        assert_eq!(response.status().as_u16(), 200);
+        started.elapsed()
+    };
+    let set = |ms: u64| {
+        let client = client.clone();
+        let url = format!("{}/sim/tokenize_delay", sim.url());
+        async move {
+            client
+                .post(url)
+                .json(&serde_json::json!({ "ms": ms }))
+                .send()
+                .await
+                .expect("set delay")
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(set(2000).await, 200);
+    assert!(tokenize().await >= std::time::Duration::from_millis(2000));
+    // Back to none: far below the delay even on a loaded machine.
+    assert_eq!(set(0).await, 200);
+    assert!(tokenize().await < std::time::Duration::from_millis(2000));
+    assert_eq!(set(10_000_000).await, 400, "an absurd delay is refused");
+}

@@ -42,9 +42,9 @@ pub struct AppState {
     pub replica: HeaderValue,
     pub created: u64,
     pub next_id: AtomicU64,
-    /// Added before every `/tokenize` answer (`--sim-tokenize-delay-ms`), to test routers'
-    /// tokenization deadlines.
-    pub tokenize_delay: Duration,
+    /// Milliseconds added before every `/tokenize` answer (`--sim-tokenize-delay-ms`, changed
+    /// at run time by `POST /sim/tokenize_delay`), to test routers' tokenization deadlines.
+    pub tokenize_delay_ms: AtomicU64,
 }
 
 impl AppState {
@@ -81,6 +81,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/debug/blocks", get(debug_blocks))
         .route("/sim/restart", post(sim_restart))
         .route("/sim/stall", post(sim_stall))
+        .route("/sim/tokenize_delay", post(sim_tokenize_delay))
         .route("/sim/drop_seqs", post(sim_drop_seqs))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -607,8 +608,9 @@ struct TokenizeChat {
 }
 
 async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    if !state.tokenize_delay.is_zero() {
-        tokio::time::sleep(state.tokenize_delay).await;
+    let delay = state.tokenize_delay_ms.load(Ordering::Relaxed);
+    if delay > 0 {
+        tokio::time::sleep(Duration::from_millis(delay)).await;
     }
     let result = (|| {
         let probe: Value = parse(&body)?;
@@ -774,6 +776,21 @@ async fn sim_stall(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
     }
 }
 
+/// `{"ms": N}`: every later `/tokenize` answer waits N ms first (0: none).
+async fn sim_tokenize_delay(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    match parse::<StallRequest>(&body) {
+        Ok(req) if req.ms <= MAX_STALL_MS => {
+            state.tokenize_delay_ms.store(req.ms, Ordering::Relaxed);
+            Json(json!({"ok": true})).into_response()
+        }
+        Ok(req) => {
+            ApiError::bad_request(format!("ms must be at most {MAX_STALL_MS}, got {}", req.ms))
+                .into_response()
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
 #[derive(Debug, Deserialize)]
 struct DropRequest {
     from: u64,
@@ -848,7 +865,7 @@ mod tests {
                     replica: HeaderValue::from_static("test"),
                     created: 0,
                     next_id: AtomicU64::new(0),
-                    tokenize_delay: Duration::ZERO,
+                    tokenize_delay_ms: AtomicU64::new(0),
                 });
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                 tx.send(format!("http://{}", listener.local_addr().unwrap()))

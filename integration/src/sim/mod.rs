@@ -210,7 +210,7 @@ pub async fn run(cli: Cli) -> Result<(), SimError> {
         names,
         root: cli.model_tag.clone().unwrap_or_else(|| cli.model.clone()),
         max_model_len: cli.max_model_len,
-        tokenize_delay: Duration::from_millis(cli.sim_tokenize_delay_ms),
+        tokenize_delay_ms: std::sync::atomic::AtomicU64::new(cli.sim_tokenize_delay_ms),
         tokenizer,
         engine,
         faults,
