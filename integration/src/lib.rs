@@ -2,6 +2,7 @@
 //! workspace's binaries and Envoy, picking loopback ports, and child processes that never
 //! outlive a test.
 
+pub mod feed_client;
 pub mod routing_bench;
 pub mod scale_bench;
 pub mod sim;

@@ -20,6 +20,7 @@ use llmgw_feed_proto::v1 as pb;
 use parking_lot::Mutex;
 use serde_json::json;
 
+use crate::feed_client::{FeedClient, refusal};
 use crate::scale_bench::parse_status_rss_mib;
 use crate::system::{self, System, SystemConfig};
 
@@ -258,70 +259,46 @@ fn routers_rss(system: &System) -> Vec<f64> {
         .collect()
 }
 
-/// A hostile node: claims the agent's node on every router with one engine on a real replica
-/// and a snapshot of one block of count u32::MAX, then goes away. Returns whether every router
-/// refused the engine (and stayed up).
+/// A hostile node: claims the agent's node on every router (taking it over from the agent)
+/// with one engine on a real replica and a snapshot of one block of count u32::MAX, then goes
+/// away. Returns whether every router refused the engine (and stayed up).
 async fn hostile_feed(system: &System) -> bool {
+    let engine = system.sims[0].addr.to_string();
+    let hello = pb::agent_message::Body::Hello(pb::Hello {
+        node: system.config.node.clone(),
+        agent_version: "hostile".into(),
+        engines: vec![pb::EngineInfo {
+            engine: engine.clone(),
+            replica: engine.clone(),
+            model: system.config.model.clone(),
+            // The router's own settings, so that the ceiling is what refuses it.
+            block_size: u32::try_from(system.config.block_size).unwrap_or(16),
+            hash_algo: "sha256_cbor".into(),
+            hash_seed_set: true,
+        }],
+    });
+    let snapshot = pb::agent_message::Body::Snapshot(pb::Snapshot {
+        engine,
+        blocks: vec![pb::Block {
+            hash: 1,
+            count: u32::MAX,
+            ..pb::Block::default()
+        }],
+        ..pb::Snapshot::default()
+    });
     let mut refused_everywhere = true;
     for router in system.routers() {
-        let Ok(endpoint) =
-            tonic::transport::Endpoint::from_shared(format!("http://{}", router.feed))
-        else {
+        let Ok(mut stream) = FeedClient::connect(router.feed).await else {
             return false;
         };
-        let Ok(channel) = endpoint.connect().await else {
-            return false;
+        let refused = match stream.send(hello.clone()).await {
+            Ok(_) => stream
+                .send(snapshot.clone())
+                .await
+                .is_ok_and(|replies| refusal(&replies).is_some()),
+            Err(_) => false,
         };
-        let (tx, rx) = tokio::sync::mpsc::channel(4);
-        let hello = pb::agent_message::Body::Hello(pb::Hello {
-            node: system.config.node.clone(),
-            agent_version: "hostile".into(),
-            engines: vec![pb::EngineInfo {
-                engine: system.sims[0].addr.to_string(),
-                replica: system.sims[0].addr.to_string(),
-                model: system.config.model.clone(),
-                // The router's own settings, so that the ceiling is what refuses it.
-                block_size: u32::try_from(system.config.block_size).unwrap_or(16),
-                hash_algo: "sha256_cbor".into(),
-                hash_seed_set: true,
-            }],
-        });
-        let snapshot = pb::agent_message::Body::Snapshot(pb::Snapshot {
-            engine: system.sims[0].addr.to_string(),
-            blocks: vec![pb::Block {
-                hash: 1,
-                count: u32::MAX,
-                ..pb::Block::default()
-            }],
-            ..pb::Snapshot::default()
-        });
-        for (id, body) in [(1, hello), (2, snapshot)] {
-            let _ = tx
-                .send(pb::AgentMessage {
-                    id,
-                    body: Some(body),
-                })
-                .await;
-        }
-        let Ok(response) = pb::feed_client::FeedClient::new(channel)
-            .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-        else {
-            return false;
-        };
-        let mut inbound = response.into_inner();
-        let mut refused = false;
-        while let Ok(Ok(Some(msg))) =
-            tokio::time::timeout(Duration::from_secs(5), inbound.message()).await
-        {
-            match msg.body {
-                Some(pb::router_message::Body::Refused(_)) => refused = true,
-                Some(pb::router_message::Body::Ack(ack)) if ack.id == 2 => break,
-                _ => {}
-            }
-        }
         refused_everywhere &= refused;
-        drop(tx);
     }
     refused_everywhere
 }

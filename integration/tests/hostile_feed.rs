@@ -7,83 +7,12 @@
 mod router_support;
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use llmgw_feed_proto::v1 as pb;
+use llmgw_integration::feed_client::{FeedClient, refusal};
 use llmgw_integration::free_port;
 use router_support::*;
-use tokio::sync::mpsc;
 use tonic::Code;
-
-/// One hand-driven agent stream on the router's feed port.
-struct Feed {
-    tx: mpsc::Sender<pb::AgentMessage>,
-    rx: tonic::Streaming<pb::RouterMessage>,
-    next_id: u64,
-}
-
-impl Feed {
-    async fn connect(addr: SocketAddr) -> Feed {
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-            .expect("endpoint")
-            .connect()
-            .await
-            .expect("connect to the feed");
-        let (tx, rx) = mpsc::channel(4);
-        let rx = pb::feed_client::FeedClient::new(channel)
-            .max_encoding_message_size(usize::MAX)
-            .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .expect("open a feed stream")
-            .into_inner();
-        Feed { tx, rx, next_id: 0 }
-    }
-
-    /// Sends `body`; returns the replies up to its acknowledgement, or the status the router
-    /// ended the stream with.
-    async fn send(
-        &mut self,
-        body: pb::agent_message::Body,
-    ) -> Result<Vec<pb::RouterMessage>, tonic::Status> {
-        self.next_id += 1;
-        let id = self.next_id;
-        if self
-            .tx
-            .send(pb::AgentMessage {
-                id,
-                body: Some(body),
-            })
-            .await
-            .is_err()
-        {
-            return Err(tonic::Status::cancelled("stream gone"));
-        }
-        let mut replies = Vec::new();
-        loop {
-            let reply = tokio::time::timeout(Duration::from_secs(20), self.rx.message())
-                .await
-                .expect("the router answers")?
-                .ok_or_else(|| tonic::Status::cancelled("stream closed"))?;
-            let acked = matches!(reply.body, Some(pb::router_message::Body::Ack(pb::Ack { id: a })) if a == id);
-            replies.push(reply);
-            if acked {
-                return Ok(replies);
-            }
-        }
-    }
-
-    /// The status that ends the stream.
-    async fn ended(mut self) -> tonic::Status {
-        loop {
-            match tokio::time::timeout(Duration::from_secs(20), self.rx.message()).await {
-                Ok(Ok(Some(_))) => {}
-                Ok(Ok(None)) => return tonic::Status::ok("closed"),
-                Ok(Err(status)) => return status,
-                Err(_) => panic!("the router never ended the stream"),
-            }
-        }
-    }
-}
 
 fn hello(replica: SocketAddr) -> pb::agent_message::Body {
     pb::agent_message::Body::Hello(pb::Hello {
@@ -111,13 +40,6 @@ fn block(hash: u64, count: u32) -> pb::Block {
         count,
         ..pb::Block::default()
     }
-}
-
-fn refusal(replies: &[pb::RouterMessage]) -> Option<String> {
-    replies.iter().find_map(|r| match &r.body {
-        Some(pb::router_message::Body::Refused(f)) => Some(f.reason.clone()),
-        _ => None,
-    })
 }
 
 /// The router's peak resident memory so far, in MiB.
@@ -186,7 +108,9 @@ async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
             vec![block(1, 3_000_000_000), block(1, 3_000_000_000)],
         ),
     ] {
-        let mut feed = Feed::connect(router.feed).await;
+        let mut feed = FeedClient::connect(router.feed)
+            .await
+            .expect("connect to the feed");
         feed.send(hello(a.addr)).await.expect("Hello");
         let replies = feed
             .send(snapshot(blocks))
@@ -200,7 +124,9 @@ async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
     }
 
     // A message far over the size limit is refused before it is decoded.
-    let mut feed = Feed::connect(router.feed).await;
+    let mut feed = FeedClient::connect(router.feed)
+        .await
+        .expect("connect to the feed");
     feed.send(hello(a.addr)).await.expect("Hello");
     let huge: Vec<pb::Block> = (0..1_500_000u64).map(|h| block(h, 1)).collect();
     let status = feed.send(snapshot(huge)).await.expect_err("too large");
@@ -208,7 +134,9 @@ async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
     still_routing(&router, &envoy, "an oversized message").await;
 
     // A stream breaking the protocol ends, unapplied.
-    let mut feed = Feed::connect(router.feed).await;
+    let mut feed = FeedClient::connect(router.feed)
+        .await
+        .expect("connect to the feed");
     feed.send(hello(a.addr)).await.expect("Hello");
     let status = feed
         .send(pb::agent_message::Body::Delta(pb::Delta {
@@ -225,14 +153,18 @@ async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
 
     // The real agent streams; an intruder claims its node; the agent comes back. No block of
     // the intruder remains, and the agent's later changes apply.
-    let mut agent = Feed::connect(router.feed).await;
+    let mut agent = FeedClient::connect(router.feed)
+        .await
+        .expect("connect to the feed");
     agent.send(hello(a.addr)).await.expect("Hello");
     agent
         .send(snapshot(vec![block(10, 1), block(11, 1)]))
         .await
         .expect("snapshot");
     assert_eq!(blocks_of(&router, a.addr).await, [10, 11]);
-    let mut intruder = Feed::connect(router.feed).await;
+    let mut intruder = FeedClient::connect(router.feed)
+        .await
+        .expect("connect to the feed");
     intruder.send(hello(a.addr)).await.expect("Hello");
     intruder
         .send(snapshot(vec![block(66, 1)]))
@@ -241,7 +173,9 @@ async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
     assert_eq!(blocks_of(&router, a.addr).await, [66]);
     let status = agent.ended().await;
     assert_eq!(status.code(), Code::Aborted, "{status:?}");
-    let mut agent = Feed::connect(router.feed).await;
+    let mut agent = FeedClient::connect(router.feed)
+        .await
+        .expect("connect to the feed");
     agent.send(hello(a.addr)).await.expect("Hello");
     assert!(
         blocks_of(&router, a.addr).await.is_empty(),
