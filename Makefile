@@ -177,3 +177,15 @@ fuzz-feed:
 	mkdir -p $(FUZZ_DIR)/corpus/feed_session
 	RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR=$(FUZZ_DIR)/router $(CARGO) fuzz run --fuzz-dir fuzz feed_session \
 	  $(FUZZ_DIR)/corpus/feed_session -- -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1
+
+# The fault soak: Envoy, two routers, the agent and four simulated replicas under steady load
+# while a replica, the agent and a router are killed and restarted, a prefix cache is reset,
+# /tokenize is slowed and a hostile feed client claims the node; prints a table per fault
+# (non-2xx, time until every index equals the replicas, RSS) and fails when a goal is missed.
+# Stops by itself (about 3.5 minutes by default); a one-minute run is part of `make test`
+# (integration/tests/soak.rs). docs/robustness.md has the table.
+# `make soak SOAK_ARGS="--fault-window-secs 120"` for longer.
+.PHONY: soak
+soak: $(ENVOY)
+	$(CARGO) build --release -p llmgw -p llmgw-agent -p llmgw-integration --bins
+	target/release/llmgw-soak $(SOAK_ARGS)
