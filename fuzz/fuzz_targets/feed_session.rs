@@ -69,7 +69,12 @@ fn configured(moved: bool) -> NodeMap {
     map.insert("n1".into(), ["r1".to_owned(), "r2".to_owned()].into());
     map.insert(
         "n2".into(),
-        if moved { ["r1".to_owned()] } else { ["r3".to_owned()] }.into(),
+        if moved {
+            ["r1".to_owned()]
+        } else {
+            ["r3".to_owned()]
+        }
+        .into(),
     );
     map
 }
@@ -78,7 +83,12 @@ fn configured(moved: bool) -> NodeMap {
 fn index_view(index: &KvIndex) -> BTreeMap<String, BTreeSet<u64>> {
     REPLICAS
         .iter()
-        .map(|r| (r.to_string(), index.replica_blocks(r).into_iter().map(|h| h.0).collect()))
+        .map(|r| {
+            (
+                r.to_string(),
+                index.replica_blocks(r).into_iter().map(|h| h.0).collect(),
+            )
+        })
         .filter(|(_, held): &(String, BTreeSet<u64>)| !held.is_empty())
         .collect()
 }
@@ -126,7 +136,11 @@ fuzz_target!(|ops: Vec<Op>| {
                 None
             }
             Op::Raw(i, bytes) => pick(i).zip(pb::AgentMessage::decode(bytes.as_slice()).ok()),
-            Op::Hello { stream, node, engines } => pick(stream).map(|s| {
+            Op::Hello {
+                stream,
+                node,
+                engines,
+            } => pick(stream).map(|s| {
                 let body = pb::agent_message::Body::Hello(pb::Hello {
                     node: NODES[usize::from(node) % NODES.len()].into(),
                     agent_version: String::new(),
@@ -139,9 +153,22 @@ fuzz_target!(|ops: Vec<Op>| {
                         })
                         .collect(),
                 });
-                (s, pb::AgentMessage { id: 0, body: Some(body) })
+                (
+                    s,
+                    pb::AgentMessage {
+                        id: 0,
+                        body: Some(body),
+                    },
+                )
             }),
-            Op::Snapshot { stream, engine, epoch, seq, blocks: list, more } => pick(stream).map(|s| {
+            Op::Snapshot {
+                stream,
+                engine,
+                epoch,
+                seq,
+                blocks: list,
+                more,
+            } => pick(stream).map(|s| {
                 let body = pb::agent_message::Body::Snapshot(pb::Snapshot {
                     engine: ENGINES[usize::from(engine) % ENGINES.len()].into(),
                     epoch: u64::from(epoch % 4),
@@ -150,9 +177,23 @@ fuzz_target!(|ops: Vec<Op>| {
                     hash_status: 0,
                     more,
                 });
-                (s, pb::AgentMessage { id: 0, body: Some(body) })
+                (
+                    s,
+                    pb::AgentMessage {
+                        id: 0,
+                        body: Some(body),
+                    },
+                )
             }),
-            Op::Delta { stream, engine, epoch, seq, reset, stored, removed } => pick(stream).map(|s| {
+            Op::Delta {
+                stream,
+                engine,
+                epoch,
+                seq,
+                reset,
+                stored,
+                removed,
+            } => pick(stream).map(|s| {
                 let body = pb::agent_message::Body::Delta(pb::Delta {
                     engine: ENGINES[usize::from(engine) % ENGINES.len()].into(),
                     epoch: u64::from(epoch % 4),
@@ -162,7 +203,13 @@ fuzz_target!(|ops: Vec<Op>| {
                     removed: blocks(&removed),
                     oldest_event_ts: 0.0,
                 });
-                (s, pb::AgentMessage { id: 0, body: Some(body) })
+                (
+                    s,
+                    pb::AgentMessage {
+                        id: 0,
+                        body: Some(body),
+                    },
+                )
             }),
         };
         if let Some((stream, mut msg)) = message {
