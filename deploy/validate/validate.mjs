@@ -125,6 +125,26 @@ function merge(base, patch) {
   return patch;
 }
 
+const ROUTER_FILTER = { name: "envoy.filters.http.router", typed_config: { "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router" } };
+const UPSTREAM = { name: "upstream", type: "STATIC", connect_timeout: "1s", load_assignment: { cluster_name: "upstream", endpoints: [] } };
+
+// A listener with one HTTP connection manager routing everything to `upstream` through `httpFilters`.
+function hcmListener(httpFilters) {
+  return {
+    name: "l",
+    address: { socket_address: { address: "127.0.0.1", port_value: 10000 } },
+    filter_chains: [{ filters: [{
+      name: "envoy.filters.network.http_connection_manager",
+      typed_config: {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        stat_prefix: "l",
+        route_config: { virtual_hosts: [{ name: "v", domains: ["*"], routes: [{ match: { prefix: "/" }, route: { cluster: "upstream" } }] }] },
+        http_filters: httpFilters,
+      },
+    }] }],
+  };
+}
+
 function checkEnvoyFilter(where, obj) {
   (obj.spec?.configPatches || []).forEach((p, i) => {
     const at = `${where} configPatches[${i}] ${p.applyTo}`;
@@ -132,25 +152,8 @@ function checkEnvoyFilter(where, obj) {
     if (!value) return;
     if (p.applyTo === "HTTP_FILTER") {
       const clusters = [...grpcClusters(value)].map(h2Cluster);
-      clusters.push({ name: "upstream", type: "STATIC", connect_timeout: "1s", load_assignment: { cluster_name: "upstream", endpoints: [] } });
-      envoyValidate(at, {
-        static_resources: {
-          listeners: [{
-            name: "l",
-            address: { socket_address: { address: "127.0.0.1", port_value: 10000 } },
-            filter_chains: [{ filters: [{
-              name: "envoy.filters.network.http_connection_manager",
-              typed_config: {
-                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                stat_prefix: "l",
-                route_config: { virtual_hosts: [{ name: "v", domains: ["*"], routes: [{ match: { prefix: "/" }, route: { cluster: "upstream" } }] }] },
-                http_filters: [value, { name: "envoy.filters.http.router", typed_config: { "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router" } }],
-              },
-            }] }],
-          }],
-          clusters,
-        },
-      });
+      clusters.push(UPSTREAM);
+      envoyValidate(at, { static_resources: { listeners: [hcmListener([value, ROUTER_FILTER])], clusters } });
     } else if (p.applyTo === "CLUSTER") {
       // An EDS cluster as Istio builds it (lb_policy LEAST_REQUEST, Istio's default) is replaced
       // by a STATIC one with two endpoints: the merged load_balancing_policy must validate beside it.
@@ -168,22 +171,9 @@ function checkEnvoyFilter(where, obj) {
       envoyValidate(at, { static_resources: { clusters: [cluster] } });
     } else if (p.applyTo === "LISTENER") {
       // Merged into a listener as the proxy has one (an HTTP connection manager to a cluster).
-      const base = {
-        name: "l",
-        address: { socket_address: { address: "127.0.0.1", port_value: 10000 } },
-        filter_chains: [{ filters: [{
-          name: "envoy.filters.network.http_connection_manager",
-          typed_config: {
-            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-            stat_prefix: "l",
-            route_config: { virtual_hosts: [{ name: "v", domains: ["*"], routes: [{ match: { prefix: "/" }, route: { cluster: "upstream" } }] }] },
-            http_filters: [{ name: "envoy.filters.http.router", typed_config: { "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router" } }],
-          },
-        }] }],
-      };
+      const base = hcmListener([ROUTER_FILTER]);
       const listener = p.patch.operation === "MERGE" ? merge(base, value) : value;
-      const upstream = { name: "upstream", type: "STATIC", connect_timeout: "1s", load_assignment: { cluster_name: "upstream", endpoints: [] } };
-      envoyValidate(at, { static_resources: { listeners: [listener], clusters: [upstream] } });
+      envoyValidate(at, { static_resources: { listeners: [listener], clusters: [UPSTREAM] } });
     } else {
       fail(at, "no Envoy check for this applyTo; add one to validate.mjs");
     }
