@@ -95,6 +95,8 @@ pub struct FaultReport {
     pub converged_after: Option<Duration>,
     /// Each router's RSS at the window's end, MiB.
     pub rss_mib: Vec<f64>,
+    /// When the indexes never equalled the replicas: how they differed at the bound.
+    pub divergence: Option<String>,
 }
 
 /// The whole run.
@@ -308,6 +310,32 @@ async fn hostile_feed(system: &System) -> bool {
     refused_everywhere
 }
 
+/// Per replica and router where they differ: blocks the replica holds that the index lacks, and
+/// blocks the index holds that the replica does not.
+async fn divergence(system: &System) -> String {
+    let mut out = Vec::new();
+    for sim in &system.sims {
+        let truth: std::collections::BTreeSet<u64> =
+            system::sim_blocks(sim).await.into_iter().collect();
+        for (i, router) in system.routers().into_iter().enumerate() {
+            let held: std::collections::BTreeSet<u64> = system::router_blocks_at(router, sim.addr)
+                .await
+                .into_iter()
+                .collect();
+            let missing = truth.difference(&held).count();
+            let extra = held.difference(&truth).count();
+            if missing + extra > 0 {
+                out.push(format!(
+                    "replica {} on router {i}: {missing} missing, {extra} extra of {}",
+                    sim.addr,
+                    truth.len()
+                ));
+            }
+        }
+    }
+    out.join("; ")
+}
+
 /// Runs the soak; panics (test-support code) only when the system cannot start or restart a
 /// process.
 pub async fn run(config: SoakConfig) -> SoakReport {
@@ -372,6 +400,11 @@ pub async fn run(config: SoakConfig) -> SoakReport {
         let fault_done = Instant::now();
         let converged = system::converged(&system, config.converge_within).await;
         let converged_after = converged.then(|| fault_done.elapsed());
+        let divergence = if converged {
+            None
+        } else {
+            Some(divergence(&system).await)
+        };
         let end = (start + config.fault_window).max(Instant::now());
         tokio::time::sleep(end.saturating_duration_since(Instant::now())).await;
         windows.push((start, end));
@@ -382,6 +415,7 @@ pub async fn run(config: SoakConfig) -> SoakReport {
             failure_statuses: Vec::new(),
             converged_after,
             rss_mib: routers_rss(&system),
+            divergence,
         });
     }
     tokio::time::sleep(config.settle).await;

@@ -8,7 +8,10 @@
 //! replayed seq above the one asked, a replay that fails or times out, or no replay endpoint at
 //! all resets the engine. A seq going backwards means the engine restarted: reset, and replay
 //! the new life's batches from 0 up to the first one heard (vLLM buffers them; they went by while
-//! the SUB was reconnecting). The first batch heard at all, if above 0, is replayed from 0 too.
+//! the SUB was reconnecting). The first batch heard at all, if above 0, is replayed from 0 too,
+//! and with a replay socket the intake asks for everything buffered from 0 as soon as it starts,
+//! so an engine idle since before the agent started is mirrored without waiting for its next
+//! batch.
 //! Messages that are not 3 frames are counted and dropped.
 //!
 //! # Concurrency model
@@ -186,6 +189,7 @@ impl Intake {
         // disconnect the intake dials afresh instead. A bound SUB waits for vLLM, which
         // re-dials every 100 ms.
         let mut socket_events = (!self.endpoint.bind).then(|| sock.monitor());
+        self.replay_at_start(&mut tracker).await?;
         loop {
             let received = tokio::select! {
                 r = sock.recv() => Some(r),
@@ -261,6 +265,44 @@ impl Intake {
                 }
             }
         }
+    }
+
+    /// An engine may have cached blocks before this agent started and then publish nothing for
+    /// long (an idle replica), so waiting for its first live batch would leave the mirror empty
+    /// meanwhile: with a replay socket, ask for everything buffered from 0 at once. The SUB is
+    /// already subscribed, so batches published during the replay arrive after it (as
+    /// duplicates, or as a gap filled as usual). A buffer that no longer starts at 0 is left to
+    /// the first live batch, as without replay.
+    async fn replay_at_start(&self, tracker: &mut SeqTracker) -> Result<(), ZmqError> {
+        let Some(ep) = &self.endpoint.replay else {
+            return Ok(());
+        };
+        let items = match replay(ep, 0, self.replay_timeout).await {
+            Ok(items) => items,
+            Err(e) => {
+                tracing::info!(engine = &*self.engine, error = %e, "no replay at start");
+                return Ok(());
+            }
+        };
+        if items.first().is_none_or(|(seq, _)| *seq != 0) {
+            return Ok(());
+        }
+        let mut next = SeqTracker::expecting(0);
+        for (seq, payload) in items {
+            if !matches!(next.observe(seq), SeqVerdict::InOrder) {
+                break;
+            }
+            self.deliver(seq, &payload).await?;
+            next.applied(seq);
+        }
+        tracing::info!(
+            engine = &*self.engine,
+            upto = next.expected().unwrap_or(0),
+            "replayed the engine's buffered batches at start"
+        );
+        self.count_replay("at_start");
+        *tracker = next;
+        Ok(())
     }
 
     fn count_gap(&self, from: u64, to: u64) {

@@ -553,3 +553,43 @@ async fn an_engine_first_heard_after_seq_0_is_replayed_from_0() {
     assert_eq!(rig.replays("filled"), 1);
     assert_eq!(rig.resets("gap") + rig.resets("restart"), 0);
 }
+
+#[tokio::test]
+async fn an_idle_engines_buffered_batches_are_replayed_when_the_intake_starts() {
+    let frames = frames();
+    let mut publisher = Publisher::start(
+        "tcp://127.0.0.1:0",
+        false,
+        Some("tcp://127.0.0.1:0"),
+        "kv",
+        ReplyShape::WithTopic,
+        100,
+    )
+    .await
+    .expect("publisher binds");
+    // Published before the agent came up; the engine then stays idle.
+    for f in &frames[..4] {
+        publisher.publish_lost(f.seq, &f.payload);
+    }
+    let (rig, _) = rig(EngineEndpoint {
+        endpoint: publisher.endpoint.clone(),
+        bind: false,
+        replay: publisher.replay_endpoint.clone(),
+        topic: "kv".into(),
+    })
+    .await;
+    let want = expected_blocks(&frames[..4]);
+    assert!(!want.is_empty());
+    rig.wait_for("batches 0..=3 without a live one", |r| r.hashes() == want)
+        .await;
+    assert_eq!(rig.replays("at_start"), 1);
+    // The next live batch follows on in order.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    publisher
+        .publish(frames[4].seq, &frames[4].payload)
+        .await
+        .expect("publish");
+    let want = expected_blocks(&frames[..5]);
+    rig.wait_for("batch 4", |r| r.hashes() == want).await;
+    assert_eq!(rig.resets("gap") + rig.resets("restart"), 0);
+}
