@@ -114,7 +114,7 @@ impl Metrics {
         );
         registry.register(
             "replays",
-            "Replay requests by outcome (filled, loss, failed)",
+            "Replay requests by outcome (filled, loss, failed; at_start: the buffer replayed when the intake started)",
             replays.clone(),
         );
         registry.register("resets", "Engine resets by reason", resets.clone());
