@@ -147,8 +147,9 @@ async fn rig(endpoint: EngineEndpoint) -> (Rig, Option<String>) {
 
 /// A publisher bound on a free port (with a replay ROUTER when `shape` is given) and an
 /// intake connected to it, subscribed once the subscription has had time to propagate.
-async fn connected(shape: Option<ReplyShape>, buffer_steps: usize) -> (Publisher, Rig) {
-    let publisher = Publisher::start(
+/// An engine's PUB on a free port, with a replay ROUTER answering in `shape` when given.
+async fn publisher(shape: Option<ReplyShape>, buffer_steps: usize) -> Publisher {
+    Publisher::start(
         "tcp://127.0.0.1:0",
         false,
         shape.map(|_| "tcp://127.0.0.1:0"),
@@ -157,14 +158,24 @@ async fn connected(shape: Option<ReplyShape>, buffer_steps: usize) -> (Publisher
         buffer_steps,
     )
     .await
-    .expect("publisher binds");
-    let (rig, _) = rig(EngineEndpoint {
+    .expect("publisher binds")
+}
+
+/// An intake dialling `publisher` (and its replay socket, if any).
+async fn rig_on(publisher: &Publisher) -> Rig {
+    rig(EngineEndpoint {
         endpoint: publisher.endpoint.clone(),
         bind: false,
         replay: publisher.replay_endpoint.clone(),
         topic: "kv".into(),
     })
-    .await;
+    .await
+    .0
+}
+
+async fn connected(shape: Option<ReplyShape>, buffer_steps: usize) -> (Publisher, Rig) {
+    let publisher = publisher(shape, buffer_steps).await;
+    let rig = rig_on(&publisher).await;
     // PUB drops messages until the SUB's subscription has arrived.
     tokio::time::sleep(Duration::from_millis(300)).await;
     (publisher, rig)
@@ -557,27 +568,12 @@ async fn an_engine_first_heard_after_seq_0_is_replayed_from_0() {
 #[tokio::test]
 async fn an_idle_engines_buffered_batches_are_replayed_when_the_intake_starts() {
     let frames = frames();
-    let mut publisher = Publisher::start(
-        "tcp://127.0.0.1:0",
-        false,
-        Some("tcp://127.0.0.1:0"),
-        "kv",
-        ReplyShape::WithTopic,
-        100,
-    )
-    .await
-    .expect("publisher binds");
+    let mut publisher = publisher(Some(ReplyShape::WithTopic), 100).await;
     // Published before the agent came up; the engine then stays idle.
     for f in &frames[..4] {
         publisher.publish_lost(f.seq, &f.payload);
     }
-    let (rig, _) = rig(EngineEndpoint {
-        endpoint: publisher.endpoint.clone(),
-        bind: false,
-        replay: publisher.replay_endpoint.clone(),
-        topic: "kv".into(),
-    })
-    .await;
+    let rig = rig_on(&publisher).await;
     let want = expected_blocks(&frames[..4]);
     assert!(!want.is_empty());
     rig.wait_for("batches 0..=3 without a live one", |r| r.hashes() == want)
