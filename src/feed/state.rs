@@ -239,6 +239,19 @@ fn refused_reply(engine: String, replica: String, reason: String) -> pb::RouterM
     }
 }
 
+/// The copies `blocks` report in group 0, summed without overflow.
+fn copies_of(blocks: &[pb::Block]) -> u64 {
+    blocks
+        .iter()
+        .filter(|b| b.group == 0)
+        .fold(0u64, |sum, b| sum.saturating_add(u64::from(b.count)))
+}
+
+/// Where a tier's changes go in the per-tier arrays below (in [`MEDIA`] order).
+fn tier(medium: Medium) -> usize {
+    usize::from(medium == Medium::Offloaded)
+}
+
 /// Adds `blocks` (group 0 only) to `into` and their copies to `held`, unless that would take
 /// `held` over `max`: then nothing is added and the error is the total they would make.
 fn add_blocks(
@@ -247,11 +260,7 @@ fn add_blocks(
     blocks: &[pb::Block],
     max: u64,
 ) -> Result<(), u64> {
-    let adding = blocks
-        .iter()
-        .filter(|b| b.group == 0)
-        .fold(0u64, |sum, b| sum.saturating_add(u64::from(b.count)));
-    let total = held.saturating_add(adding);
+    let total = held.saturating_add(copies_of(blocks));
     if total > max {
         return Err(total);
     }
@@ -272,7 +281,7 @@ fn by_medium(
 ) -> [Vec<(ExternalHash, u32)>; 2] {
     let mut out = [Vec::new(), Vec::new()];
     for ((hash, medium), copies) in blocks {
-        out[usize::from(medium == Medium::Offloaded)].push((hash, copies));
+        out[tier(medium)].push((hash, copies));
     }
     out
 }
@@ -384,13 +393,18 @@ impl FeedState {
 
     fn check_hello(&self, hello: &pb::Hello) -> Result<(), StreamEnd> {
         let max = self.limits.max_name_bytes;
-        let bad = |what: &str, name: &str| (name.is_empty() && what != "model") || name.len() > max;
-        if bad("node", &hello.node) {
-            return Err(violation(
-                Violation::BadName,
-                format!("node name of {} bytes (1 to {max})", hello.node.len()),
-            ));
-        }
+        // A name of 1 to max bytes, or 0 to max when `optional`.
+        let check = |what: &str, name: &str, optional: bool| {
+            let min = usize::from(!optional);
+            if name.len() < min || name.len() > max {
+                return Err(violation(
+                    Violation::BadName,
+                    format!("{what} name of {} bytes ({min} to {max})", name.len()),
+                ));
+            }
+            Ok(())
+        };
+        check("node", &hello.node, false)?;
         if hello.engines.len() > self.limits.max_engines_per_hello {
             return Err(violation(
                 Violation::TooManyEngines,
@@ -403,18 +417,9 @@ impl FeedState {
         }
         let mut seen = HashSet::new();
         for e in &hello.engines {
-            for (what, name) in [
-                ("engine", &e.engine),
-                ("replica", &e.replica),
-                ("model", &e.model),
-            ] {
-                if bad(what, name) {
-                    return Err(violation(
-                        Violation::BadName,
-                        format!("{what} name of {} bytes (1 to {max})", name.len()),
-                    ));
-                }
-            }
+            check("engine", &e.engine, false)?;
+            check("replica", &e.replica, false)?;
+            check("model", &e.model, true)?;
             if !seen.insert(e.engine.as_str()) {
                 return Err(violation(
                     Violation::DuplicateEngine,
@@ -727,18 +732,11 @@ impl FeedState {
         }
         // Check the ceiling on what the engine would hold before touching anything.
         let base = if d.reset { 0 } else { view.held };
-        let adding = d
-            .stored
-            .iter()
-            .filter(|b| b.group == 0)
-            .fold(0u64, |sum, b| sum.saturating_add(u64::from(b.count)));
-        if base.saturating_add(adding) > max {
+        let total = base.saturating_add(copies_of(&d.stored));
+        if total > max {
             let why = format!(
-                "delta {}.{} of engine {} would hold {} block copies, over the ceiling of {max}",
-                d.epoch,
-                d.seq,
-                d.engine,
-                base.saturating_add(adding)
+                "delta {}.{} of engine {} would hold {total} block copies, over the ceiling of {max}",
+                d.epoch, d.seq, d.engine,
             );
             self.refuse_engine(
                 sink,
@@ -770,16 +768,14 @@ impl FeedState {
         // docs), so a stored block already held changes nothing there.
         let mut stored = [Vec::new(), Vec::new()];
         for b in d.stored.iter().filter(|b| b.group == 0 && b.count > 0) {
-            let medium = medium_of(b.medium);
-            if !view.blocks.contains_key(&(ExternalHash(b.hash), medium)) {
-                stored[usize::from(medium == Medium::Offloaded)].push((ExternalHash(b.hash), 1));
+            let key = (ExternalHash(b.hash), medium_of(b.medium));
+            let copies = view.blocks.entry(key).or_insert(0);
+            if *copies == 0 {
+                stored[tier(key.1)].push((key.0, 1));
             }
-            let mut held = view.held;
-            if add_blocks(&mut view.blocks, &mut held, std::slice::from_ref(b), max).is_err() {
-                // Cannot happen: the whole delta was checked against the ceiling above.
-                break;
-            }
-            view.held = held;
+            // Bounded: the delta's copies were checked against the ceiling above.
+            *copies = copies.saturating_add(b.count);
+            view.held = view.held.saturating_add(u64::from(b.count));
         }
         let mut removed = [Vec::new(), Vec::new()];
         for b in d.removed.iter().filter(|b| b.group == 0 && b.count > 0) {
@@ -793,7 +789,7 @@ impl FeedState {
             view.held = view.held.saturating_sub(u64::from(n));
             if *copies == 0 {
                 view.blocks.remove(&key);
-                removed[usize::from(medium == Medium::Offloaded)].push((key.0, 1));
+                removed[tier(medium)].push((key.0, 1));
             }
         }
         for (medium, blocks) in MEDIA.iter().zip(&stored) {
