@@ -318,28 +318,27 @@ pub const SNAPSHOT_PART_BLOCKS: usize = 65_536;
 /// An engine's snapshot as feed messages: one, or parts of at most [`SNAPSHOT_PART_BLOCKS`]
 /// blocks, all but the last marked `more`.
 fn snapshot_messages(s: &EngineSnapshot) -> Vec<pb::agent_message::Body> {
-    let mut all = blocks(s.snapshot.blocks.iter().copied());
+    let all = blocks(s.snapshot.blocks.iter().copied());
     let hash_status = match s.hash {
         HashStatus::Unchecked => pb::HashStatus::Unchecked as i32,
         HashStatus::Verified => pb::HashStatus::Verified as i32,
         HashStatus::Mismatch => pb::HashStatus::Mismatch as i32,
     };
-    let mut parts = Vec::with_capacity(all.len().div_ceil(SNAPSHOT_PART_BLOCKS).max(1));
-    loop {
-        let rest = all.split_off(all.len().min(SNAPSHOT_PART_BLOCKS));
-        let more = !rest.is_empty();
-        parts.push(pb::agent_message::Body::Snapshot(pb::Snapshot {
-            engine: s.engine.0.to_string(),
-            epoch: s.snapshot.epoch,
-            seq: s.snapshot.seq,
-            blocks: std::mem::replace(&mut all, rest),
-            hash_status,
-            more,
-        }));
-        if !more {
-            return parts;
-        }
-    }
+    let count = all.len().div_ceil(SNAPSHOT_PART_BLOCKS).max(1);
+    // Each block moves once, into its part.
+    let mut blocks = all.into_iter();
+    (0..count)
+        .map(|i| {
+            pb::agent_message::Body::Snapshot(pb::Snapshot {
+                engine: s.engine.0.to_string(),
+                epoch: s.snapshot.epoch,
+                seq: s.snapshot.seq,
+                blocks: blocks.by_ref().take(SNAPSHOT_PART_BLOCKS).collect(),
+                hash_status,
+                more: i + 1 < count,
+            })
+        })
+        .collect()
 }
 
 fn hello_message(node: NodeInfo, snapshots: &[EngineSnapshot]) -> pb::agent_message::Body {
