@@ -463,3 +463,60 @@ pub async fn converged(system: &System, timeout: Duration) -> bool {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Waits (at most `timeout`) until every router's last scrape of every replica shows the load
+/// the replica reports now (waiting, running, KV-cache usage); returns whether it did. A pick
+/// that no cached block decides is a load decision: two routers agree on it only once both
+/// have scraped the same state, which the index converging earlier does not imply.
+pub async fn load_seen(system: &System, timeout: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let mut seen = true;
+        for sim in &system.sims {
+            let own = sim_load(sim).await;
+            for router in system.routers() {
+                seen &= router_load_of(router, sim.addr).await == own;
+            }
+        }
+        if seen {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The load a sim reports on its own `/metrics`, read as the router reads it.
+async fn sim_load(sim: &SimHandle) -> [Option<f64>; 3] {
+    let text = reqwest::get(format!("{}/metrics", sim.url()))
+        .await
+        .expect("sim metrics")
+        .text()
+        .await
+        .expect("text");
+    let load = llmgw::pool::vllm_metrics::parse_engine_load(&text);
+    [load.waiting, load.running, load.kv_cache_usage]
+}
+
+/// The load `router` last scraped from `replica` (its `llmgw_replica_*` gauges).
+async fn router_load_of(router: RouterAddrs, replica: SocketAddr) -> [Option<f64>; 3] {
+    let text = reqwest::get(format!("http://{}/metrics", router.admin))
+        .await
+        .expect("router metrics")
+        .text()
+        .await
+        .expect("text");
+    let gauge = |family: &str| {
+        let prefix = format!("{family}{{replica=\"{replica}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+    };
+    [
+        gauge("llmgw_replica_waiting"),
+        gauge("llmgw_replica_running"),
+        gauge("llmgw_replica_kv_cache_usage"),
+    ]
+}

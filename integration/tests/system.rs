@@ -232,6 +232,10 @@ async fn two_routers_fed_by_one_agent_pick_identically() {
         system::converged(&system, Duration::from_secs(10)).await,
         "both routers' indexes equal the sims' caches"
     );
+    assert!(
+        system::load_seen(&system, Duration::from_secs(10)).await,
+        "both routers have scraped the sims' load after the warm-up"
+    );
 
     let mut stream: Vec<(&str, Value)> = Vec::new();
     for i in 0..3 {
