@@ -8,7 +8,6 @@
 
 pub mod admin;
 pub mod app;
-pub mod blockhash;
 pub mod config;
 pub mod cputime;
 pub mod discovery;
@@ -22,8 +21,10 @@ pub mod pool;
 pub mod prefix;
 pub mod router;
 pub mod scheduler;
-pub mod telemetry;
 pub mod tokenize;
 
+// Shared with the agent through llmgw-core; re-exported so the router's paths name them as before.
+pub use llmgw_core::{blockhash, ids, telemetry};
+
 #[doc(hidden)]
-pub mod fixtures;
+pub use llmgw_core::fixtures;

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
-use llmgw::blockhash::{HashAlgo, HashSettings, SaltEncoding};
+use llmgw_core::blockhash::{HashAlgo, HashSettings, SaltEncoding};
 use serde::Deserialize;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};

@@ -37,7 +37,7 @@ use crate::zmq::{EngineEndpoint, Intake, ZmqError};
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
     #[error("hash settings: {0}")]
-    Hash(#[from] llmgw::blockhash::BlockHashError),
+    Hash(#[from] llmgw_core::blockhash::BlockHashError),
     #[error("engine {engine}: {source}")]
     Zmq {
         engine: String,

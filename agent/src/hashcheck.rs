@@ -7,8 +7,8 @@
 //! told: then every router-side hash misses, so the engine's blocks must be kept out of the
 //! precise index. Pure and `Send + Sync`.
 
-use llmgw::blockhash::{BlockHashError, BlockHasher, HashSettings};
-use llmgw::kvindex::Medium as Tier;
+use llmgw_core::blockhash::{BlockHashError, BlockHasher, HashSettings};
+use llmgw_core::kv_event::Medium as Tier;
 
 use crate::wire::{BlockStored, ExternalHash, FirstBlockKeys, Medium};
 
@@ -125,8 +125,8 @@ mod tests {
     }
 
     fn capture_roots() -> Vec<BlockStored> {
-        let cap =
-            Capture::parse(&llmgw::fixtures::read("vllm-0.32.0-capture.jsonl")).expect("capture");
+        let cap = Capture::parse(&llmgw_core::fixtures::read("vllm-0.32.0-capture.jsonl"))
+            .expect("capture");
         cap.frames
             .iter()
             .flat_map(|f| decode_batch(&f.payload).expect("decodes").events)

@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
-use llmgw::telemetry::{self, LogFormat, TelemetryConfig, TelemetryGuard};
 use llmgw_agent::config::{AgentArgs, vllm_args};
 use llmgw_agent::daemon::Agent;
 use llmgw_agent::supervisor::{Backoff, supervise};
 use llmgw_agent::zmq::{EngineEndpoint, Publisher, ReplyShape};
+use llmgw_core::telemetry::{self, LogFormat, TelemetryConfig, TelemetryGuard};
 
 #[derive(Parser)]
 #[command(name = "llmgw-agent", version, about = "llmgw node agent")]

@@ -33,57 +33,12 @@ use shard::{Holder, MAX_SLOTS, Shard, slot_bit};
 
 use crate::blockhash::ExternalHash;
 
+pub use llmgw_core::kv_event::{KvEventSink, Medium};
+
 pub use speculative::SpeculativeBlocks;
 
 /// Number of shards in the block map.
 pub const SHARDS: usize = 16;
-
-/// Where a cached block lives on its replica.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Medium {
-    Gpu,
-    /// CPU, disk, remote or any other tier vLLM names: slower to reuse than device memory.
-    Offloaded,
-}
-
-impl Medium {
-    /// vLLM's `medium` field: absent or "GPU" for device memory, anything else offloaded.
-    pub fn from_vllm(medium: Option<&str>) -> Medium {
-        match medium {
-            None => Medium::Gpu,
-            Some(m) if m.eq_ignore_ascii_case("gpu") => Medium::Gpu,
-            Some(_) => Medium::Offloaded,
-        }
-    }
-}
-
-/// Net changes to one replica's cached blocks. `replica` is the `host:port` the router knows the
-/// replica by; only full-attention groups are fed here.
-///
-/// Copies are counted: a block stored twice needs two removals. Counted forms take `(hash,
-/// copies)` pairs, so a wire count is applied as a number and never expanded into entries; an
-/// implementation may saturate large counts (the index keeps at most 15 references per tier).
-pub trait KvEventSink: Send + Sync {
-    /// `copies` more references to each block (pairs with 0 copies are ignored).
-    fn stored_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium);
-    /// `copies` fewer references to each block.
-    fn removed_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium);
-    /// Everything the replica held is gone (engine restart, cache reset, stream gap).
-    fn cleared(&self, replica: &str);
-
-    /// One more reference to each block.
-    fn stored(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
-        for &hash in hashes {
-            self.stored_copies(replica, &[(hash, 1)], medium);
-        }
-    }
-    /// One reference fewer to each block.
-    fn removed(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
-        for &hash in hashes {
-            self.removed_copies(replica, &[(hash, 1)], medium);
-        }
-    }
-}
 
 /// A wire count as the index's reference count: saturated at the most a holder keeps.
 fn refs_of(copies: u32) -> u8 {

@@ -211,3 +211,6 @@ impl Picker for Router {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod trace_tests;

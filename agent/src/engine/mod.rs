@@ -23,21 +23,13 @@ use crate::metrics::{EventLabel, Metrics};
 use crate::mirror::{BlockKey, Delta, Mirror, Snapshot};
 use crate::wire::{EventBatch, KvEvent};
 
+pub use llmgw_core::ids::ReplicaId;
+
 /// An engine's name inside the agent: its replica, plus `#dpN` for data-parallel rank N > 0.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EngineId(pub Arc<str>);
 
-/// The `host:port` the routers know a replica by.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ReplicaId(pub Arc<str>);
-
 impl fmt::Display for EngineId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl fmt::Display for ReplicaId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
     }

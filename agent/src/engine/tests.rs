@@ -1,7 +1,7 @@
 use std::num::NonZeroUsize;
 
-use llmgw::blockhash::HashSettings;
-use llmgw::kvindex::Medium as Tier;
+use llmgw_core::blockhash::HashSettings;
+use llmgw_core::kv_event::Medium as Tier;
 
 use super::*;
 use crate::capture::Capture;
@@ -119,7 +119,8 @@ async fn a_reset_reaches_the_routers_as_a_new_epoch() {
 }
 
 fn capture_inputs() -> Vec<Input> {
-    let cap = Capture::parse(&llmgw::fixtures::read("vllm-0.32.0-capture.jsonl")).expect("parse");
+    let cap =
+        Capture::parse(&llmgw_core::fixtures::read("vllm-0.32.0-capture.jsonl")).expect("parse");
     cap.frames
         .iter()
         .map(|f| Input::Batch {

@@ -17,7 +17,7 @@
 use std::collections::hash_map::Entry;
 use std::time::Duration;
 
-use llmgw::kvindex::Medium as Tier;
+use llmgw_core::kv_event::Medium as Tier;
 
 use crate::wire::{ExternalHash, KvEvent, Medium};
 

@@ -33,7 +33,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use llmgw::kvindex::Medium as Tier;
+use llmgw_core::ids::{ModelName, NodeName};
+use llmgw_core::kv_event::Medium as Tier;
 use llmgw_feed_proto::v1 as pb;
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
@@ -179,9 +180,9 @@ pub trait FeedSource: Send + Sync + 'static {
 /// The node-wide part of Hello: the same for every engine of the node.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NodeInfo {
-    pub node: String,
+    pub node: NodeName,
     /// Empty when not configured.
-    pub model: String,
+    pub model: ModelName,
     /// 0 when not configured.
     pub block_size: u32,
     pub hash_algo: String,
@@ -192,8 +193,12 @@ impl NodeInfo {
     /// What the agent's configuration says.
     pub fn of(config: &AgentConfig) -> NodeInfo {
         NodeInfo {
-            node: config.node.clone(),
-            model: config.model.clone().unwrap_or_default(),
+            node: NodeName::from(config.node.as_str()),
+            model: config
+                .model
+                .as_deref()
+                .map(ModelName::from)
+                .unwrap_or_default(),
             block_size: config
                 .block_size
                 .map_or(0, |b| u32::try_from(b.get()).unwrap_or(u32::MAX)),
@@ -347,14 +352,14 @@ fn hello_message(node: NodeInfo, snapshots: &[EngineSnapshot]) -> pb::agent_mess
         .map(|s| pb::EngineInfo {
             engine: s.engine.0.to_string(),
             replica: s.replica.0.to_string(),
-            model: node.model.clone(),
+            model: node.model.to_string(),
             block_size: node.block_size,
             hash_algo: node.hash_algo.clone(),
             hash_seed_set: node.hash_seed_set,
         })
         .collect();
     pb::agent_message::Body::Hello(pb::Hello {
-        node: node.node,
+        node: node.node.to_string(),
         agent_version: env!("CARGO_PKG_VERSION").to_owned(),
         engines,
     })

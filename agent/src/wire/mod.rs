@@ -30,7 +30,7 @@ mod tests;
 
 pub use decode::decode_batch;
 pub use encode::{EventForm, encode_batch};
-pub use llmgw::blockhash::ExternalHash;
+pub use llmgw_core::blockhash::ExternalHash;
 
 /// Why a payload could not be decoded. Offsets are byte positions in the payload.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -172,8 +172,8 @@ impl Medium {
     }
 
     /// The index's tier, case-insensitively; an absent medium means GPU.
-    pub fn tier(medium: Option<&Medium>) -> llmgw::kvindex::Medium {
-        llmgw::kvindex::Medium::from_vllm(medium.map(Medium::as_str))
+    pub fn tier(medium: Option<&Medium>) -> llmgw_core::kv_event::Medium {
+        llmgw_core::kv_event::Medium::from_vllm(medium.map(Medium::as_str))
     }
 }
 

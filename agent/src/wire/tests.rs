@@ -1,7 +1,7 @@
 use std::collections::{HashMap, HashSet};
 use std::num::NonZeroUsize;
 
-use llmgw::blockhash::{BlockDigest, BlockHasher, ExtraKey, HashSettings};
+use llmgw_core::blockhash::{BlockDigest, BlockHasher, ExtraKey, HashSettings};
 use proptest::prelude::*;
 
 use super::*;
@@ -17,7 +17,7 @@ type Version = (u32, u32, u32);
 /// `(label, version, payload)` for every entry of event_batches.json.
 fn fixture_batches() -> Vec<(String, Version, Vec<u8>)> {
     let doc: serde_json::Value =
-        serde_json::from_str(&llmgw::fixtures::read("event_batches.json")).expect("json");
+        serde_json::from_str(&llmgw_core::fixtures::read("event_batches.json")).expect("json");
     doc["batches"]
         .as_array()
         .expect("batches array")
@@ -39,7 +39,8 @@ fn fixture_batches() -> Vec<(String, Version, Vec<u8>)> {
 }
 
 fn capture() -> Capture {
-    Capture::parse(&llmgw::fixtures::read("vllm-0.32.0-capture.jsonl")).expect("capture parses")
+    Capture::parse(&llmgw_core::fixtures::read("vllm-0.32.0-capture.jsonl"))
+        .expect("capture parses")
 }
 
 /// The events every fixture batch holds, built from vLLM's hash chain (tokens 0..31, block
@@ -334,9 +335,12 @@ fn unknown_types_fields_and_trailing_elements_are_tolerated() {
     assert_eq!(r.medium, Some(Medium::Other("cpu".into())));
     assert_eq!(
         Medium::tier(r.medium.as_ref()),
-        llmgw::kvindex::Medium::from_vllm(Some("CPU"))
+        llmgw_core::kv_event::Medium::from_vllm(Some("CPU"))
     );
-    assert_ne!(Medium::tier(r.medium.as_ref()), llmgw::kvindex::Medium::Gpu);
+    assert_ne!(
+        Medium::tier(r.medium.as_ref()),
+        llmgw_core::kv_event::Medium::Gpu
+    );
     let KvEvent::BlockStored(s) = &got.events[3] else {
         panic!("not stored")
     };

@@ -16,7 +16,7 @@ use crate::mirror::DEFAULT_WINDOW;
 use crate::wire::{EventBatch, ExternalHash, KvEvent, decode_batch};
 
 fn frames() -> Vec<Frame> {
-    Capture::parse(&llmgw::fixtures::read("vllm-0.32.0-capture.jsonl"))
+    Capture::parse(&llmgw_core::fixtures::read("vllm-0.32.0-capture.jsonl"))
         .expect("capture")
         .frames
 }

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 pub fn dir() -> PathBuf {
     match std::env::var_os("LLMGW_FIXTURES") {
         Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures"),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"),
     }
 }
 

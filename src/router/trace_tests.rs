@@ -23,7 +23,6 @@ use opentelemetry_proto::tonic::trace::v1::Span as OtlpSpan;
 use parking_lot::Mutex;
 use tracing_subscriber::layer::SubscriberExt;
 
-use super::*;
 use crate::blockhash::{BlockHasher, ExternalHash, HashSettings};
 use crate::extproc::state::StreamState;
 use crate::extproc::{DESTINATION_HEADER, ExtProcSettings};
@@ -33,6 +32,7 @@ use crate::models::HashersByModel;
 use crate::pool::{Health, Pool, ReplicaSpec};
 use crate::router::Router;
 use crate::scheduler::{PluginResources, Scheduler, SchedulerConfig};
+use crate::telemetry::{TRACEPARENT, otel_layer, tracer_provider};
 use crate::tokenize::{Tokenizer, TokenizerConfig};
 
 const CALLER_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -282,27 +282,4 @@ async fn a_routing_decision_is_exported_as_a_child_of_the_callers_span() {
     );
     assert_eq!(int_attribute(route, "prompt_blocks"), Some(4));
     assert_eq!(int_attribute(route, "matched_blocks"), Some(4));
-}
-
-#[test]
-fn without_a_subscriber_nothing_is_parsed_or_propagated() {
-    let span = tracing::debug_span!("route");
-    parent_from_headers(
-        &span,
-        TraceHeaders {
-            traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
-            tracestate: None,
-        },
-    );
-    assert!(span.is_disabled());
-    assert!(propagation_headers(&span).is_empty());
-    assert_eq!(traceparent_of(&span), None);
-}
-
-#[test]
-fn an_endpoint_flag_wins_over_the_environment() {
-    assert_eq!(
-        resolve_endpoint(Some("http://collector:4317".to_string())).as_deref(),
-        Some("http://collector:4317")
-    );
 }
