@@ -101,7 +101,7 @@ fn serve(command: &ServeCommand) -> anyhow::Result<()> {
         })?
     };
     let settings = llmgw::config::Settings::resolve(&command.serve)?;
-    if settings.replicas.is_empty() && settings.k8s_services.is_empty() {
+    if settings.replicas.is_empty() && settings.discovery.services.is_empty() {
         anyhow::bail!(
             "no replicas: pass --replica MODEL=IP:PORT, --config FILE or \
              --k8s-service MODEL=NAMESPACE/SERVICE:PORT"

@@ -27,7 +27,7 @@ use crate::kvindex::{KvEventSink, KvIndex};
 use crate::metrics::Metrics;
 use crate::metrics::state::StateCollector;
 use crate::models::{self, ModelSettingsError};
-use crate::pool::monitor::{self, HttpProber, ProbeError, ProbeSettings};
+use crate::pool::monitor::{self, HttpProber, ProbeError};
 use crate::pool::{CONFIG_SOURCE, Pool, ReplicaSources};
 use crate::router::Router;
 use crate::scheduler::{PluginResources, ProfileError, Scheduler};
@@ -101,14 +101,10 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let pool = Arc::new(Pool::new(
         settings.replicas.clone(),
-        settings.metrics_staleness,
+        settings.probes.staleness,
     ));
-    let probe = ProbeSettings {
-        health_interval: settings.health_interval,
-        scrape_interval: settings.scrape_interval,
-        timeout: settings.probe_timeout,
-    };
-    let prober = Arc::new(HttpProber::new(settings.probe_timeout)?);
+    let probe = settings.probes;
+    let prober = Arc::new(HttpProber::new(probe.timeout)?);
     let mut background = JoinSet::new();
     background.spawn(monitor::run_health_checks(
         Arc::clone(&pool),
@@ -134,17 +130,18 @@ pub async fn serve(
     let feed = FeedService::new(
         Arc::clone(&index) as Arc<dyn KvEventSink>,
         FeedConfig {
-            token: settings.feed_token.clone(),
+            token: settings.feed.token.clone(),
             nodes,
-            grace: settings.feed_grace,
-            limits: settings.feed_limits,
+            grace: settings.feed.grace,
+            limits: settings.feed.limits,
         },
     )
     .expect_settings(&settings.models)
-    .with_token_file(settings.feed_token_file.clone())
+    .with_token_file(settings.feed.token_file.clone())
     .with_tls(
         settings
-            .feed_tls
+            .feed
+            .tls
             .as_ref()
             .map(crate::feed::tls::FeedTls::load)
             .transpose()?,
@@ -156,7 +153,7 @@ pub async fn serve(
         let feed = feed.clone();
         Arc::new(ReplicaSources::new(
             Arc::clone(&pool),
-            1 + settings.k8s_services.len(),
+            1 + settings.discovery.services.len(),
             move |replicas| {
                 if feed.set_nodes(crate::feed::node_map(replicas)) {
                     tracing::info!("agent feed's node map reloaded");
@@ -172,12 +169,12 @@ pub async fn serve(
             Arc::clone(&sources),
         ));
     }
-    if !settings.k8s_services.is_empty() {
+    if !settings.discovery.services.is_empty() {
         let client = discovery::default_client().await?;
         background.spawn(discovery::run(
             client,
-            settings.k8s_services.clone(),
-            settings.k8s_poll_interval,
+            settings.discovery.services.clone(),
+            settings.discovery.poll_interval,
             Arc::clone(&sources),
             CONFIG_SOURCE + 1,
         ));
@@ -230,7 +227,7 @@ pub async fn serve(
     };
     let uds_listener = settings.grpc_uds.as_deref().map(bind_unix).transpose()?;
     let admin_listener = bind(settings.admin_addr).await?;
-    let feed_listener = bind(settings.feed_addr).await?;
+    let feed_listener = bind(settings.feed.addr).await?;
     let bound = BoundAddrs {
         grpc: local_addr(&grpc_listener, settings.grpc_addr)?,
         grpc_health: health_listener
@@ -238,7 +235,7 @@ pub async fn serve(
             .map(|(listener, addr)| local_addr(listener, *addr))
             .transpose()?,
         admin: local_addr(&admin_listener, settings.admin_addr)?,
-        feed: local_addr(&feed_listener, settings.feed_addr)?,
+        feed: local_addr(&feed_listener, settings.feed.addr)?,
     };
     on_bound(bound);
     tracing::info!(

@@ -7,6 +7,8 @@ use tonic_health::pb::health_client::HealthClient;
 
 use super::*;
 use crate::config::{ServeArgs, Settings};
+use crate::feed::FeedOptions;
+use crate::pool::monitor::ProbeOptions;
 
 /// A replica stand-in whose /health answers 200 or 503 as `up` says.
 async fn fake_replica(up: Arc<AtomicBool>) -> SocketAddr {
@@ -66,9 +68,15 @@ async fn serves_grpc_health_admin_endpoints_and_stops_on_shutdown() {
         replicas: vec![format!("tiny={replica}")],
         grpc_addr: Some("127.0.0.1:0".parse().unwrap()),
         admin_addr: Some("127.0.0.1:0".parse().unwrap()),
-        feed_addr: Some("127.0.0.1:0".parse().unwrap()),
-        health_interval: Some(Duration::from_millis(50)),
-        scrape_interval: Some(Duration::from_millis(50)),
+        feed: FeedOptions {
+            feed_addr: Some("127.0.0.1:0".parse().unwrap()),
+            ..FeedOptions::default()
+        },
+        probes: ProbeOptions {
+            health_interval: Some(Duration::from_millis(50)),
+            scrape_interval: Some(Duration::from_millis(50)),
+            ..ProbeOptions::default()
+        },
         ..ServeArgs::default()
     })
     .unwrap();
@@ -263,7 +271,10 @@ async fn the_feeds_node_map_follows_configuration_reloads() {
         config: Some(path.clone()),
         grpc_addr: Some("127.0.0.1:0".parse().unwrap()),
         admin_addr: Some("127.0.0.1:0".parse().unwrap()),
-        feed_addr: Some("127.0.0.1:0".parse().unwrap()),
+        feed: FeedOptions {
+            feed_addr: Some("127.0.0.1:0".parse().unwrap()),
+            ..FeedOptions::default()
+        },
         config_poll_interval: Some(Duration::from_millis(20)),
         ..ServeArgs::default()
     })
@@ -323,8 +334,14 @@ async fn a_health_only_port_and_the_inference_pool_identity() {
         replicas: vec![format!("tiny={replica}")],
         grpc_addr: Some("127.0.0.1:0".parse().unwrap()),
         admin_addr: Some("127.0.0.1:0".parse().unwrap()),
-        feed_addr: Some("127.0.0.1:0".parse().unwrap()),
-        health_interval: Some(Duration::from_millis(50)),
+        feed: FeedOptions {
+            feed_addr: Some("127.0.0.1:0".parse().unwrap()),
+            ..FeedOptions::default()
+        },
+        probes: ProbeOptions {
+            health_interval: Some(Duration::from_millis(50)),
+            ..ProbeOptions::default()
+        },
         pool_name: Some("chat-pool".to_string()),
         pool_namespace: Some("llm".to_string()),
         ..ServeArgs::default()
@@ -404,7 +421,10 @@ async fn a_unix_socket_listener_and_what_is_in_its_way() {
             replicas: vec![format!("tiny={replica}")],
             grpc_addr: Some("127.0.0.1:0".parse().unwrap()),
             admin_addr: Some("127.0.0.1:0".parse().unwrap()),
-            feed_addr: Some("127.0.0.1:0".parse().unwrap()),
+            feed: FeedOptions {
+                feed_addr: Some("127.0.0.1:0".parse().unwrap()),
+                ..FeedOptions::default()
+            },
             grpc_uds: Some(uds.to_owned()),
             ..ServeArgs::default()
         })

@@ -29,6 +29,14 @@
 //! feed_tls_skip_node_check: false   # true: a cert need not name the node its agent claims
 //! ```
 //!
+//! Each module owns its group of options: `tokenize::TokenizerOptions`, `kvindex::IndexOptions`,
+//! `feed::FeedOptions`, `pool::monitor::ProbeOptions`, `discovery::DiscoveryOptions` (and the
+//! scheduler's `SchedulerArgs` and `scheduler:` section). A group is one struct that is both its
+//! flags (`#[command(flatten)]` here) and its file keys (`#[serde(flatten)]`), with a
+//! `resolve(flags, file)` that applies the module's own defaults. This module assembles the
+//! groups and keeps what belongs to no other module: listen addresses, replicas, models, the
+//! file's reloading. A file key no group takes is an error naming it.
+//!
 //! The file is polled for changes ([`watch_replicas`]); a change re-reads the replica list and
 //! swaps it into the pool and the agent feed's node map. Other settings need a restart.
 //!
@@ -44,14 +52,15 @@ use clap::Args;
 use serde::{Deserialize, Deserializer};
 use thiserror::Error;
 
-use crate::discovery::K8sService;
+use crate::discovery::{DiscoveryOptions, DiscoverySettings};
 use crate::extproc::DESTINATION_HEADER;
-use crate::feed::tls::FeedTlsPaths;
-use crate::kvindex::IndexConfig;
+use crate::feed::{FeedOptions, FeedOptionsError, FeedSettings};
+use crate::kvindex::{IndexConfig, IndexOptions};
 use crate::models::{FileModel, ModelSettings};
+use crate::pool::monitor::{ProbeOptions, ProbeSettings};
 use crate::pool::{CONFIG_SOURCE, ReplicaSources, ReplicaSpec};
 use crate::scheduler::{ProfileError, SchedulerArgs, SchedulerConfig};
-use crate::tokenize::TokenizerConfig;
+use crate::tokenize::{TokenizerConfig, TokenizerOptions};
 
 #[derive(Debug, Error)]
 pub enum ConfigError {
@@ -81,10 +90,10 @@ pub enum ConfigError {
     Duration(String),
     #[error("{0} must be positive")]
     NotPositive(&'static str),
-    #[error("feed TLS: {0}")]
-    FeedTls(&'static str),
-    #[error("invalid --k8s-service {0:?}: expected MODEL=NAMESPACE/SERVICE:PORT")]
-    K8sService(String),
+    #[error("unknown keys in {path}: {keys}")]
+    UnknownKeys { path: PathBuf, keys: String },
+    #[error(transparent)]
+    Feed(#[from] FeedOptionsError),
     #[error("--pool-namespace needs --pool-name")]
     PoolNamespaceWithoutName,
 }
@@ -121,18 +130,8 @@ pub struct ServeArgs {
     /// them. A stale socket file there is replaced.
     #[arg(long, env = "LLMGW_GRPC_UDS")]
     pub grpc_uds: Option<PathBuf>,
-    /// Replicas from a Kubernetes Service, repeatable: MODEL=NAMESPACE/SERVICE:PORT. The ready
-    /// endpoints of the Service's EndpointSlices, at the pods' vLLM PORT, with their nodes;
-    /// needs RBAC to list endpointslices (discovery.k8s.io) in NAMESPACE.
-    #[arg(
-        long = "k8s-service",
-        env = "LLMGW_K8S_SERVICES",
-        value_delimiter = ','
-    )]
-    pub k8s_services: Vec<String>,
-    /// How often Kubernetes EndpointSlices are listed (default 5s).
-    #[arg(long, env = "LLMGW_K8S_POLL_INTERVAL", value_parser = parse_duration)]
-    pub k8s_poll_interval: Option<Duration>,
+    #[command(flatten)]
+    pub discovery: DiscoveryOptions,
     /// The InferencePool this router is the endpoint picker of: a label on its metrics
     /// (`llmgw_pool_info`), /debug and logs. Replicas still come from --replica/--config.
     #[arg(long, env = "LLMGW_POOL_NAME")]
@@ -143,18 +142,8 @@ pub struct ServeArgs {
     /// Admin HTTP listen address: /metrics, /healthz, /debug (default 127.0.0.1:9090).
     #[arg(long, env = "LLMGW_ADMIN_ADDR")]
     pub admin_addr: Option<SocketAddr>,
-    /// How often each replica's /health is probed (default 1s).
-    #[arg(long, env = "LLMGW_HEALTH_INTERVAL", value_parser = parse_duration)]
-    pub health_interval: Option<Duration>,
-    /// How often each replica's /metrics is scraped (default 200ms).
-    #[arg(long, env = "LLMGW_SCRAPE_INTERVAL", value_parser = parse_duration)]
-    pub scrape_interval: Option<Duration>,
-    /// A scrape older than this counts as unknown load (default 2s).
-    #[arg(long, env = "LLMGW_METRICS_STALENESS", value_parser = parse_duration)]
-    pub metrics_staleness: Option<Duration>,
-    /// Timeout of one health probe or scrape (default 1s).
-    #[arg(long, env = "LLMGW_PROBE_TIMEOUT", value_parser = parse_duration)]
-    pub probe_timeout: Option<Duration>,
+    #[command(flatten)]
+    pub probes: ProbeOptions,
     /// How often the configuration file is checked for changes (default 2s).
     #[arg(long, env = "LLMGW_CONFIG_POLL_INTERVAL", value_parser = parse_duration)]
     pub config_poll_interval: Option<Duration>,
@@ -176,52 +165,17 @@ pub struct ServeArgs {
     /// the approximate prefix tree.
     #[arg(long = "model", env = "LLMGW_MODEL")]
     pub models: Vec<String>,
-    /// How long a request waits for its tokens before the prefix tree decides (default 50ms).
-    #[arg(long, env = "LLMGW_TOKENIZE_DEADLINE", value_parser = parse_duration)]
-    pub tokenize_deadline: Option<Duration>,
-    /// Bytes the tokenization cache may hold (default 64 MiB).
-    #[arg(long, env = "LLMGW_TOKENIZE_CACHE_BYTES")]
-    pub tokenize_cache_bytes: Option<usize>,
-    /// Most blocks the KV index keeps per replica; the oldest go first (default 4,000,000).
-    #[arg(long, env = "LLMGW_INDEX_MAX_BLOCKS_PER_REPLICA")]
-    pub index_max_blocks_per_replica: Option<u32>,
-    /// Weight of a block held only in CPU (offloaded) memory, relative to GPU (default 0.5).
-    #[arg(long, env = "LLMGW_OFFLOADED_WEIGHT")]
-    pub offloaded_weight: Option<f32>,
-    /// Where agents stream KV-cache changes (llmgw.feed.v1; default 127.0.0.1:9003).
-    #[arg(long, env = "LLMGW_FEED_ADDR")]
-    pub feed_addr: Option<SocketAddr>,
-    /// A file holding the token agents must present (see also LLMGW_FEED_TOKEN).
-    #[arg(long, env = "LLMGW_FEED_TOKEN_FILE")]
-    pub feed_token_file: Option<PathBuf>,
-    /// The token agents must present; without one (or a file) any agent is accepted.
-    #[arg(long, env = "LLMGW_FEED_TOKEN", hide_env_values = true)]
-    pub feed_token: Option<String>,
-    /// How long a node's blocks stay in the index after its agent's stream ended (default 30s).
-    #[arg(long, env = "LLMGW_FEED_GRACE", value_parser = parse_duration)]
-    pub feed_grace: Option<Duration>,
-    /// Most block copies one engine may report over the feed (all tiers); an engine reporting
-    /// more is refused, its blocks dropped (default 4000000, at most 4294967295).
-    #[arg(long, env = "LLMGW_FEED_MAX_BLOCKS_PER_ENGINE")]
-    pub feed_max_blocks_per_engine: Option<u64>,
-    /// PEM certificate (chain) of the feed port: serve the feed over TLS (needs --feed-tls-key).
-    #[arg(long, env = "LLMGW_FEED_TLS_CERT")]
-    pub feed_tls_cert: Option<PathBuf>,
-    /// PEM private key of --feed-tls-cert.
-    #[arg(long, env = "LLMGW_FEED_TLS_KEY")]
-    pub feed_tls_key: Option<PathBuf>,
-    /// PEM CA bundle: require every agent to present a client certificate it signed (mTLS).
-    #[arg(long, env = "LLMGW_FEED_TLS_CLIENT_CA")]
-    pub feed_tls_client_ca: Option<PathBuf>,
-    /// With --feed-tls-client-ca: accept an agent whose certificate does not name (DNS SAN or
-    /// CN) the node it claims. By default such a stream is refused.
-    #[arg(long, env = "LLMGW_FEED_TLS_SKIP_NODE_CHECK")]
-    pub feed_tls_skip_node_check: bool,
+    #[command(flatten)]
+    pub tokenizer: TokenizerOptions,
+    #[command(flatten)]
+    pub index: IndexOptions,
+    #[command(flatten)]
+    pub feed: FeedOptions,
 }
 
-/// The configuration file. Every field is optional.
+/// The configuration file. Every field is optional; the modules' own groups of keys are
+/// flattened in, so the file stays one flat map.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct FileConfig {
     pub grpc_addr: Option<SocketAddr>,
     pub grpc_health_addr: Option<SocketAddr>,
@@ -229,18 +183,6 @@ pub struct FileConfig {
     pub admin_addr: Option<SocketAddr>,
     pub pool_name: Option<String>,
     pub pool_namespace: Option<String>,
-    #[serde(default)]
-    pub k8s_services: Vec<K8sService>,
-    #[serde(default, deserialize_with = "opt_duration")]
-    pub k8s_poll_interval: Option<Duration>,
-    #[serde(default, deserialize_with = "opt_duration")]
-    pub health_interval: Option<Duration>,
-    #[serde(default, deserialize_with = "opt_duration")]
-    pub scrape_interval: Option<Duration>,
-    #[serde(default, deserialize_with = "opt_duration")]
-    pub metrics_staleness: Option<Duration>,
-    #[serde(default, deserialize_with = "opt_duration")]
-    pub probe_timeout: Option<Duration>,
     #[serde(default, deserialize_with = "opt_duration")]
     pub config_poll_interval: Option<Duration>,
     pub max_body_bytes: Option<usize>,
@@ -252,20 +194,20 @@ pub struct FileConfig {
     pub scheduler: Option<SchedulerConfig>,
     #[serde(default)]
     pub models: Vec<FileModel>,
-    #[serde(default, deserialize_with = "opt_duration")]
-    pub tokenize_deadline: Option<Duration>,
-    pub tokenize_cache_bytes: Option<usize>,
-    pub index_max_blocks_per_replica: Option<u32>,
-    pub offloaded_weight: Option<f32>,
-    pub feed_addr: Option<SocketAddr>,
-    pub feed_token_file: Option<PathBuf>,
-    #[serde(default, deserialize_with = "opt_duration")]
-    pub feed_grace: Option<Duration>,
-    pub feed_max_blocks_per_engine: Option<u64>,
-    pub feed_tls_cert: Option<PathBuf>,
-    pub feed_tls_key: Option<PathBuf>,
-    pub feed_tls_client_ca: Option<PathBuf>,
-    pub feed_tls_skip_node_check: Option<bool>,
+    #[serde(flatten)]
+    pub discovery: DiscoveryOptions,
+    #[serde(flatten)]
+    pub probes: ProbeOptions,
+    #[serde(flatten)]
+    pub tokenizer: TokenizerOptions,
+    #[serde(flatten)]
+    pub index: IndexOptions,
+    #[serde(flatten)]
+    pub feed: FeedOptions,
+    /// Keys no field above took. Serde cannot deny unknown fields of a struct with flattened
+    /// parts, so this catches them, last, and [`read_file`] refuses the file when any is here.
+    #[serde(flatten)]
+    unknown: std::collections::BTreeMap<String, serde_yaml::Value>,
 }
 
 /// One replica in the file.
@@ -299,14 +241,11 @@ pub struct Settings {
     pub admin_addr: SocketAddr,
     /// The InferencePool this router picks for, if named.
     pub pool: Option<PoolIdentity>,
-    /// Kubernetes Services whose endpoints are replicas (file's, then flags').
-    pub k8s_services: Vec<K8sService>,
-    pub k8s_poll_interval: Duration,
+    /// Kubernetes Services whose endpoints are replicas.
+    pub discovery: DiscoverySettings,
     pub replicas: Vec<ReplicaSpec>,
-    pub health_interval: Duration,
-    pub scrape_interval: Duration,
-    pub metrics_staleness: Duration,
-    pub probe_timeout: Duration,
+    /// Health checks and load scrapes of the replicas.
+    pub probes: ProbeSettings,
     pub config_poll_interval: Duration,
     pub max_body_bytes: usize,
     pub destination_header: String,
@@ -321,16 +260,7 @@ pub struct Settings {
     pub models: Vec<ModelSettings>,
     pub tokenizer: TokenizerConfig,
     pub index: IndexConfig,
-    pub feed_addr: SocketAddr,
-    /// The shared token of agents; `None` accepts any.
-    pub feed_token: Option<String>,
-    /// Where `feed_token` was read from: read again for each agent stream (rotation).
-    pub feed_token_file: Option<PathBuf>,
-    pub feed_grace: Duration,
-    /// Bounds on what one agent stream may claim.
-    pub feed_limits: crate::feed::FeedLimits,
-    /// TLS on the feed port (`None`: plain text).
-    pub feed_tls: Option<FeedTlsPaths>,
+    pub feed: FeedSettings,
 }
 
 impl Settings {
@@ -354,48 +284,13 @@ impl Settings {
         scheduler.effective_profile()?;
 
         let models = resolve_models(args, &file)?;
-        let (feed_token, feed_token_file) = match (
-            &args.feed_token,
-            args.feed_token_file
-                .as_ref()
-                .or(file.feed_token_file.as_ref()),
-        ) {
-            (Some(token), _) => (Some(token.trim().to_owned()), None),
-            (None, Some(path)) => (
-                Some(
-                    std::fs::read_to_string(path)
-                        .map_err(|source| ConfigError::Read {
-                            path: path.clone(),
-                            source,
-                        })?
-                        .trim()
-                        .to_owned(),
-                ),
-                Some(path.clone()),
-            ),
-            (None, None) => (None, None),
-        };
-        let feed_tls = resolve_feed_tls(args, &file)?;
         let settings = Settings {
             grpc_addr: args
                 .grpc_addr
                 .or(args.grpc_port.map(every_interface))
                 .or(file.grpc_addr)
                 .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 9002))),
-            k8s_services: {
-                let mut services = file.k8s_services.clone();
-                for spec in &args.k8s_services {
-                    services.push(
-                        spec.parse()
-                            .map_err(|_| ConfigError::K8sService(spec.clone()))?,
-                    );
-                }
-                services
-            },
-            k8s_poll_interval: args
-                .k8s_poll_interval
-                .or(file.k8s_poll_interval)
-                .unwrap_or(Duration::from_secs(5)),
+            discovery: args.discovery.resolve(&file.discovery),
             grpc_uds: args.grpc_uds.clone().or(file.grpc_uds.clone()),
             grpc_health_addr: args
                 .grpc_health_port
@@ -417,22 +312,7 @@ impl Settings {
                 .or(file.admin_addr)
                 .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 9090))),
             replicas,
-            health_interval: args
-                .health_interval
-                .or(file.health_interval)
-                .unwrap_or(Duration::from_secs(1)),
-            scrape_interval: args
-                .scrape_interval
-                .or(file.scrape_interval)
-                .unwrap_or(Duration::from_millis(200)),
-            metrics_staleness: args
-                .metrics_staleness
-                .or(file.metrics_staleness)
-                .unwrap_or(Duration::from_secs(2)),
-            probe_timeout: args
-                .probe_timeout
-                .or(file.probe_timeout)
-                .unwrap_or(Duration::from_secs(1)),
+            probes: args.probes.resolve(&file.probes),
             config_poll_interval: args
                 .config_poll_interval
                 .or(file.config_poll_interval)
@@ -453,51 +333,14 @@ impl Settings {
             config_path: args.config.clone(),
             flag_replicas,
             models,
-            tokenizer: TokenizerConfig {
-                deadline: args
-                    .tokenize_deadline
-                    .or(file.tokenize_deadline)
-                    .unwrap_or(TokenizerConfig::default().deadline),
-                cache_bytes: args
-                    .tokenize_cache_bytes
-                    .or(file.tokenize_cache_bytes)
-                    .unwrap_or(TokenizerConfig::default().cache_bytes),
-                ..TokenizerConfig::default()
-            },
-            index: IndexConfig {
-                max_blocks_per_replica: args
-                    .index_max_blocks_per_replica
-                    .or(file.index_max_blocks_per_replica)
-                    .unwrap_or(IndexConfig::default().max_blocks_per_replica),
-                offloaded_weight: args
-                    .offloaded_weight
-                    .or(file.offloaded_weight)
-                    .unwrap_or(IndexConfig::default().offloaded_weight),
-            },
-            feed_addr: args
-                .feed_addr
-                .or(file.feed_addr)
-                .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 9003))),
-            feed_token,
-            feed_token_file,
-            feed_grace: args
-                .feed_grace
-                .or(file.feed_grace)
-                .unwrap_or(Duration::from_secs(30)),
-            feed_limits: crate::feed::FeedLimits {
-                max_blocks_per_engine: args
-                    .feed_max_blocks_per_engine
-                    .or(file.feed_max_blocks_per_engine)
-                    .unwrap_or(crate::feed::state::DEFAULT_MAX_BLOCKS_PER_ENGINE)
-                    .min(u64::from(u32::MAX)),
-                ..crate::feed::FeedLimits::default()
-            },
-            feed_tls,
+            tokenizer: args.tokenizer.resolve(&file.tokenizer),
+            index: args.index.resolve(&file.index),
+            feed: args.feed.resolve(&file.feed)?,
         };
         for (name, value) in [
-            ("health_interval", settings.health_interval),
-            ("scrape_interval", settings.scrape_interval),
-            ("probe_timeout", settings.probe_timeout),
+            ("health_interval", settings.probes.health_interval),
+            ("scrape_interval", settings.probes.scrape_interval),
+            ("probe_timeout", settings.probes.timeout),
             ("config_poll_interval", settings.config_poll_interval),
         ] {
             if value.is_zero() {
@@ -505,36 +348,6 @@ impl Settings {
             }
         }
         Ok(settings)
-    }
-}
-
-/// The feed's certificate, key and client CA: each flag over the file's key.
-fn resolve_feed_tls(
-    args: &ServeArgs,
-    file: &FileConfig,
-) -> Result<Option<FeedTlsPaths>, ConfigError> {
-    let pick = |flag: &Option<PathBuf>, key: &Option<PathBuf>| flag.clone().or(key.clone());
-    let cert = pick(&args.feed_tls_cert, &file.feed_tls_cert);
-    let key = pick(&args.feed_tls_key, &file.feed_tls_key);
-    let client_ca = pick(&args.feed_tls_client_ca, &file.feed_tls_client_ca);
-    match (cert, key) {
-        (Some(cert), Some(key)) => Ok(Some(FeedTlsPaths {
-            check_node: !(args.feed_tls_skip_node_check
-                || file.feed_tls_skip_node_check.unwrap_or(false)),
-            cert,
-            key,
-            client_ca,
-        })),
-        (Some(_), None) => Err(ConfigError::FeedTls(
-            "a certificate needs its key (--feed-tls-key)",
-        )),
-        (None, Some(_)) => Err(ConfigError::FeedTls(
-            "a key needs its certificate (--feed-tls-cert)",
-        )),
-        (None, None) if client_ca.is_some() => Err(ConfigError::FeedTls(
-            "a client CA needs the feed's own certificate and key (--feed-tls-cert, --feed-tls-key)",
-        )),
-        (None, None) => Ok(None),
     }
 }
 
@@ -564,10 +377,17 @@ fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
     if text.trim().is_empty() {
         return Ok(FileConfig::default());
     }
-    serde_yaml::from_str(&text).map_err(|source| ConfigError::Yaml {
+    let file: FileConfig = serde_yaml::from_str(&text).map_err(|source| ConfigError::Yaml {
         path: path.to_path_buf(),
         source,
-    })
+    })?;
+    if !file.unknown.is_empty() {
+        return Err(ConfigError::UnknownKeys {
+            path: path.to_path_buf(),
+            keys: file.unknown.into_keys().collect::<Vec<_>>().join(", "),
+        });
+    }
+    Ok(file)
 }
 
 fn file_replicas(file: &FileConfig) -> Result<Vec<ReplicaSpec>, ConfigError> {
@@ -663,7 +483,9 @@ pub mod duration_text {
     }
 }
 
-fn opt_duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {
+pub(crate) fn opt_duration<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Duration>, D::Error> {
     let text: Option<String> = Option::deserialize(deserializer)?;
     text.map(|t| parse_duration(&t).map_err(serde::de::Error::custom))
         .transpose()

@@ -60,8 +60,8 @@ fn flags_override_file_override_defaults() {
     let settings = Settings::resolve(&args).unwrap();
     assert_eq!(settings.grpc_addr, "127.0.0.1:7001".parse().unwrap());
     assert_eq!(settings.admin_addr, "127.0.0.1:9090".parse().unwrap());
-    assert_eq!(settings.scrape_interval, Duration::from_millis(50));
-    assert_eq!(settings.health_interval, Duration::from_secs(1));
+    assert_eq!(settings.probes.scrape_interval, Duration::from_millis(50));
+    assert_eq!(settings.probes.health_interval, Duration::from_secs(1));
     assert_eq!(settings.replicas.len(), 2);
     assert_eq!(settings.replicas[0].models, vec!["tiny", "tiny-lora"]);
     let weights: Vec<(String, Option<f64>)> = settings
@@ -93,10 +93,41 @@ fn unknown_file_fields_are_errors() {
         config: Some(path),
         ..ServeArgs::default()
     };
-    assert!(matches!(
-        Settings::resolve(&args),
-        Err(ConfigError::Yaml { .. })
-    ));
+    let err = Settings::resolve(&args).unwrap_err();
+    assert!(
+        matches!(&err, ConfigError::UnknownKeys { keys, .. } if keys == "grpc_adr"),
+        "{err}"
+    );
+    // Keys of the modules' flattened groups are known; their neighbours' typos are not.
+    let path = write_file(
+        &dir,
+        "tokenize_deadline: 20ms\nfeed_grace: 5s\nfeed_gracee: 5s\nhealth_intreval: 1s\n",
+    );
+    let err = Settings::resolve(&ServeArgs {
+        config: Some(path),
+        ..ServeArgs::default()
+    })
+    .unwrap_err();
+    assert!(
+        matches!(&err, ConfigError::UnknownKeys { keys, .. } if keys == "feed_gracee, health_intreval"),
+        "{err}"
+    );
+    // A flag-only key (a secret) is not a file key.
+    let path = write_file(&dir, "feed_token: hunter2\n");
+    let err = Settings::resolve(&ServeArgs {
+        config: Some(path),
+        ..ServeArgs::default()
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("feed_token"), "{err}");
+    // A known key with a bad value is still the YAML's error, naming the key.
+    let path = write_file(&dir, "feed_grace: soon\n");
+    let err = Settings::resolve(&ServeArgs {
+        config: Some(path),
+        ..ServeArgs::default()
+    })
+    .unwrap_err();
+    assert!(matches!(err, ConfigError::Yaml { .. }), "{err}");
 }
 
 #[tokio::test]
@@ -200,10 +231,13 @@ fn feed_tls_paths_come_from_flags_over_the_file_and_must_be_complete() {
     );
     let args = ServeArgs {
         config: Some(path),
-        feed_tls_cert: Some("/flag/cert.pem".into()),
+        feed: FeedOptions {
+            feed_tls_cert: Some("/flag/cert.pem".into()),
+            ..FeedOptions::default()
+        },
         ..ServeArgs::default()
     };
-    let tls = Settings::resolve(&args).unwrap().feed_tls.unwrap();
+    let tls = Settings::resolve(&args).unwrap().feed.tls.unwrap();
     assert_eq!(tls.cert, PathBuf::from("/flag/cert.pem"));
     assert_eq!(tls.key, PathBuf::from("/file/key.pem"));
     assert_eq!(tls.client_ca, Some(PathBuf::from("/file/ca.pem")));
@@ -218,35 +252,51 @@ fn feed_tls_paths_come_from_flags_over_the_file_and_must_be_complete() {
         );
         let args = ServeArgs {
             config: Some(path),
-            feed_tls_skip_node_check: flag,
+            feed: FeedOptions {
+                feed_tls_skip_node_check: flag,
+                ..FeedOptions::default()
+            },
             ..ServeArgs::default()
         };
-        let tls = Settings::resolve(&args).unwrap().feed_tls.unwrap();
+        let tls = Settings::resolve(&args).unwrap().feed.tls.unwrap();
         assert!(!tls.check_node, "flag {flag}, file {file:?}");
     }
 
     assert!(
         Settings::resolve(&ServeArgs::default())
             .unwrap()
-            .feed_tls
+            .feed
+            .tls
             .is_none()
     );
     for args in [
         ServeArgs {
-            feed_tls_cert: Some("c".into()),
+            feed: FeedOptions {
+                feed_tls_cert: Some("c".into()),
+                ..FeedOptions::default()
+            },
             ..ServeArgs::default()
         },
         ServeArgs {
-            feed_tls_key: Some("k".into()),
+            feed: FeedOptions {
+                feed_tls_key: Some("k".into()),
+                ..FeedOptions::default()
+            },
             ..ServeArgs::default()
         },
         ServeArgs {
-            feed_tls_client_ca: Some("ca".into()),
+            feed: FeedOptions {
+                feed_tls_client_ca: Some("ca".into()),
+                ..FeedOptions::default()
+            },
             ..ServeArgs::default()
         },
     ] {
         let err = Settings::resolve(&args).unwrap_err();
-        assert!(matches!(err, ConfigError::FeedTls(_)), "{err}");
+        assert!(
+            matches!(err, ConfigError::Feed(FeedOptionsError::Tls(_))),
+            "{err}"
+        );
     }
 }
 
@@ -322,12 +372,16 @@ fn kubernetes_services_from_file_and_flags() {
     );
     let args = ServeArgs {
         config: Some(path),
-        k8s_services: vec!["lora=llm/vllm-lora:8001".to_string()],
+        discovery: DiscoveryOptions {
+            k8s_services: vec!["lora=llm/vllm-lora:8001".parse().unwrap()],
+            ..DiscoveryOptions::default()
+        },
         ..ServeArgs::default()
     };
     let settings = Settings::resolve(&args).unwrap();
     let specs: Vec<String> = settings
-        .k8s_services
+        .discovery
+        .services
         .iter()
         .map(|s| s.to_string())
         .collect();
@@ -335,15 +389,50 @@ fn kubernetes_services_from_file_and_flags() {
         specs,
         ["base=llm/vllm-base:8000", "lora=llm/vllm-lora:8001"]
     );
-    assert_eq!(settings.k8s_poll_interval, Duration::from_secs(2));
-    let bad = ServeArgs {
-        k8s_services: vec!["lora=vllm-lora".to_string()],
-        ..ServeArgs::default()
-    };
-    assert!(matches!(
-        Settings::resolve(&bad),
-        Err(ConfigError::K8sService(spec)) if spec == "lora=vllm-lora"
-    ));
+    assert_eq!(settings.discovery.poll_interval, Duration::from_secs(2));
+}
+
+/// The flags as `llmgw-router serve` parses them.
+#[derive(clap::Parser)]
+struct Serve {
+    #[command(flatten)]
+    args: ServeArgs,
+}
+
+#[test]
+fn a_bad_flag_value_is_refused_by_the_parser_naming_the_flag() {
+    use clap::Parser as _;
+    let err = Serve::try_parse_from(["serve", "--k8s-service", "lora=vllm-lora"])
+        .err()
+        .expect("refused");
+    let text = err.to_string();
+    assert!(text.contains("--k8s-service"), "{text}");
+    assert!(text.contains("MODEL=NAMESPACE/SERVICE:PORT"), "{text}");
+    let err = Serve::try_parse_from(["serve", "--feed-grace", "soon"])
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("--feed-grace"), "{err}");
+    // The groups the modules own parse as flags like the rest.
+    let parsed = Serve::try_parse_from([
+        "serve",
+        "--tokenize-deadline",
+        "20ms",
+        "--offloaded-weight",
+        "0.25",
+        "--feed-max-blocks-per-engine",
+        "9",
+        "--probe-timeout",
+        "3s",
+        "--k8s-poll-interval",
+        "1m",
+    ])
+    .expect("parses");
+    let settings = Settings::resolve(&parsed.args).unwrap();
+    assert_eq!(settings.tokenizer.deadline, Duration::from_millis(20));
+    assert_eq!(settings.index.offloaded_weight, 0.25);
+    assert_eq!(settings.feed.limits.max_blocks_per_engine, 9);
+    assert_eq!(settings.probes.timeout, Duration::from_secs(3));
+    assert_eq!(settings.discovery.poll_interval, Duration::from_secs(60));
 }
 
 #[test]

@@ -35,6 +35,51 @@ pub enum DiscoveryError {
     Client(#[from] kube::Error),
 }
 
+/// Discovery's options: flags (and `LLMGW_*` variables) with the same names as the
+/// configuration file's keys.
+#[derive(Debug, Clone, Default, clap::Args, serde::Deserialize)]
+#[serde(default)]
+pub struct DiscoveryOptions {
+    /// Replicas from a Kubernetes Service, repeatable: MODEL=NAMESPACE/SERVICE:PORT. The ready
+    /// endpoints of the Service's EndpointSlices, at the pods' vLLM PORT, with their nodes;
+    /// needs RBAC to list endpointslices (discovery.k8s.io) in NAMESPACE.
+    #[arg(
+        long = "k8s-service",
+        env = "LLMGW_K8S_SERVICES",
+        value_delimiter = ','
+    )]
+    pub k8s_services: Vec<K8sService>,
+    /// How often Kubernetes EndpointSlices are listed (default 5s).
+    #[arg(long, env = "LLMGW_K8S_POLL_INTERVAL", value_parser = crate::config::parse_duration)]
+    #[serde(deserialize_with = "crate::config::opt_duration")]
+    pub k8s_poll_interval: Option<Duration>,
+}
+
+/// Where replicas are discovered, and how often.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DiscoverySettings {
+    /// The file's Services, then the flags'.
+    pub services: Vec<K8sService>,
+    pub poll_interval: Duration,
+}
+
+impl DiscoveryOptions {
+    /// These options (the flags) after `file`'s services; the flag's interval over the file's.
+    pub fn resolve(&self, file: &DiscoveryOptions) -> DiscoverySettings {
+        DiscoverySettings {
+            services: file
+                .k8s_services
+                .iter()
+                .chain(&self.k8s_services)
+                .cloned()
+                .collect(),
+            poll_interval: (self.k8s_poll_interval)
+                .or(file.k8s_poll_interval)
+                .unwrap_or(Duration::from_secs(5)),
+        }
+    }
+}
+
 /// One `--k8s-service`: the replicas of `model` behind a Service.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
 #[serde(deny_unknown_fields)]

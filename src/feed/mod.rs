@@ -38,6 +38,7 @@
 //! replica's changes. A reaper task drops expired nodes; streams are ended from outside (node
 //! map reloads, takeovers) through a broadcast of stream ids.
 
+mod options;
 pub mod state;
 #[cfg(test)]
 mod tests;
@@ -69,6 +70,7 @@ use crate::blockhash::ExternalHash;
 use crate::kvindex::KvEventSink;
 use crate::models::ModelSettings;
 
+pub use options::{FeedOptions, FeedOptionsError, FeedSettings};
 pub use state::{FeedLimits, FeedState, StreamEnd, StreamId, Violation};
 
 pub use pb::feed_server::FeedServer;

@@ -73,6 +73,34 @@ impl Default for IndexConfig {
     }
 }
 
+/// The index's options: flags (and `LLMGW_*` variables) with the same names as the
+/// configuration file's keys. What neither sets is [`IndexConfig::default`].
+#[derive(Debug, Clone, Default, clap::Args, serde::Deserialize)]
+#[serde(default)]
+pub struct IndexOptions {
+    /// Most blocks the KV index keeps per replica; the oldest go first (default 4,000,000).
+    #[arg(long, env = "LLMGW_INDEX_MAX_BLOCKS_PER_REPLICA")]
+    pub index_max_blocks_per_replica: Option<u32>,
+    /// Weight of a block held only in CPU (offloaded) memory, relative to GPU (default 0.5).
+    #[arg(long, env = "LLMGW_OFFLOADED_WEIGHT")]
+    pub offloaded_weight: Option<f32>,
+}
+
+impl IndexOptions {
+    /// These options (the flags) over `file`'s, over the defaults.
+    pub fn resolve(&self, file: &IndexOptions) -> IndexConfig {
+        let default = IndexConfig::default();
+        IndexConfig {
+            max_blocks_per_replica: (self.index_max_blocks_per_replica)
+                .or(file.index_max_blocks_per_replica)
+                .unwrap_or(default.max_blocks_per_replica),
+            offloaded_weight: (self.offloaded_weight)
+                .or(file.offloaded_weight)
+                .unwrap_or(default.offloaded_weight),
+        }
+    }
+}
+
 /// What one candidate holds of a prompt's leading blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct PrefixMatch {

@@ -22,6 +22,70 @@ pub struct ProbeSettings {
     pub scrape_interval: Duration,
     /// Per HTTP probe.
     pub timeout: Duration,
+    /// A scrape older than this counts as unknown load.
+    pub staleness: Duration,
+}
+
+impl Default for ProbeSettings {
+    fn default() -> Self {
+        ProbeSettings {
+            health_interval: Duration::from_secs(1),
+            scrape_interval: Duration::from_millis(200),
+            timeout: Duration::from_secs(1),
+            staleness: Duration::from_secs(2),
+        }
+    }
+}
+
+/// The probes' options: flags (and `LLMGW_*` variables) with the same names as the
+/// configuration file's keys. What neither sets is [`ProbeSettings::default`].
+#[derive(Debug, Clone, Default, clap::Args, serde::Deserialize)]
+#[serde(default)]
+pub struct ProbeOptions {
+    /// How often each replica's /health is probed (default 1s).
+    #[arg(long, env = "LLMGW_HEALTH_INTERVAL", value_parser = crate::config::parse_duration)]
+    #[serde(deserialize_with = "crate::config::opt_duration")]
+    pub health_interval: Option<Duration>,
+    /// How often each replica's /metrics is scraped (default 200ms).
+    #[arg(long, env = "LLMGW_SCRAPE_INTERVAL", value_parser = crate::config::parse_duration)]
+    #[serde(deserialize_with = "crate::config::opt_duration")]
+    pub scrape_interval: Option<Duration>,
+    /// A scrape older than this counts as unknown load (default 2s).
+    #[arg(long, env = "LLMGW_METRICS_STALENESS", value_parser = crate::config::parse_duration)]
+    #[serde(deserialize_with = "crate::config::opt_duration")]
+    pub metrics_staleness: Option<Duration>,
+    /// Timeout of one health probe or scrape (default 1s).
+    #[arg(long, env = "LLMGW_PROBE_TIMEOUT", value_parser = crate::config::parse_duration)]
+    #[serde(deserialize_with = "crate::config::opt_duration")]
+    pub probe_timeout: Option<Duration>,
+}
+
+impl ProbeOptions {
+    /// These options (the flags) over `file`'s, over the defaults.
+    pub fn resolve(&self, file: &ProbeOptions) -> ProbeSettings {
+        let default = ProbeSettings::default();
+        let pick = |flag: Option<Duration>, key: Option<Duration>, default| {
+            flag.or(key).unwrap_or(default)
+        };
+        ProbeSettings {
+            health_interval: pick(
+                self.health_interval,
+                file.health_interval,
+                default.health_interval,
+            ),
+            scrape_interval: pick(
+                self.scrape_interval,
+                file.scrape_interval,
+                default.scrape_interval,
+            ),
+            timeout: pick(self.probe_timeout, file.probe_timeout, default.timeout),
+            staleness: pick(
+                self.metrics_staleness,
+                file.metrics_staleness,
+                default.staleness,
+            ),
+        }
+    }
 }
 
 /// Something that can probe a replica over HTTP. The real one is [`HttpProber`]; tests use fakes

@@ -118,6 +118,7 @@ fn settings() -> ProbeSettings {
         health_interval: Duration::from_secs(1),
         scrape_interval: Duration::from_millis(100),
         timeout: Duration::from_millis(300),
+        ..ProbeSettings::default()
     }
 }
 

@@ -62,6 +62,36 @@ impl Default for TokenizerConfig {
     }
 }
 
+/// The tokenizer's options: flags (and `LLMGW_*` variables) with the same names as the
+/// configuration file's keys. What neither sets is [`TokenizerConfig::default`].
+#[derive(Debug, Clone, Default, clap::Args, Deserialize)]
+#[serde(default)]
+pub struct TokenizerOptions {
+    /// How long a request waits for its tokens before the prefix tree decides (default 50ms).
+    #[arg(long, env = "LLMGW_TOKENIZE_DEADLINE", value_parser = crate::config::parse_duration)]
+    #[serde(deserialize_with = "crate::config::opt_duration")]
+    pub tokenize_deadline: Option<Duration>,
+    /// Bytes the tokenization cache may hold (default 64 MiB).
+    #[arg(long, env = "LLMGW_TOKENIZE_CACHE_BYTES")]
+    pub tokenize_cache_bytes: Option<usize>,
+}
+
+impl TokenizerOptions {
+    /// These options (the flags) over `file`'s, over the defaults.
+    pub fn resolve(&self, file: &TokenizerOptions) -> TokenizerConfig {
+        let default = TokenizerConfig::default();
+        TokenizerConfig {
+            deadline: (self.tokenize_deadline)
+                .or(file.tokenize_deadline)
+                .unwrap_or(default.deadline),
+            cache_bytes: (self.tokenize_cache_bytes)
+                .or(file.tokenize_cache_bytes)
+                .unwrap_or(default.cache_bytes),
+            ..default
+        }
+    }
+}
+
 /// Why no tokens are available for a request.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum TokenizeError {
