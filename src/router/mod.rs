@@ -211,6 +211,3 @@ impl Picker for Router {
 
 #[cfg(test)]
 mod tests;
-
-#[cfg(test)]
-mod trace_tests;

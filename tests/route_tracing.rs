@@ -1,5 +1,16 @@
 //! A routing decision driven through the ext_proc state machine with the real router, exported
 //! over OTLP/gRPC to an in-process collector.
+//!
+//! A test binary of its own: `tracing` caches each span callsite's interest process-wide, and a
+//! library test that reaches the same callsites without a subscriber while this test installs
+//! its own can leave a span disabled for it; the likely cause of one `make test` run in which
+//! the `tokenize` span was missing when this test ran among the library's tests.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test harness: a panic is a failed test"
+)]
 
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
@@ -23,17 +34,17 @@ use opentelemetry_proto::tonic::trace::v1::Span as OtlpSpan;
 use parking_lot::Mutex;
 use tracing_subscriber::layer::SubscriberExt;
 
-use crate::blockhash::{BlockHasher, ExternalHash, HashSettings};
-use crate::extproc::state::StreamState;
-use crate::extproc::{DESTINATION_HEADER, ExtProcSettings};
-use crate::kvindex::{IndexConfig, KvEventSink, KvIndex, Medium};
-use crate::metrics::Metrics;
-use crate::models::HashersByModel;
-use crate::pool::{Health, Pool, ReplicaSpec};
-use crate::router::Router;
-use crate::scheduler::{PluginResources, Scheduler, SchedulerConfig};
-use crate::telemetry::{TRACEPARENT, otel_layer, tracer_provider};
-use crate::tokenize::{Tokenizer, TokenizerConfig};
+use llmgw::blockhash::{BlockHasher, ExternalHash, HashSettings};
+use llmgw::extproc::state::StreamState;
+use llmgw::extproc::{DESTINATION_HEADER, ExtProcSettings};
+use llmgw::kvindex::{IndexConfig, KvEventSink, KvIndex, Medium};
+use llmgw::metrics::Metrics;
+use llmgw::models::HashersByModel;
+use llmgw::pool::{Health, Pool, ReplicaSpec};
+use llmgw::router::Router;
+use llmgw::scheduler::{PluginResources, Scheduler, SchedulerConfig};
+use llmgw::telemetry::{TRACEPARENT, otel_layer, tracer_provider};
+use llmgw::tokenize::{Tokenizer, TokenizerConfig};
 
 const CALLER_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const CALLER_SPAN: &str = "00f067aa0ba902b7";
