@@ -66,7 +66,7 @@ bench-hash: $(ENVOY)
 # llmgw-sim capacity: ≥ 2,000 short requests/s on one core (latency model off); 64 sims, each
 # under 50 MB. The load generator runs on core 1, the sim on core 0.
 bench-sim:
-	taskset -c 1 $(CARGO) bench -p llmgw-integration --bench sim
+	taskset -c 1 $(CARGO) bench -p llmgw-sim --bench sim
 
 clean:
 	$(CARGO) clean
@@ -119,7 +119,7 @@ bench-overhead: $(ENVOY)
 # `make bench-scale BENCH_SCALE_ARGS="--replicas 4,64"` for other sizes (llmgw-bench-scale --help).
 .PHONY: bench-scale
 bench-scale:
-	$(CARGO) build --release -p llmgw -p llmgw-agent -p llmgw-integration --bins
+	$(CARGO) build --release -p llmgw -p llmgw-agent -p llmgw-bench --bins
 	target/release/llmgw-bench-scale --json target/bench-scale.json $(BENCH_SCALE_ARGS)
 
 # Routing policies side by side on the same simulated replicas and workload (Envoy random and
@@ -134,7 +134,7 @@ bench-routing: $(ENVOY)
 	$(VENV)/bin/pip install --quiet "vllm-router==$(VLLM_ROUTER_VERSION)" || \
 	  echo "vllm-router could not be installed: its policies will be skipped"
 	$(VENV)/bin/pip install --quiet matplotlib
-	$(CARGO) build --release -p llmgw -p llmgw-agent -p llmgw-integration --bins
+	$(CARGO) build --release -p llmgw -p llmgw-agent -p llmgw-sim -p llmgw-bench --bins
 	target/release/llmgw-bench-routing --out-dir target/bench-routing $(BENCH_ROUTING_ARGS)
 	$(PYTHON) bench/plot_routing.py target/bench-routing/ttft.json target/bench-routing/ttft.png
 
@@ -187,5 +187,5 @@ fuzz-feed:
 # `make soak SOAK_ARGS="--fault-window-secs 120"` for longer.
 .PHONY: soak
 soak: $(ENVOY)
-	$(CARGO) build --release -p llmgw -p llmgw-agent -p llmgw-integration --bins
+	$(CARGO) build --release -p llmgw -p llmgw-agent -p llmgw-sim -p llmgw-integration --bins
 	target/release/llmgw-soak $(SOAK_ARGS)

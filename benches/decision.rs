@@ -33,8 +33,7 @@ struct Setup {
 }
 
 fn setup() -> Setup {
-    let tokenizer_path =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("integration/assets/tokenizer.json");
+    let tokenizer_path = Path::new(env!("CARGO_MANIFEST_DIR")).join("sim/assets/tokenizer.json");
     let local = LocalTokenizer::from_file(&tokenizer_path).expect("tokenizer");
     let words: Vec<String> = (0..700).map(|i| format!("clause{i}")).collect();
     let prompt = format!("You are a careful assistant. {}", words.join(" "));

@@ -21,7 +21,7 @@ use llmgw::tokenize::{ChatOptions, LocalTokenizer};
 use serde_json::json;
 
 fn tokenizer() -> LocalTokenizer {
-    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("integration/assets");
+    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("sim/assets");
     LocalTokenizer::load(
         &assets.join("tokenizer.json"),
         Some(&assets.join("chat_template.jinja")),

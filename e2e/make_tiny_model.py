@@ -4,8 +4,8 @@
 
 No model can be downloaded here, and none is needed: with random weights the text vLLM
 generates is noise, but its tokens, prefix cache, KV events and /tokenize answers are real.
-The tokenizer is llmgw-sim's (integration/assets/tokenizer.json, a byte-level BPE trained
-locally by integration/assets/train_tokenizer.py) with the sim's chat template, so the real
+The tokenizer is llmgw-sim's (sim/assets/tokenizer.json, a byte-level BPE trained
+locally by sim/assets/train_tokenizer.py) with the sim's chat template, so the real
 engine and the simulator tokenize alike. Deterministic (fixed torch seed); rewrites OUT_DIR.
 """
 import argparse
@@ -15,7 +15,7 @@ import shutil
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-ASSETS = pathlib.Path(__file__).resolve().parent.parent / "integration" / "assets"
+ASSETS = pathlib.Path(__file__).resolve().parent.parent / "sim" / "assets"
 
 
 def main() -> None:

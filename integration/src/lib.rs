@@ -3,9 +3,8 @@
 //! outlive a test.
 
 pub mod feed_client;
-pub mod routing_bench;
-pub mod scale_bench;
-pub mod sim;
+pub mod procfs;
+pub mod router;
 pub mod soak;
 pub mod system;
 pub mod workload;

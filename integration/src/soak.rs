@@ -21,7 +21,7 @@ use parking_lot::Mutex;
 use serde_json::json;
 
 use crate::feed_client::{FeedClient, refusal};
-use crate::scale_bench::parse_status_rss_mib;
+use crate::procfs::parse_status_rss_mib;
 use crate::system::{self, System, SystemConfig};
 
 /// What the soak runs.

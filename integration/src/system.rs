@@ -2,12 +2,13 @@
 //! simulated replicas, `llmgw-router`, one `llmgw-agent` for the node, and Envoy in front, all
 //! real processes killed when the [`System`] is dropped.
 
-use std::io::{BufRead as _, BufReader};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+pub use crate::router::RouterAddrs;
+use crate::router::RouterCommand;
 use crate::{ChildGuard, SimHandle, bin_path, envoy_bin, free_port, repo_root, spawn_sim_with_env};
 
 /// What to start.
@@ -53,14 +54,6 @@ impl Default for SystemConfig {
             replay: false,
         }
     }
-}
-
-/// The router's bound addresses.
-#[derive(Debug, Clone, Copy)]
-pub struct RouterAddrs {
-    pub grpc: SocketAddr,
-    pub admin: SocketAddr,
-    pub feed: SocketAddr,
 }
 
 /// Everything running. Dropping it stops every process.
@@ -231,55 +224,21 @@ fn start_router(
     sims: &[SimHandle],
     at: Option<RouterAddrs>,
 ) -> (RouterAddrs, ChildGuard) {
-    let port = |addr: Option<SocketAddr>| addr.map_or("127.0.0.1:0".to_owned(), |a| a.to_string());
-    let mut cmd = Command::new(bin_path("llmgw-router"));
-    cmd.arg("serve")
-        .args(["--grpc-addr", &port(at.map(|a| a.grpc))])
-        .args(["--admin-addr", &port(at.map(|a| a.admin))])
-        .args(["--feed-addr", &port(at.map(|a| a.feed))])
+    let mut router = RouterCommand::new()
         .args(["--health-interval", "200ms", "--scrape-interval", "100ms"])
         .args(["--feed-grace", "5s"])
-        .arg("--model")
-        .arg(format!(
-            "{}=block_size={},seed={}",
-            config.model, config.block_size, config.seed
-        ));
+        .model(&config.model, config.block_size, &config.seed);
+    if let Some(at) = at {
+        router = router.at(at);
+    }
     for sim in sims {
-        cmd.arg("--replica")
-            .arg(format!("{}={}@{}", config.model, sim.addr, config.node));
+        router = router.replica(&config.model, sim.addr, Some(&config.node));
     }
-    cmd.args(&config.router_args)
-        .env(
-            "RUST_LOG",
-            std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".to_owned()),
-        )
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
-    let mut child = cmd.spawn().expect("spawn llmgw-router");
-    let stdout = child.stdout.take().expect("piped stdout");
-    let guard = ChildGuard::new("llmgw-router", child);
-    let mut lines = BufReader::new(stdout).lines();
-    for line in lines.by_ref() {
-        let line = line.expect("router stdout");
-        let Some(rest) = line.strip_prefix("llmgw-router listening ") else {
-            continue;
-        };
-        let addr = |key: &str| -> SocketAddr {
-            rest.split_whitespace()
-                .find_map(|part| part.strip_prefix(key))
-                .and_then(|a| a.parse().ok())
-                .unwrap_or_else(|| panic!("router printed no {key} address: {line}"))
-        };
-        let addrs = RouterAddrs {
-            grpc: addr("grpc="),
-            admin: addr("admin="),
-            feed: addr("feed="),
-        };
-        std::thread::spawn(move || for _ in lines {});
-        return (addrs, guard);
-    }
-    panic!("llmgw-router exited before listening");
+    let process = router
+        .args(&config.router_args)
+        .spawn()
+        .unwrap_or_else(|e| panic!("{e}"));
+    (process.addrs, process.guard)
 }
 
 fn start_agent(config: &SystemConfig, sims: &[SimHandle], feeds: &[SocketAddr]) -> ChildGuard {

@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
+use llmgw_integration::router::RouterCommand;
 use llmgw_integration::system::envoy_config;
 use llmgw_integration::{ChildGuard, bin_path, envoy_bin, free_port, repo_root};
 use parking_lot::Mutex;
@@ -425,11 +426,7 @@ struct Router {
 }
 
 fn start_router(out: &Path, model: &Path, replicas: &[(SocketAddr, &str)]) -> Result<Router> {
-    let mut cmd = Command::new(bin_path("llmgw-router"));
-    cmd.arg("serve")
-        .args(["--grpc-addr", "127.0.0.1:0"])
-        .args(["--admin-addr", "127.0.0.1:0"])
-        .args(["--feed-addr", "127.0.0.1:0"])
+    let mut router = RouterCommand::new()
         .args(["--health-interval", "500ms", "--feed-grace", "5s"])
         // Real /tokenize on a busy 2-core machine takes more than the default 50 ms; stay
         // under Envoy's 1 s ext_proc message timeout.
@@ -439,43 +436,27 @@ fn start_router(out: &Path, model: &Path, replicas: &[(SocketAddr, &str)]) -> Re
         .args(["--speculative-ttl", "0s"])
         // The model directory: the router tokenizes in process (tokenizer.json and the
         // chat_template.jinja beside it) and checks its answers against vLLM's /tokenize.
-        .arg("--model")
-        .arg(format!(
-            "{MODEL}=block_size={BLOCK},seed={SEED},tokenizer={}",
-            model.display()
-        ));
+        .args([
+            "--model".to_owned(),
+            format!(
+                "{MODEL}=block_size={BLOCK},seed={SEED},tokenizer={}",
+                model.display()
+            ),
+        ]);
     for (addr, node) in replicas {
-        cmd.arg("--replica").arg(format!("{MODEL}={addr}@{node}"));
+        router = router.replica(MODEL, *addr, Some(node));
     }
-    cmd.env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::from(File::create(out.join("router.log"))?));
-    let mut child = cmd.spawn().context("starting llmgw-router")?;
-    let stdout = child.stdout.take().context("router's stdout")?;
-    let guard = ChildGuard::new("llmgw-router", child);
-    let mut lines = BufReader::new(stdout).lines();
-    for line in lines.by_ref() {
-        let line = line?;
-        let Some(rest) = line.strip_prefix("llmgw-router listening ") else {
-            continue;
-        };
-        let addr = |key: &str| -> Result<SocketAddr> {
-            rest.split_whitespace()
-                .find_map(|part| part.strip_prefix(key))
-                .and_then(|a| a.parse().ok())
-                .with_context(|| format!("router printed no {key} address: {line}"))
-        };
-        let router = Router {
-            grpc: addr("grpc=")?,
-            admin: addr("admin=")?,
-            feed: addr("feed=")?,
-            _process: guard,
-        };
-        std::thread::spawn(move || for _ in lines {});
-        return Ok(router);
-    }
-    bail!("llmgw-router exited before listening")
+    let process = router
+        .env("RUST_LOG", "info")
+        .stderr(File::create(out.join("router.log"))?)
+        .spawn()
+        .context("starting llmgw-router")?;
+    Ok(Router {
+        grpc: process.addrs.grpc,
+        admin: process.addrs.admin,
+        feed: process.addrs.feed,
+        _process: process.guard,
+    })
 }
 
 /// The default Envoy configuration, retargeted, plus a response header naming the upstream.

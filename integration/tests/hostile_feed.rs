@@ -45,7 +45,7 @@ fn block(hash: u64, count: u32) -> pb::Block {
 /// The router's peak resident memory so far, in MiB.
 fn peak_rss_mib(pid: u32) -> f64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("router status");
-    llmgw_integration::scale_bench::parse_status_rss_mib(&status).1
+    llmgw_integration::procfs::parse_status_rss_mib(&status).1
 }
 
 async fn blocks_of(router: &RouterProcess, replica: SocketAddr) -> Vec<u64> {

@@ -433,7 +433,7 @@ async fn after_a_workload_with_evictions_the_index_equals_each_sim() {
 async fn a_local_tokenizer_gives_the_same_tokens_as_the_replicas_tokenize() {
     let sim = spawn(256, 4000, &[]);
     let local = llmgw::tokenize::LocalTokenizer::from_file(
-        &llmgw_integration::repo_root().join("integration/assets/tokenizer.json"),
+        &llmgw_integration::repo_root().join("sim/assets/tokenizer.json"),
     )
     .expect("the shipped tokenizer loads");
     let http = reqwest::Client::new();

@@ -824,7 +824,7 @@ async fn the_routers_local_tokenizer_agrees_with_the_sims_tokenize() {
     use std::sync::atomic::Ordering;
 
     let s = sim(&[]);
-    let assets = llmgw_integration::repo_root().join("integration/assets");
+    let assets = llmgw_integration::repo_root().join("sim/assets");
     let local = LocalTokenizer::load(
         &assets.join("tokenizer.json"),
         Some(&assets.join("chat_template.jinja")),

@@ -210,7 +210,7 @@ fn the_cache_stays_within_its_byte_bound() {
 }
 
 fn assets() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("integration/assets")
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("sim/assets")
 }
 
 fn sim_tokenizer() -> LocalTokenizer {

@@ -12,6 +12,7 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use llmgw_integration::router::RouterCommand;
 use llmgw_integration::{
     ChildGuard, SimHandle, bin_path, envoy_bin, free_port, repo_root, retarget_envoy_config,
     spawn_sim,
@@ -74,50 +75,23 @@ pub struct RouterProcess {
 /// Starts the router on the given gRPC port with `replicas` (`MODEL=IP:PORT`) and extra flags,
 /// and waits until it has bound its ports.
 pub fn start_router(grpc_port: u16, replicas: &[String], extra: &[&str]) -> RouterProcess {
-    let mut cmd = Command::new(bin_path("llmgw-router"));
-    cmd.arg("serve")
-        .args(["--grpc-addr", &format!("127.0.0.1:{grpc_port}")])
-        .args(["--admin-addr", "127.0.0.1:0"])
-        .args(["--feed-addr", "127.0.0.1:0"])
+    let mut command = RouterCommand::new()
+        .grpc(SocketAddr::from(([127, 0, 0, 1], grpc_port)))
         .args(["--health-interval", "200ms", "--scrape-interval", "100ms"])
         .args(["--probe-timeout", "500ms"]);
     for replica in replicas {
-        cmd.args(["--replica", replica]);
+        command = command.args(["--replica", replica]);
     }
-    cmd.args(extra)
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
-    let mut child = cmd.spawn().expect("spawn llmgw-router");
-    let stdout = child.stdout.take().expect("piped stdout");
-    let guard = ChildGuard::new("llmgw-router", child);
-    let mut lines = BufReader::new(stdout).lines();
-    for line in lines.by_ref() {
-        let line = line.expect("router stdout");
-        if let Some(rest) = line.strip_prefix("llmgw-router listening ") {
-            let mut grpc = None;
-            let mut admin = None;
-            let mut feed = None;
-            for part in rest.split_whitespace() {
-                if let Some(a) = part.strip_prefix("grpc=") {
-                    grpc = a.parse().ok();
-                } else if let Some(a) = part.strip_prefix("admin=") {
-                    admin = a.parse().ok();
-                } else if let Some(a) = part.strip_prefix("feed=") {
-                    feed = a.parse().ok();
-                }
-            }
-            std::thread::spawn(move || for _ in lines {});
-            return RouterProcess {
-                grpc: grpc.expect("grpc address"),
-                admin: admin.expect("admin address"),
-                feed: feed.expect("feed address"),
-                guard,
-            };
-        }
+    let process = command
+        .args(extra)
+        .spawn()
+        .unwrap_or_else(|e| panic!("{e}"));
+    RouterProcess {
+        grpc: process.addrs.grpc,
+        admin: process.addrs.admin,
+        feed: process.addrs.feed,
+        guard: process.guard,
     }
-    panic!("llmgw-router exited before listening");
 }
 
 impl RouterProcess {

@@ -32,7 +32,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use self::pool::{BlockId, BlockPool};
-use crate::sim::events::{BlockStored, EventBatch, KvEvent};
+use crate::events::{BlockStored, EventBatch, KvEvent};
 
 /// The latency model (all zero: as fast as the CPU allows).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

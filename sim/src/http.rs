@@ -21,11 +21,11 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use crate::sim::engine::{EngineHandle, Finished, Output, Submit};
-use crate::sim::error::ApiError;
-use crate::sim::metrics::{self, MetricsInfo};
-use crate::sim::publisher::Faults;
-use crate::sim::tokenizer::{ChatOptions, SimTokenizer, TokenizerError};
+use crate::engine::{EngineHandle, Finished, Output, Submit};
+use crate::error::ApiError;
+use crate::metrics::{self, MetricsInfo};
+use crate::publisher::Faults;
+use crate::tokenizer::{ChatOptions, SimTokenizer, TokenizerError};
 
 /// The response header naming the replica that served a request.
 pub const REPLICA_HEADER: &str = "x-llmgw-sim-replica";
@@ -816,7 +816,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::sim::engine::{Engine, EngineConfig, LatencyModel};
+    use crate::engine::{Engine, EngineConfig, LatencyModel};
 
     /// An in-process server on 127.0.0.1:0 (its own runtime thread), for robustness tests.
     fn serve() -> (String, std::thread::JoinHandle<()>) {

@@ -1,12 +1,12 @@
 //! `make bench-scale`: router and agent memory and CPU, and routing-decision latency, at 4, 64
-//! and 256 replicas (synthetic engines; see `llmgw_integration::scale_bench` for what runs and
+//! and 256 replicas (synthetic engines; see `llmgw_bench::scale` for what runs and
 //! how each number is taken). Prints a Markdown table; `--json` also writes the raw reports.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use llmgw_integration::scale_bench::{self, ScaleConfig};
+use llmgw_bench::scale::{self, ScaleConfig};
 
 #[derive(Parser)]
 #[command(about = "llmgw-router and llmgw-agent resources and decision latency as replicas grow")]
@@ -64,7 +64,7 @@ fn main() -> anyhow::Result<()> {
             ..ScaleConfig::default()
         };
         eprintln!("bench-scale: {replicas} replicas…");
-        let report = runtime.block_on(scale_bench::run(&config))?;
+        let report = runtime.block_on(scale::run(&config))?;
         eprintln!(
             "bench-scale: {replicas} replicas: index {} pairs / {} distinct (published {} / {}), \
              filled in {:.1} s",
@@ -76,7 +76,7 @@ fn main() -> anyhow::Result<()> {
         );
         reports.push(report);
     }
-    println!("\n{}", scale_bench::markdown_table(&reports));
+    println!("\n{}", scale::markdown_table(&reports));
     println!(
         "Synthetic engines (ZMQ PUB in this process, vLLM-format batches, sha256_cbor block \
          hashes, block size {}), each with an idle /health and /metrics endpoint; one llmgw-agent \
@@ -86,7 +86,7 @@ fn main() -> anyhow::Result<()> {
          (token-id prompts of {} blocks, one replica holding all, others the system prompt); \
          steady window {:.0} s at {} block events/s per replica. CPU: /proc/PID/stat \
          utime+stime, % of one core; RSS: /proc/PID/status VmRSS (VmHWM).",
-        scale_bench::BLOCK_SIZE,
+        scale::BLOCK_SIZE,
         args.engines_per_agent,
         args.blocks_per_replica,
         args.quiet_secs,

@@ -28,14 +28,16 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use llmgw_integration::routing_bench::{
+use llmgw_bench::routing::{
     Policy, PolicyReport, markdown_table, offered_rate, percentile, plain_envoy_config,
-    proc_stat_cpu_seconds, rate_in_window,
+    rate_in_window,
 };
+use llmgw_integration::procfs::proc_stat_cpu_seconds;
+use llmgw_integration::router::{RouterAddrs, RouterCommand, RouterProcess};
 use llmgw_integration::system::envoy_config;
 use llmgw_integration::workload::{self, Results, WorkloadConfig};
 use llmgw_integration::{
-    ChildGuard, SimHandle, bin_path, envoy_bin, free_addr, free_port, repo_root, spawn_sim_with_env,
+    ChildGuard, SimHandle, bin_path, envoy_bin, free_port, repo_root, spawn_sim_with_env,
 };
 use parking_lot::Mutex;
 
@@ -419,35 +421,38 @@ async fn start_stack(
             })
         }
         Policy::LeastLoaded | Policy::ApproxPrefix | Policy::LlmgwPrecise => {
-            let (grpc, admin, feed) = (free_addr(), free_addr(), free_addr());
-            let mut cmd = Command::new(bin_path("llmgw-router"));
-            cmd.arg("serve")
-                .args(["--grpc-addr", &grpc.to_string()])
-                .args(["--admin-addr", &admin.to_string()])
-                .args(["--feed-addr", &feed.to_string()])
-                .args(["--tokenize-deadline", &args.tokenize_deadline]);
+            let mut router = RouterCommand::new()
+                .args(["--tokenize-deadline", &args.tokenize_deadline])
+                .env("RUST_LOG", "warn");
             for r in &replicas {
-                cmd.arg("--replica").arg(format!("{MODEL}={r}@{NODE}"));
+                router = router.replica(MODEL, *r, Some(NODE));
             }
             match policy {
                 Policy::LeastLoaded => {
-                    cmd.args(["--weight-prefix", "0"]);
+                    router = router.args(["--weight-prefix", "0"]);
                 }
                 Policy::LlmgwPrecise => {
                     // The model's own tokenizer and chat template, as a user gives them: the
                     // router tokenizes in process (checking a sample against /tokenize).
-                    let assets = llmgw_integration::repo_root().join("integration/assets");
-                    cmd.arg("--model").arg(format!(
-                        "{MODEL}=block_size={BLOCK_SIZE},seed={SEED},tokenizer={},chat_template={}",
-                        assets.join("tokenizer.json").display(),
-                        assets.join("chat_template.jinja").display()
-                    ));
+                    let assets = llmgw_integration::repo_root().join("sim/assets");
+                    router = router.args([
+                        "--model".to_owned(),
+                        format!(
+                            "{MODEL}=block_size={BLOCK_SIZE},seed={SEED},tokenizer={},chat_template={}",
+                            assets.join("tokenizer.json").display(),
+                            assets.join("chat_template.jinja").display()
+                        ),
+                    ]);
                 }
                 // No hash settings: the affinity slot can only use the prefix tree.
                 _ => {}
             }
-            cmd.args(&args.router_args);
-            let router = spawn(cmd, "llmgw-router")?;
+            let RouterProcess {
+                addrs: RouterAddrs {
+                    grpc, admin, feed, ..
+                },
+                guard: router,
+            } = router.args(&args.router_args).spawn()?;
             let mut router_pids = vec![router.id()];
             let mut guards = Vec::new();
             let agent = if policy == Policy::LlmgwPrecise {
@@ -495,7 +500,7 @@ async fn start_stack(
                 .args(["--policy", vllm_policy.flag(), "--log-level", "warning"])
                 .arg("--worker-urls")
                 .args(sims.iter().map(SimHandle::url));
-            if vllm_policy == llmgw_integration::routing_bench::VllmRouterPolicy::KvAware {
+            if vllm_policy == llmgw_bench::routing::VllmRouterPolicy::KvAware {
                 cmd.args(["--kv-event-model", MODEL])
                     .args(["--kv-event-block-size", &BLOCK_SIZE.to_string()]);
                 for sim in sims {

@@ -9,6 +9,12 @@
 //! Prints the numbers and exits non-zero when a goal is missed. Speed goals live here, never
 //! in timed tests.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a bench harness: a panic is a failed run"
+)]
+
 use std::io::{BufRead as _, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;

@@ -27,8 +27,8 @@ use serde::Deserialize;
 use tokio::sync::mpsc;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::sim::engine::EngineEvent;
-use crate::sim::events::Encoding;
+use crate::engine::EngineEvent;
+use crate::events::Encoding;
 
 /// vLLM's replay end marker: `(-1).to_bytes(8, "big", signed=True)`.
 pub const END_SEQ: [u8; 8] = [0xff; 8];

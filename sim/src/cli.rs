@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use clap::Parser;
 use llmgw::blockhash::{HashAlgo, SaltEncoding};
 
-use crate::sim::events::EventFormat;
-use crate::sim::publisher::KvEventsConfig;
+use crate::events::EventFormat;
+use crate::publisher::KvEventsConfig;
 
 /// A simulated vLLM replica: vLLM's OpenAI server, prefix cache and KV events, without a GPU.
 #[derive(Debug, Clone, Parser)]

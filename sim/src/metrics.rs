@@ -4,7 +4,7 @@
 
 use std::fmt::Write as _;
 
-use crate::sim::engine::StatsSnapshot;
+use crate::engine::StatsSnapshot;
 
 /// Static facts for the metric labels.
 #[derive(Debug, Clone)]

@@ -1,7 +1,7 @@
-//! `llmgw-sim`: a simulated vLLM replica (see `llmgw_integration::sim`).
+//! `llmgw-sim`: a simulated vLLM replica (see the `llmgw_sim` library).
 
 use clap::Parser as _;
-use llmgw_integration::sim::{self, cli::Cli};
+use llmgw_sim::cli::Cli;
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -16,6 +16,6 @@ fn main() -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(sim::run(cli))?;
+    runtime.block_on(llmgw_sim::run(cli))?;
     Ok(())
 }

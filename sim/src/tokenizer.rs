@@ -1,5 +1,5 @@
 //! The simulated model's tokenizer: a byte-level BPE loaded with Hugging Face's `tokenizers`
-//! from a `tokenizer.json` (the repo ships `integration/assets/tokenizer.json`; `--tokenizer`
+//! from a `tokenizer.json` (the repo ships `sim/assets/tokenizer.json`; `--tokenizer`
 //! picks another), and a chat template rendered the way `transformers` renders one (the
 //! router's own [`ChatTemplate`]), so chat turns share prefixes exactly as they do on a real
 //! model.
@@ -13,10 +13,10 @@ use llmgw::tokenize::{ChatTemplate, ChatTemplateError};
 use serde_json::Value;
 
 /// The tokenizer the simulator ships (trained by `assets/train_tokenizer.py`).
-pub const DEFAULT_TOKENIZER_JSON: &str = include_str!("../../assets/tokenizer.json");
+pub const DEFAULT_TOKENIZER_JSON: &str = include_str!("../assets/tokenizer.json");
 
 /// The default chat template: a BOS, then `<|start|>role\ncontent<|end|>\n` per message.
-pub const DEFAULT_CHAT_TEMPLATE: &str = include_str!("../../assets/chat_template.jinja");
+pub const DEFAULT_CHAT_TEMPLATE: &str = include_str!("../assets/chat_template.jinja");
 
 /// The shipped tokenizer's special tokens (also in `assets/tokenizer_config.json`).
 const BOS: &str = "<|bos|>";

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use llmgw_integration::scale_bench::{self, ScaleConfig};
+use llmgw_bench::scale::{self, ScaleConfig};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_index_holds_what_the_generator_published_and_routes_by_it() {
@@ -28,11 +28,8 @@ async fn the_index_holds_what_the_generator_published_and_routes_by_it() {
             .join("bench-scale-test"),
         ..ScaleConfig::default()
     };
-    let report = scale_bench::run(&config).await.expect("bench run");
-    println!(
-        "{}",
-        scale_bench::markdown_table(std::slice::from_ref(&report))
-    );
+    let report = scale::run(&config).await.expect("bench run");
+    println!("{}", scale::markdown_table(std::slice::from_ref(&report)));
 
     assert_eq!(report.agents, 2);
     assert_eq!(report.replicas_matching_after_fill, 2, "{report:?}");

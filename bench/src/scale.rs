@@ -21,13 +21,13 @@
 //! `/proc/PID/status`, CPU from `/proc/PID/stat` (utime + stime).
 
 use std::collections::{HashSet, VecDeque};
-use std::io::{BufRead as _, BufReader};
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, bail, ensure};
+use anyhow::{Context as _, ensure};
 use bytes::Bytes;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -40,9 +40,11 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use llmgw::blockhash::{BlockDigest, BlockHasher, HashSettings};
 use zeromq::{PubSocket, Socket as _, SocketSend as _, ZmqMessage};
 
-use crate::routing_bench::{percentile, proc_stat_cpu_seconds};
-use crate::sim::events::{BlockStored, Encoding, EventBatch, KvEvent};
-use crate::{ChildGuard, bin_path};
+use crate::routing::percentile;
+use llmgw_integration::procfs::{load_avg, parse_status_rss_mib, proc_stat_cpu_seconds};
+use llmgw_integration::router::{RouterCommand, RouterProcess};
+use llmgw_integration::{ChildGuard, bin_path};
+use llmgw_sim::events::{BlockStored, Encoding, EventBatch, KvEvent};
 
 /// The served model, its block size and the engines' PYTHONHASHSEED.
 pub const MODEL: &str = "tiny";
@@ -98,7 +100,9 @@ impl Default for ScaleConfig {
             lookups: 1000,
             lookup_rate: 200.0,
             router_args: Vec::new(),
-            log_dir: crate::repo_root().join("target").join("bench-scale"),
+            log_dir: llmgw_integration::repo_root()
+                .join("target")
+                .join("bench-scale"),
             converge_timeout: Duration::from_secs(120),
         }
     }
@@ -179,12 +183,12 @@ pub async fn run(config: &ScaleConfig) -> anyhow::Result<ScaleReport> {
 
     let agents_n = config.replicas.div_ceil(config.engines_per_agent);
     let router = start_router(config, &http.addrs)?;
-    let admin = Admin::new(router.admin);
+    let admin = Admin::new(router.addrs.admin);
     let mut agents = Vec::with_capacity(agents_n);
     for a in 0..agents_n {
         let members = &engines
             [a * config.engines_per_agent..((a + 1) * config.engines_per_agent).min(engines.len())];
-        agents.push(start_agent(config, a, members, router.feed)?);
+        agents.push(start_agent(config, a, members, router.addrs.feed)?);
     }
 
     // Agents subscribe late: send each engine a marker block until the router has one from
@@ -631,13 +635,6 @@ impl Drop for FakeEngines {
     }
 }
 
-struct RouterProcess {
-    grpc: SocketAddr,
-    admin: SocketAddr,
-    feed: SocketAddr,
-    guard: ChildGuard,
-}
-
 fn log_file(config: &ScaleConfig, name: &str) -> anyhow::Result<std::fs::File> {
     let path = config
         .log_dir
@@ -650,55 +647,16 @@ fn node(a: usize) -> String {
 }
 
 fn start_router(config: &ScaleConfig, replicas: &[SocketAddr]) -> anyhow::Result<RouterProcess> {
-    let mut cmd = Command::new(bin_path("llmgw-router"));
-    cmd.arg("serve")
-        .args(["--grpc-addr", "127.0.0.1:0"])
-        .args(["--admin-addr", "127.0.0.1:0"])
-        .args(["--feed-addr", "127.0.0.1:0"])
-        .arg("--model")
-        .arg(format!("{MODEL}=block_size={BLOCK_SIZE},seed={SEED}"));
+    let mut router = RouterCommand::new().model(MODEL, BLOCK_SIZE, SEED);
     for (i, addr) in replicas.iter().enumerate() {
-        cmd.arg("--replica").arg(format!(
-            "{MODEL}={addr}@{}",
-            node(i / config.engines_per_agent)
-        ));
+        let node = node(i / config.engines_per_agent);
+        router = router.replica(MODEL, *addr, Some(&node));
     }
-    cmd.args(&config.router_args)
-        .env(
-            "RUST_LOG",
-            std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".to_owned()),
-        )
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(log_file(config, "router")?);
-    let mut child = cmd.spawn().context("spawn llmgw-router")?;
-    let stdout = child.stdout.take().context("router stdout")?;
-    let guard = ChildGuard::new("llmgw-router", child);
-    let mut lines = BufReader::new(stdout).lines();
-    for line in lines.by_ref() {
-        let line = line.context("router stdout")?;
-        let Some(rest) = line.strip_prefix("llmgw-router listening ") else {
-            continue;
-        };
-        let addr = |key: &str| -> anyhow::Result<SocketAddr> {
-            rest.split_whitespace()
-                .find_map(|part| part.strip_prefix(key))
-                .and_then(|a| a.parse().ok())
-                .with_context(|| format!("router printed no {key} address: {line}"))
-        };
-        let process = RouterProcess {
-            grpc: addr("grpc=")?,
-            admin: addr("admin=")?,
-            feed: addr("feed=")?,
-            guard,
-        };
-        std::thread::spawn(move || for _ in lines {});
-        return Ok(process);
-    }
-    bail!(
-        "llmgw-router exited before listening (see {})",
-        config.log_dir.display()
-    )
+    router
+        .args(&config.router_args)
+        .stderr(log_file(config, "router")?)
+        .spawn()
+        .with_context(|| format!("llmgw-router (logs in {})", config.log_dir.display()))
 }
 
 fn start_agent(
@@ -920,7 +878,7 @@ async fn run_lookups(
     router: &RouterProcess,
     admin: &Admin,
 ) -> anyhow::Result<LookupResult> {
-    let mut client = ExternalProcessorClient::connect(format!("http://{}", router.grpc))
+    let mut client = ExternalProcessorClient::connect(format!("http://{}", router.addrs.grpc))
         .await
         .context("connect to the router's ext_proc port")?;
     // Prompts: each replica's last fill conversation (held whole by it alone; its system
@@ -1155,27 +1113,6 @@ fn rss_mib(pid: u32) -> anyhow::Result<(f64, f64)> {
     Ok(parse_status_rss_mib(&text))
 }
 
-/// (VmRSS, VmHWM) in MiB from a `/proc/PID/status` text (0 where absent).
-pub fn parse_status_rss_mib(status: &str) -> (f64, f64) {
-    let kib = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    (kib("VmRSS:") / 1024.0, kib("VmHWM:") / 1024.0)
-}
-
-/// `/proc/loadavg`'s three averages.
-pub fn load_avg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .map(|t| t.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|| "?".to_owned())
-}
-
 /// The Markdown table of several runs.
 pub fn markdown_table(reports: &[ScaleReport]) -> String {
     let mut out = String::from(
@@ -1256,12 +1193,6 @@ llmgw_pick_duration_seconds_bucket{le=\"+Inf\"} 100\n",
         assert!((h.mean_us() - 15.0).abs() < 1e-9);
         assert!((h.quantile_le_us(0.5) - 20.0).abs() < 1e-9);
         assert!(h.quantile_le_us(0.99).is_infinite());
-    }
-
-    #[test]
-    fn status_rss_parses() {
-        let status = "Name:\tllmgw-router\nVmHWM:\t   20480 kB\nVmRSS:\t   10240 kB\n";
-        assert_eq!(parse_status_rss_mib(status), (10.0, 20.0));
     }
 
     #[test]

@@ -36,7 +36,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use llmgw_integration::routing_bench::plain_envoy_config;
+use llmgw_bench::routing::plain_envoy_config;
+use llmgw_integration::router::RouterCommand;
 use llmgw_integration::{
     ChildGuard, bin_path, envoy_bin, envoy_config_over_uds, envoy_config_streamed_ahead, free_port,
     repo_root, retarget_envoy_config, spawn_sim,
@@ -449,24 +450,19 @@ fn start_router(
     replicas: &[SocketAddr; 2],
     extra: &[String],
 ) -> anyhow::Result<Processor> {
-    let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let mut command = Command::new(bin_path("llmgw-router"));
-    command
-        .args(["serve", "--grpc-addr", &format!("127.0.0.1:{grpc_port}")])
-        .args(["--admin-addr", &admin.to_string()])
-        .args(["--replica", &format!("tiny={}", replicas[0])])
-        .args(["--replica", &format!("tiny={}", replicas[1])])
+    let process = RouterCommand::new()
+        .grpc(SocketAddr::from(([127, 0, 0, 1], grpc_port)))
+        .replica("tiny", replicas[0], None)
+        .replica("tiny", replicas[1], None)
         // ORIGINAL_DST (full duplex path) takes one address.
         .args(["--fallbacks", "0"])
-        .args(["--feed-addr", "127.0.0.1:0"])
         .args(extra)
-        .env("RUST_LOG", "warn");
-    let child = spawn_quiet(&mut command, "llmgw-router")?;
-    let pid = child.id();
+        .env("RUST_LOG", "warn")
+        .spawn()?;
     Ok(Processor {
-        pid,
-        admin: Some(admin),
-        _guard: ChildGuard::new("llmgw-router", child),
+        pid: process.pid(),
+        admin: Some(process.addrs.admin),
+        _guard: process.guard,
     })
 }
 

@@ -1,0 +1,9 @@
+//! llmgw's system benchmarks, each a binary in `src/bin/` started by a `make bench-*` target:
+//! `llmgw-bench-routing` (policies side by side, [`routing`]), `llmgw-bench-overhead` (latency
+//! and CPU llmgw adds, beside `llmgw-extproc-floor`, an ext_proc server that routes without
+//! reading requests), `llmgw-bench-scale` (resources as replicas grow, [`scale`]). Processes are
+//! started with `llmgw-integration`'s harness; the criterion benches live beside the code they
+//! measure. `docs/benchmarks.md` says what each measures and lists the latest figures.
+
+pub mod routing;
+pub mod scale;
