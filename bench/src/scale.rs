@@ -42,6 +42,7 @@ use zeromq::{PubSocket, Socket as _, SocketSend as _, ZmqMessage};
 
 use crate::routing::percentile;
 use llmgw_integration::procfs::{load_avg, parse_status_rss_mib, proc_stat_cpu_seconds};
+use llmgw_integration::prom;
 use llmgw_integration::router::{RouterCommand, RouterProcess};
 use llmgw_integration::{ChildGuard, bin_path};
 use llmgw_sim::events::{BlockStored, Encoding, EventBatch, KvEvent};
@@ -721,14 +722,14 @@ impl Admin {
 
     /// `llmgw_kv_index_replica_blocks{replica=…}`.
     async fn replica_blocks(&self) -> anyhow::Result<Vec<(String, u64)>> {
-        Ok(parse_replica_blocks(&self.metrics().await?))
+        Ok(replica_blocks(&self.metrics().await?))
     }
 
     /// (Σ replica blocks, distinct blocks).
     async fn index_totals(&self) -> anyhow::Result<(u64, u64)> {
         let text = self.metrics().await?;
-        let pairs = parse_replica_blocks(&text).iter().map(|(_, n)| n).sum();
-        let distinct = metric_value(&text, "llmgw_kv_index_blocks").unwrap_or(0.0) as u64;
+        let pairs = replica_blocks(&text).iter().map(|(_, n)| n).sum();
+        let distinct = prom::sum(&text, "llmgw_kv_index_blocks", &[]).unwrap_or(0.0) as u64;
         Ok((pairs, distinct))
     }
 
@@ -754,33 +755,6 @@ impl Admin {
     }
 }
 
-/// Every `llmgw_kv_index_replica_blocks{replica="…"} N` line.
-pub fn parse_replica_blocks(text: &str) -> Vec<(String, u64)> {
-    text.lines()
-        .filter_map(|line| {
-            let rest = line.strip_prefix("llmgw_kv_index_replica_blocks{")?;
-            let (labels, value) = rest.rsplit_once('}')?;
-            let replica = labels
-                .split(',')
-                .find_map(|l| l.trim().strip_prefix("replica=\""))?
-                .strip_suffix('"')?;
-            let n = value.trim().parse::<f64>().ok()?;
-            Some((replica.to_owned(), n as u64))
-        })
-        .collect()
-}
-
-/// The value of an unlabelled sample `name` (or of `name{labels}` when `name` includes them).
-pub fn metric_value(text: &str, name: &str) -> Option<f64> {
-    text.lines().find_map(|line| {
-        let rest = line.strip_prefix(name)?;
-        if !rest.starts_with(' ') {
-            return None;
-        }
-        rest.split_whitespace().next()?.parse::<f64>().ok()
-    })
-}
-
 /// `llmgw_pick_duration_seconds`: cumulative buckets, sum and count.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PickHistogram {
@@ -792,31 +766,22 @@ pub struct PickHistogram {
 
 impl PickHistogram {
     pub fn parse(text: &str) -> PickHistogram {
-        let mut buckets = Vec::new();
-        for line in text.lines() {
-            let Some(rest) = line.strip_prefix("llmgw_pick_duration_seconds_bucket{le=\"") else {
-                continue;
-            };
-            let Some((le, value)) = rest.split_once("\"}") else {
-                continue;
-            };
-            let le = if le == "+Inf" {
-                f64::INFINITY
-            } else {
-                match le.parse::<f64>() {
-                    Ok(v) => v,
-                    Err(_) => continue,
-                }
-            };
-            if let Some(v) = value.split_whitespace().next().and_then(|v| v.parse().ok()) {
-                buckets.push((le, v));
-            }
-        }
+        let mut buckets: Vec<(f64, f64)> = prom::samples(text)
+            .filter(|s| s.name == "llmgw_pick_duration_seconds_bucket")
+            .filter_map(|s| {
+                let le = match s.label("le")? {
+                    "+Inf" => f64::INFINITY,
+                    le => le.parse().ok()?,
+                };
+                Some((le, s.value))
+            })
+            .collect();
         buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let total = |name| prom::sum(text, name, &[]).unwrap_or(0.0);
         PickHistogram {
             buckets,
-            sum: metric_value(text, "llmgw_pick_duration_seconds_sum").unwrap_or(0.0),
-            count: metric_value(text, "llmgw_pick_duration_seconds_count").unwrap_or(0.0),
+            sum: total("llmgw_pick_duration_seconds_sum"),
+            count: total("llmgw_pick_duration_seconds_count"),
         }
     }
 
@@ -868,7 +833,15 @@ struct LookupResult {
 }
 
 fn kv_hits(text: &str) -> u64 {
-    metric_value(text, "llmgw_kv_decisions_total{decision=\"hit\"}").unwrap_or(0.0) as u64
+    prom::sum(text, "llmgw_kv_decisions_total", &[("decision", "hit")]).unwrap_or(0.0) as u64
+}
+
+/// `llmgw_kv_index_replica_blocks{replica=…}`, in replica order.
+fn replica_blocks(text: &str) -> Vec<(String, u64)> {
+    prom::by_label(text, "llmgw_kv_index_replica_blocks", "replica")
+        .into_iter()
+        .map(|(replica, n)| (replica, n as u64))
+        .collect()
 }
 
 async fn run_lookups(
@@ -1166,15 +1139,13 @@ llmgw_kv_index_replica_blocks{replica=\"127.0.0.1:8002\"} 3\n\
 llmgw_kv_index_blocks 14\n\
 llmgw_kv_decisions_total{decision=\"hit\"} 7\n";
         assert_eq!(
-            parse_replica_blocks(text),
+            replica_blocks(text),
             vec![
                 ("127.0.0.1:8001".to_owned(), 12),
                 ("127.0.0.1:8002".to_owned(), 3)
             ]
         );
-        assert_eq!(metric_value(text, "llmgw_kv_index_blocks"), Some(14.0));
         assert_eq!(kv_hits(text), 7);
-        assert_eq!(metric_value(text, "llmgw_kv_index"), None);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 
 pub mod feed_client;
 pub mod procfs;
+pub mod prom;
 pub mod router;
 pub mod soak;
 pub mod system;

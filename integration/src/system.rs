@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use crate::prom;
 pub use crate::router::RouterAddrs;
 use crate::router::RouterCommand;
 use crate::{ChildGuard, SimHandle, bin_path, envoy_bin, free_port, repo_root, spawn_sim_with_env};
@@ -449,33 +450,24 @@ pub async fn load_seen(system: &System, timeout: Duration) -> bool {
 
 /// The load a sim reports on its own `/metrics`, read as the router reads it.
 async fn sim_load(sim: &SimHandle) -> [Option<f64>; 3] {
-    let text = reqwest::get(format!("{}/metrics", sim.url()))
+    let text = prom::scrape(&format!("{}/metrics", sim.url()))
         .await
-        .expect("sim metrics")
-        .text()
-        .await
-        .expect("text");
+        .expect("sim metrics");
     let load = llmgw::pool::vllm_metrics::parse_engine_load(&text);
     [load.waiting, load.running, load.kv_cache_usage]
 }
 
 /// The load `router` last scraped from `replica` (its `llmgw_replica_*` gauges).
 async fn router_load_of(router: RouterAddrs, replica: SocketAddr) -> [Option<f64>; 3] {
-    let text = reqwest::get(format!("http://{}/metrics", router.admin))
+    let text = prom::scrape(&format!("http://{}/metrics", router.admin))
         .await
-        .expect("router metrics")
-        .text()
-        .await
-        .expect("text");
-    let gauge = |family: &str| {
-        let prefix = format!("{family}{{replica=\"{replica}\"}} ");
-        text.lines()
-            .find_map(|l| l.strip_prefix(prefix.as_str()))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-    };
-    [
-        gauge("llmgw_replica_waiting"),
-        gauge("llmgw_replica_running"),
-        gauge("llmgw_replica_kv_cache_usage"),
-    ]
+        .expect("router metrics");
+    let replica = replica.to_string();
+    ["waiting", "running", "kv_cache_usage"].map(|gauge| {
+        prom::sum(
+            &text,
+            &format!("llmgw_replica_{gauge}"),
+            &[("replica", &replica)],
+        )
+    })
 }

@@ -351,40 +351,11 @@ async fn streamed_chat(
 /// `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` from a replica's /metrics
 /// text: (hits, queries) in tokens.
 pub fn prefix_cache_counts(metrics: &str) -> (f64, f64) {
-    let value = |name: &str| -> f64 {
-        metrics
-            .lines()
-            .filter(|l| l.starts_with(name))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    };
+    let total = |name| crate::prom::sum(metrics, name, &[]).unwrap_or(0.0);
     (
-        value("vllm:prefix_cache_hits_total"),
-        value("vllm:prefix_cache_queries_total"),
+        total("vllm:prefix_cache_hits_total"),
+        total("vllm:prefix_cache_queries_total"),
     )
-}
-
-/// A counter family's values by label value, from Prometheus text (e.g. the router's
-/// `llmgw_kv_decisions_total{decision="hit"}`).
-pub fn counters_by_label(metrics: &str, family: &str) -> BTreeMap<String, f64> {
-    let mut out = BTreeMap::new();
-    for line in metrics.lines() {
-        let Some(rest) = line.strip_prefix(family).and_then(|r| r.strip_prefix('{')) else {
-            continue;
-        };
-        let Some((labels, value)) = rest.split_once("} ") else {
-            continue;
-        };
-        let label = labels
-            .split_once('"')
-            .and_then(|(_, v)| v.split_once('"'))
-            .map(|(v, _)| v.to_owned())
-            .unwrap_or_default();
-        if let Ok(v) = value.trim().parse::<f64>() {
-            out.insert(label, v);
-        }
-    }
-    out
 }
 
 #[cfg(test)]
@@ -395,12 +366,8 @@ mod tests {
     fn parses_the_counters_it_reports() {
         let text = "# HELP x\nvllm:prefix_cache_hits_total{engine=\"0\",model_name=\"tiny\"} 30.0\n\
                     vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"tiny\"} 120.0\n\
-                    llmgw_kv_decisions_total{decision=\"hit\"} 7\n\
-                    llmgw_kv_decisions_total{decision=\"miss\"} 2\n";
+                    llmgw_kv_decisions_total{decision=\"hit\"} 7\n";
         assert_eq!(prefix_cache_counts(text), (30.0, 120.0));
-        let d = counters_by_label(text, "llmgw_kv_decisions_total");
-        assert_eq!(d.get("hit"), Some(&7.0));
-        assert_eq!(d.get("miss"), Some(&2.0));
     }
 
     #[test]

@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
+use llmgw_integration::prom;
 use llmgw_integration::router::RouterCommand;
 use llmgw_integration::system::envoy_config;
 use llmgw_integration::{ChildGuard, bin_path, envoy_bin, free_port, repo_root};
@@ -514,40 +515,6 @@ struct Stack {
     b: Engine,
 }
 
-/// One prometheus sample: the sum of `name`'s lines whose labels include every `labels` pair.
-fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    let mut found = None;
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix(name) else {
-            continue;
-        };
-        let (label_text, value) = match rest.strip_prefix('{') {
-            Some(r) => match r.split_once("} ") {
-                Some(parts) => parts,
-                None => continue,
-            },
-            None => match rest.strip_prefix(' ') {
-                Some(v) => ("", v),
-                None => continue,
-            },
-        };
-        if !labels
-            .iter()
-            .all(|(k, v)| label_text.contains(&format!("{k}=\"{v}\"")))
-        {
-            continue;
-        }
-        if let Some(v) = value
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse::<f64>().ok())
-        {
-            *found.get_or_insert(0.0) += v;
-        }
-    }
-    found
-}
-
 /// An answer from vLLM, directly or through Envoy.
 struct Answer {
     status: u16,
@@ -585,12 +552,12 @@ impl Stack {
     }
 
     async fn router_metric(&self, name: &str, labels: &[(&str, &str)]) -> Result<f64> {
-        Ok(metric(&self.router_metrics().await?, name, labels).unwrap_or(0.0))
+        Ok(prom::sum(&self.router_metrics().await?, name, labels).unwrap_or(0.0))
     }
 
     async fn vllm_metric(&self, engine: &Engine, name: &str) -> Result<f64> {
         let text = self.get_text(&engine.url("/metrics")).await?;
-        metric(&text, name, &[])
+        prom::sum(&text, name, &[])
             .with_context(|| format!("engine {} exports no {name}", engine.name))
     }
 
@@ -924,8 +891,8 @@ async fn start(settings: &Settings) -> Result<(Stack, String)> {
                     .await
                     .is_ok_and(|r| r.status().is_success());
                 let m = s.router_metrics().await?;
-                let healthy = metric(&m, "llmgw_replica_healthy", &[]).unwrap_or(0.0);
-                let streams = metric(&m, "llmgw_feed_streams", &[]).unwrap_or(0.0);
+                let healthy = prom::sum(&m, "llmgw_replica_healthy", &[]).unwrap_or(0.0);
+                let streams = prom::sum(&m, "llmgw_feed_streams", &[]).unwrap_or(0.0);
                 Ok(envoy_up && healthy == 2.0 && streams == 2.0)
             },
         )
@@ -996,7 +963,7 @@ async fn checks(report: &mut Report, s: &Stack) {
 /// Every request above was tokenized in process and the first of each kind compared with
 /// vLLM's own `/tokenize` in the background: none may have disagreed.
 async fn local_tokenization_agrees(s: &Stack) -> Result<String> {
-    let count = |m: &str, name: &str| metric(m, name, &[]).unwrap_or(0.0);
+    let count = |m: &str, name: &str| prom::sum(m, name, &[]).unwrap_or(0.0);
     let before = s.router_metrics().await?;
     let before_checks = count(&before, "llmgw_tokenize_local_checks_total");
     // One more of each kind, so that checks are due even if the ones above were cached.
@@ -1054,7 +1021,8 @@ async fn hash_check(s: &Stack) -> Result<String> {
         let metrics = s
             .get_text(&format!("http://{}/metrics", e.agent_admin))
             .await?;
-        let mismatches = metric(&metrics, "llmgw_agent_hash_mismatches_total", &[]).unwrap_or(0.0);
+        let mismatches =
+            prom::sum(&metrics, "llmgw_agent_hash_mismatches_total", &[]).unwrap_or(0.0);
         ensure!(
             mismatches == 0.0,
             "agent of {} counted {mismatches} hash mismatches",
@@ -1134,7 +1102,7 @@ fn ensure_upstream(answer: &Answer, engine: &Engine) -> Result<()> {
 
 async fn kv_decisions(s: &Stack) -> Result<(f64, f64)> {
     let m = s.router_metrics().await?;
-    let count = |d| metric(&m, "llmgw_kv_decisions_total", &[("decision", d)]).unwrap_or(0.0);
+    let count = |d| prom::sum(&m, "llmgw_kv_decisions_total", &[("decision", d)]).unwrap_or(0.0);
     Ok((count("hit"), count("miss")))
 }
 
@@ -1248,7 +1216,7 @@ async fn salted(s: &Stack) -> Result<String> {
         .get_text(&format!("http://{}/metrics", engine.agent_admin))
         .await?;
     let mismatches =
-        metric(&agent_metrics, "llmgw_agent_hash_mismatches_total", &[]).unwrap_or(0.0);
+        prom::sum(&agent_metrics, "llmgw_agent_hash_mismatches_total", &[]).unwrap_or(0.0);
     ensure!(
         mismatches == 0.0,
         "the salted block 0 failed the agent's hash check"
@@ -1325,7 +1293,7 @@ async fn kill_b(s: &Stack) -> Result<String> {
     ensure!(!old.is_empty(), "no vLLM process under B's agent");
     let agent_metrics = &format!("http://{}/metrics", s.b.agent_admin);
     let supervisor_resets = &|text: &str| {
-        metric(
+        prom::sum(
             text,
             "llmgw_agent_resets_total",
             &[("reason", "supervisor")],

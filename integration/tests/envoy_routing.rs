@@ -13,6 +13,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::StreamExt;
+use llmgw_integration::prom;
 use llmgw_integration::{
     SimHandle, envoy_bin, envoy_config_over_uds, envoy_config_streamed_ahead, free_port, repo_root,
 };
@@ -221,14 +222,6 @@ async fn gie_config_obeys_picks_ignores_spoofing_and_fails_open() {
     picks_spoofing_and_failover("envoy-gie.yaml", &[], true, Wiring::AsIs).await;
 }
 
-/// The value of one sample line of a Prometheus text, 0 when absent.
-fn sample(metrics: &str, series: &str) -> f64 {
-    metrics
-        .lines()
-        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 /// Through the GIE wiring, Envoy reports which host served each request: the pick when it
 /// answers, the next address when it refuses connections (a retry), and the router counts both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -246,14 +239,16 @@ async fn gie_config_reports_the_served_endpoint_and_a_fallback_that_served() {
     router.wait_healthy(&[a.addr]).await;
     let envoy = start_envoy("envoy-gie.yaml", grpc, [a.addr, dead]).await;
     envoy.wait_llmgw_marked_up().await;
-    let picked = "llmgw_served_reports_total{served_by=\"picked\"}";
-    let other = "llmgw_served_reports_total{served_by=\"other_replica\"}";
+    let served = |metrics: &str, by: &str| {
+        prom::sum(metrics, "llmgw_served_reports_total", &[("served_by", by)]).unwrap_or(0.0)
+    };
+    let (picked, other) = ("picked", "other_replica");
 
     let (status, replica, body) =
         post(&envoy, "/v1/completions", completion("tiny", "hello"), &[]).await;
     assert_eq!((status, replica.as_deref()), (200, Some("a")), "{body}");
     // The report arrives with the response; the router's counter follows shortly after.
-    wait_for(|| async { sample(&router.metrics().await, picked) >= 1.0 }).await;
+    wait_for(|| async { served(&router.metrics().await, picked) >= 1.0 }).await;
 
     let selection = format!("{dead},{}", a.addr);
     let (status, replica, body) = post(
@@ -264,10 +259,10 @@ async fn gie_config_reports_the_served_endpoint_and_a_fallback_that_served() {
     )
     .await;
     assert_eq!((status, replica.as_deref()), (200, Some("a")), "{body}");
-    wait_for(|| async { sample(&router.metrics().await, other) >= 1.0 }).await;
+    wait_for(|| async { served(&router.metrics().await, other) >= 1.0 }).await;
     let metrics = router.metrics().await;
-    assert_eq!(sample(&metrics, picked), 1.0, "{metrics}");
-    assert_eq!(sample(&metrics, other), 1.0, "{metrics}");
+    assert_eq!(served(&metrics, picked), 1.0, "{metrics}");
+    assert_eq!(served(&metrics, other), 1.0, "{metrics}");
     // Both requests are over, and nothing is left counted in flight anywhere.
     wait_for(|| async { router.in_flight(a.addr).await == 0 }).await;
     assert_eq!(router.in_flight(dead).await, 0);

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use llmgw_integration::prom;
 use llmgw_integration::system::{self, System, SystemConfig};
 use serde_json::{Value, json};
 
@@ -180,16 +181,11 @@ async fn pick(router: system::RouterAddrs, path: &str, body: &Value) -> String {
 /// Waits until `router` counts no request in flight on any replica.
 async fn wait_idle(router: system::RouterAddrs) {
     for _ in 0..200 {
-        let metrics = reqwest::get(format!("http://{}/metrics", router.admin))
+        let metrics = prom::scrape(&format!("http://{}/metrics", router.admin))
             .await
-            .expect("router metrics")
-            .text()
-            .await
-            .expect("text");
-        let busy = metrics
-            .lines()
-            .filter(|l| l.starts_with("llmgw_replica_in_flight{"))
-            .any(|l| !l.ends_with(" 0"));
+            .expect("router metrics");
+        let busy =
+            prom::samples(&metrics).any(|s| s.name == "llmgw_replica_in_flight" && s.value != 0.0);
         if !busy {
             return;
         }

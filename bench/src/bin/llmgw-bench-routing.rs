@@ -745,7 +745,7 @@ async fn decided_by(http: &reqwest::Client, admin: SocketAddr) -> String {
         ("llmgw_kv_decisions_total", "KV index"),
         ("llmgw_prefix_decisions_total", "prefix tree"),
     ] {
-        let counts = workload::counters_by_label(&metrics, family);
+        let counts = llmgw_integration::prom::by_label(&metrics, family, "decision");
         if !counts.is_empty() {
             let text: Vec<String> = counts.iter().map(|(k, v)| format!("{k} {v:.0}")).collect();
             parts.push(format!("{tier}: {}", text.join(", ")));

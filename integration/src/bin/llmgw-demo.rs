@@ -194,7 +194,7 @@ async fn print_summary(system: &system::System, results: &Results) {
         ("llmgw_kv_decisions_total", "precise KV index"),
         ("llmgw_prefix_decisions_total", "approximate prefix tree"),
     ] {
-        let counts = workload::counters_by_label(&metrics, family);
+        let counts = llmgw_integration::prom::by_label(&metrics, family, "decision");
         let text: Vec<String> = counts.iter().map(|(k, v)| format!("{k} {v:.0}")).collect();
         println!(
             "  {tier}: {}",
