@@ -43,10 +43,7 @@ impl FeedClient {
     ) -> Result<Vec<pb::RouterMessage>, tonic::Status> {
         self.next_id += 1;
         let id = self.next_id;
-        let message = pb::AgentMessage {
-            id,
-            body: Some(body),
-        };
+        let message = pb::AgentMessage::numbered(id, body);
         if self.tx.send(message).await.is_err() {
             return Err(tonic::Status::cancelled("stream gone"));
         }

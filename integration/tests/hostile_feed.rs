@@ -15,31 +15,12 @@ use router_support::*;
 use tonic::Code;
 
 fn hello(replica: SocketAddr) -> pb::agent_message::Body {
-    pb::agent_message::Body::Hello(pb::Hello {
-        node: "n1".into(),
-        agent_version: "hostile".into(),
-        engines: vec![pb::EngineInfo {
-            engine: "e1".into(),
-            replica: replica.to_string(),
-            ..pb::EngineInfo::default()
-        }],
-    })
+    let engine = pb::EngineInfo::serving("e1", &replica.to_string());
+    pb::agent_message::Body::hello("n1", "hostile", vec![engine])
 }
 
 fn snapshot(blocks: Vec<pb::Block>) -> pb::agent_message::Body {
-    pb::agent_message::Body::Snapshot(pb::Snapshot {
-        engine: "e1".into(),
-        blocks,
-        ..pb::Snapshot::default()
-    })
-}
-
-fn block(hash: u64, count: u32) -> pb::Block {
-    pb::Block {
-        hash,
-        count,
-        ..pb::Block::default()
-    }
+    pb::agent_message::Body::snapshot("e1", blocks)
 }
 
 /// The router's peak resident memory so far, in MiB.
@@ -102,10 +83,13 @@ async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
 
     // One block of count u32::MAX, then two of 3e9 for one hash: refused over the ceiling.
     for (what, blocks) in [
-        ("a count of u32::MAX", vec![block(1, u32::MAX)]),
+        ("a count of u32::MAX", vec![pb::Block::copies(1, u32::MAX)]),
         (
             "two counts of 3e9",
-            vec![block(1, 3_000_000_000), block(1, 3_000_000_000)],
+            vec![
+                pb::Block::copies(1, 3_000_000_000),
+                pb::Block::copies(1, 3_000_000_000),
+            ],
         ),
     ] {
         let mut feed = FeedClient::connect(router.feed)
@@ -128,7 +112,7 @@ async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
         .await
         .expect("connect to the feed");
     feed.send(hello(a.addr)).await.expect("Hello");
-    let huge: Vec<pb::Block> = (0..1_500_000u64).map(|h| block(h, 1)).collect();
+    let huge: Vec<pb::Block> = (0..1_500_000u64).map(|h| pb::Block::copies(h, 1)).collect();
     let status = feed.send(snapshot(huge)).await.expect_err("too large");
     assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
     still_routing(&router, &envoy, "an oversized message").await;
@@ -142,7 +126,7 @@ async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
         .send(pb::agent_message::Body::Delta(pb::Delta {
             engine: "e1".into(),
             seq: 1,
-            stored: vec![block(5, 1)],
+            stored: vec![pb::Block::copies(5, 1)],
             ..pb::Delta::default()
         }))
         .await
@@ -158,7 +142,10 @@ async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
         .expect("connect to the feed");
     agent.send(hello(a.addr)).await.expect("Hello");
     agent
-        .send(snapshot(vec![block(10, 1), block(11, 1)]))
+        .send(snapshot(vec![
+            pb::Block::copies(10, 1),
+            pb::Block::copies(11, 1),
+        ]))
         .await
         .expect("snapshot");
     assert_eq!(blocks_of(&router, a.addr).await, [10, 11]);
@@ -167,7 +154,7 @@ async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
         .expect("connect to the feed");
     intruder.send(hello(a.addr)).await.expect("Hello");
     intruder
-        .send(snapshot(vec![block(66, 1)]))
+        .send(snapshot(vec![pb::Block::copies(66, 1)]))
         .await
         .expect("snapshot");
     assert_eq!(blocks_of(&router, a.addr).await, [66]);
@@ -182,14 +169,17 @@ async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
         "the intruder's blocks are gone"
     );
     agent
-        .send(snapshot(vec![block(10, 1), block(11, 1)]))
+        .send(snapshot(vec![
+            pb::Block::copies(10, 1),
+            pb::Block::copies(11, 1),
+        ]))
         .await
         .expect("snapshot");
     agent
         .send(pb::agent_message::Body::Delta(pb::Delta {
             engine: "e1".into(),
             seq: 1,
-            stored: vec![block(12, 1)],
+            stored: vec![pb::Block::copies(12, 1)],
             ..pb::Delta::default()
         }))
         .await

@@ -10,6 +10,59 @@ use crate::config::{ServeArgs, Settings};
 use crate::feed::FeedOptions;
 use crate::pool::monitor::ProbeOptions;
 
+/// `serve` flags for ports the OS picks on loopback.
+fn on_loopback() -> ServeArgs {
+    let any = || Some("127.0.0.1:0".parse().unwrap());
+    ServeArgs {
+        grpc_addr: any(),
+        admin_addr: any(),
+        feed: FeedOptions {
+            feed_addr: any(),
+            ..FeedOptions::default()
+        },
+        ..ServeArgs::default()
+    }
+}
+
+/// A router serving in this process until [`Running::stop`].
+struct Running {
+    bound: BoundAddrs,
+    stop: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<Result<(), ServeError>>,
+}
+
+impl Running {
+    /// Serves `settings`; returns once every listener is bound.
+    async fn start(settings: Settings) -> Running {
+        let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(
+            settings,
+            async move {
+                let _ = stop_rx.await;
+            },
+            move |bound| {
+                let _ = bound_tx.send(bound);
+            },
+        ));
+        Running {
+            bound: bound_rx.await.unwrap(),
+            stop,
+            server,
+        }
+    }
+
+    /// Shuts down and waits (at most 5 s) for `serve` to return, which must be `Ok`.
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        tokio::time::timeout(Duration::from_secs(5), self.server)
+            .await
+            .expect("serve returns after shutdown")
+            .unwrap()
+            .unwrap();
+    }
+}
+
 /// A replica stand-in whose /health answers 200 or 503 as `up` says.
 async fn fake_replica(up: Arc<AtomicBool>) -> SocketAddr {
     let app = axum::Router::new()
@@ -66,32 +119,16 @@ async fn serves_grpc_health_admin_endpoints_and_stops_on_shutdown() {
     let replica = fake_replica(Arc::clone(&up)).await;
     let settings = Settings::resolve(&ServeArgs {
         replicas: vec![format!("tiny={replica}")],
-        grpc_addr: Some("127.0.0.1:0".parse().unwrap()),
-        admin_addr: Some("127.0.0.1:0".parse().unwrap()),
-        feed: FeedOptions {
-            feed_addr: Some("127.0.0.1:0".parse().unwrap()),
-            ..FeedOptions::default()
-        },
         probes: ProbeOptions {
             health_interval: Some(Duration::from_millis(50)),
             scrape_interval: Some(Duration::from_millis(50)),
             ..ProbeOptions::default()
         },
-        ..ServeArgs::default()
+        ..on_loopback()
     })
     .unwrap();
-    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(serve(
-        settings,
-        async move {
-            let _ = stop_rx.await;
-        },
-        move |bound| {
-            let _ = bound_tx.send(bound);
-        },
-    ));
-    let bound = bound_rx.await.unwrap();
+    let running = Running::start(settings).await;
+    let bound = running.bound;
 
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", bound.grpc))
         .unwrap()
@@ -142,13 +179,8 @@ async fn serves_grpc_health_admin_endpoints_and_stops_on_shutdown() {
     let healthz = reqwest::get(format!("{admin}/healthz")).await.unwrap();
     assert_eq!(healthz.status().as_u16(), 503);
 
-    stop_tx.send(()).unwrap();
     drop(health);
-    tokio::time::timeout(Duration::from_secs(5), server)
-        .await
-        .expect("serve returns after shutdown")
-        .unwrap()
-        .unwrap();
+    running.stop().await;
 }
 
 /// One hand-driven agent stream on the feed port.
@@ -167,38 +199,15 @@ impl FeedStream {
             .await
             .unwrap();
         let (tx, rx) = tokio::sync::mpsc::channel(16);
-        let hello = pb::agent_message::Body::Hello(pb::Hello {
-            node: "n1".into(),
-            agent_version: "test".into(),
-            engines: vec![pb::EngineInfo {
-                engine: "e".into(),
-                replica: replica.into(),
-                ..pb::EngineInfo::default()
-            }],
-        });
-        let snapshot = pb::agent_message::Body::Snapshot(pb::Snapshot {
-            engine: "e".into(),
-            epoch: 0,
-            seq: 0,
-            blocks: blocks
-                .iter()
-                .map(|&hash| pb::Block {
-                    hash,
-                    group: 0,
-                    medium: pb::Medium::Gpu as i32,
-                    count: 1,
-                })
-                .collect(),
-            hash_status: 0,
-            more: false,
-        });
+        let engine = pb::EngineInfo::serving("e", replica);
+        let hello = pb::agent_message::Body::hello("n1", "test", vec![engine]);
+        let blocks = blocks
+            .iter()
+            .map(|&hash| pb::Block::copies(hash, 1))
+            .collect();
+        let snapshot = pb::agent_message::Body::snapshot("e", blocks);
         for (id, body) in [(1, hello), (2, snapshot)] {
-            tx.send(pb::AgentMessage {
-                id,
-                body: Some(body),
-            })
-            .await
-            .unwrap();
+            tx.send(pb::AgentMessage::numbered(id, body)).await.unwrap();
         }
         let rx = pb::feed_client::FeedClient::new(channel)
             .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
@@ -269,28 +278,12 @@ async fn the_feeds_node_map_follows_configuration_reloads() {
     write(("n1", "n2"));
     let settings = Settings::resolve(&ServeArgs {
         config: Some(path.clone()),
-        grpc_addr: Some("127.0.0.1:0".parse().unwrap()),
-        admin_addr: Some("127.0.0.1:0".parse().unwrap()),
-        feed: FeedOptions {
-            feed_addr: Some("127.0.0.1:0".parse().unwrap()),
-            ..FeedOptions::default()
-        },
         config_poll_interval: Some(Duration::from_millis(20)),
-        ..ServeArgs::default()
+        ..on_loopback()
     })
     .unwrap();
-    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(serve(
-        settings,
-        async move {
-            let _ = stop_rx.await;
-        },
-        move |bound| {
-            let _ = bound_tx.send(bound);
-        },
-    ));
-    let bound = bound_rx.await.unwrap();
+    let running = Running::start(settings).await;
+    let bound = running.bound;
 
     // 127.0.0.1:8002 belongs to n2: n1's agent is refused.
     let mut stream = FeedStream::open(bound.feed, "127.0.0.1:8002", &[7, 8]).await;
@@ -322,8 +315,7 @@ async fn the_feeds_node_map_follows_configuration_reloads() {
         "{metrics}"
     );
 
-    let _ = stop_tx.send(());
-    server.await.unwrap().unwrap();
+    running.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -332,35 +324,19 @@ async fn a_health_only_port_and_the_inference_pool_identity() {
     let replica = fake_replica(Arc::clone(&up)).await;
     let mut settings = Settings::resolve(&ServeArgs {
         replicas: vec![format!("tiny={replica}")],
-        grpc_addr: Some("127.0.0.1:0".parse().unwrap()),
-        admin_addr: Some("127.0.0.1:0".parse().unwrap()),
-        feed: FeedOptions {
-            feed_addr: Some("127.0.0.1:0".parse().unwrap()),
-            ..FeedOptions::default()
-        },
         probes: ProbeOptions {
             health_interval: Some(Duration::from_millis(50)),
             ..ProbeOptions::default()
         },
         pool_name: Some("chat-pool".to_string()),
         pool_namespace: Some("llm".to_string()),
-        ..ServeArgs::default()
+        ..on_loopback()
     })
     .unwrap();
     // --grpc-health-port listens on every interface; a test stays on loopback.
     settings.grpc_health_addr = Some("127.0.0.1:0".parse().unwrap());
-    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(serve(
-        settings,
-        async move {
-            let _ = stop_rx.await;
-        },
-        move |bound| {
-            let _ = bound_tx.send(bound);
-        },
-    ));
-    let bound: BoundAddrs = bound_rx.await.unwrap();
+    let running = Running::start(settings).await;
+    let bound = running.bound;
     let health_addr = bound.grpc_health.expect("a health-only listener");
     assert_ne!(health_addr, bound.grpc);
 
@@ -405,8 +381,7 @@ async fn a_health_only_port_and_the_inference_pool_identity() {
         serde_json::json!({"name": "chat-pool", "namespace": "llm"})
     );
 
-    let _ = stop_tx.send(());
-    server.await.unwrap().unwrap();
+    running.stop().await;
 }
 
 /// `--grpc-uds`: listening once bound, the socket file removed on shutdown; a file of another
@@ -419,32 +394,14 @@ async fn a_unix_socket_listener_and_what_is_in_its_way() {
     let settings = |uds: &Path| {
         Settings::resolve(&ServeArgs {
             replicas: vec![format!("tiny={replica}")],
-            grpc_addr: Some("127.0.0.1:0".parse().unwrap()),
-            admin_addr: Some("127.0.0.1:0".parse().unwrap()),
-            feed: FeedOptions {
-                feed_addr: Some("127.0.0.1:0".parse().unwrap()),
-                ..FeedOptions::default()
-            },
             grpc_uds: Some(uds.to_owned()),
-            ..ServeArgs::default()
+            ..on_loopback()
         })
         .unwrap()
     };
-    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(serve(
-        settings(&socket),
-        async move {
-            let _ = stop_rx.await;
-        },
-        move |bound| {
-            let _ = bound_tx.send(bound);
-        },
-    ));
-    bound_rx.await.unwrap();
+    let running = Running::start(settings(&socket)).await;
     std::os::unix::net::UnixStream::connect(&socket).expect("listening on the socket");
-    stop_tx.send(()).unwrap();
-    server.await.unwrap().unwrap();
+    running.stop().await;
     assert!(!socket.exists(), "socket file left behind");
 
     let in_the_way = dir.path().join("notes.txt");

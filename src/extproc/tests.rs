@@ -183,21 +183,39 @@ fn state(picker: &Arc<FakePicker>) -> StreamState<FakePicker> {
     StreamState::new(Arc::clone(picker), Arc::new(settings()))
 }
 
+/// Sends `message`: the one answer it must get.
+async fn only_answer(
+    stream: &mut StreamState<FakePicker>,
+    message: ProcessingRequest,
+) -> ProcessingResponse {
+    let mut answers = stream.on_message(message).await.unwrap();
+    assert_eq!(answers.len(), 1, "{answers:?}");
+    answers.remove(0)
+}
+
+fn is_headers_answer(answer: &ProcessingResponse) -> bool {
+    matches!(answer.response, Some(Answer::RequestHeaders(_)))
+}
+
+fn is_body_answer(answer: &ProcessingResponse) -> bool {
+    matches!(answer.response, Some(Answer::RequestBody(_)))
+}
+
 #[tokio::test]
 async fn buffered_answers_headers_at_once_and_routes_on_the_body() {
     let picker = Arc::new(FakePicker::default());
     let mut stream = state(&picker);
-    let answers = stream
-        .on_message(headers_msg(
+    let answer = only_answer(
+        &mut stream,
+        headers_msg(
             BodySendMode::Buffered,
             false,
             &[(DESTINATION_HEADER, "6.6.6.6:1")],
-        ))
-        .await
-        .unwrap();
-    assert_eq!(answers.len(), 1);
-    let Some(Answer::RequestHeaders(headers)) = &answers[0].response else {
-        panic!("expected a headers answer: {answers:?}")
+        ),
+    )
+    .await;
+    let Some(Answer::RequestHeaders(headers)) = &answer.response else {
+        panic!("expected a headers answer: {answer:?}")
     };
     let removed = &headers
         .response
@@ -209,14 +227,10 @@ async fn buffered_answers_headers_at_once_and_routes_on_the_body() {
         .remove_headers;
     assert_eq!(removed, &vec![DESTINATION_HEADER.to_string()]);
 
-    let answers = stream
-        .on_message(body_msg(b"{\"x\":1}", true))
-        .await
-        .unwrap();
-    assert_eq!(answers.len(), 1);
-    assert!(matches!(answers[0].response, Some(Answer::RequestBody(_))));
-    assert_routed(&answers[0]);
-    assert!(common(&answers[0]).body_mutation.is_none());
+    let answer = only_answer(&mut stream, body_msg(b"{\"x\":1}", true)).await;
+    assert!(is_body_answer(&answer));
+    assert_routed(&answer);
+    assert!(common(&answer).body_mutation.is_none());
 
     let seen = picker.seen.lock();
     assert_eq!(seen[0].method, "POST");
@@ -233,16 +247,9 @@ async fn buffered_answers_headers_at_once_and_routes_on_the_body() {
 async fn headers_only_request_is_routed_on_the_headers() {
     let picker = Arc::new(FakePicker::default());
     let mut stream = state(&picker);
-    let answers = stream
-        .on_message(headers_msg(BodySendMode::Buffered, true, &[]))
-        .await
-        .unwrap();
-    assert_eq!(answers.len(), 1);
-    assert!(matches!(
-        answers[0].response,
-        Some(Answer::RequestHeaders(_))
-    ));
-    assert_routed(&answers[0]);
+    let answer = only_answer(&mut stream, headers_msg(BodySendMode::Buffered, true, &[])).await;
+    assert!(is_headers_answer(&answer));
+    assert_routed(&answer);
     assert_eq!(picker.seen.lock()[0].body.as_deref(), Some(b"".as_slice()));
 }
 
@@ -270,10 +277,7 @@ async fn full_duplex_holds_headers_then_echoes_body_in_64k_chunks() {
         .await
         .unwrap();
 
-    assert!(matches!(
-        answers[0].response,
-        Some(Answer::RequestHeaders(_))
-    ));
+    assert!(is_headers_answer(&answers[0]));
     assert_routed(&answers[0]);
     assert_eq!(
         set_header(common(&answers[0]), "content-length"),
@@ -336,7 +340,7 @@ async fn held_header_modes_route_on_the_trailers() {
             .unwrap();
         assert_eq!(answers.len(), 3);
         assert_routed(&answers[0]);
-        assert!(matches!(answers[1].response, Some(Answer::RequestBody(_))));
+        assert!(is_body_answer(&answers[1]));
         assert!(matches!(
             answers[2].response,
             Some(Answer::RequestTrailers(_))
@@ -372,10 +376,7 @@ async fn streamed_ahead_holds_headers_then_continues_each_chunk() {
         1 + 3,
         "headers, then one answer per body message"
     );
-    assert!(matches!(
-        answers[0].response,
-        Some(Answer::RequestHeaders(_))
-    ));
+    assert!(is_headers_answer(&answers[0]));
     assert_routed(&answers[0]); // the client's "6.6.6.6:1" overwritten
     assert_eq!(
         set_header(common(&answers[0]), "content-length"),
@@ -383,7 +384,7 @@ async fn streamed_ahead_holds_headers_then_continues_each_chunk() {
         "the body passes unchanged"
     );
     for answer in &answers[1..] {
-        assert!(matches!(answer.response, Some(Answer::RequestBody(_))));
+        assert!(is_body_answer(answer));
         assert_eq!(common(answer), &CommonResponse::default());
     }
     assert_eq!(
@@ -397,23 +398,14 @@ async fn streamed_ahead_holds_headers_then_continues_each_chunk() {
 async fn streamed_without_the_flag_answers_each_message_at_once() {
     let picker = Arc::new(FakePicker::default());
     let mut stream = state(&picker);
-    let answers = stream
-        .on_message(headers_msg(BodySendMode::Streamed, false, &[]))
-        .await
-        .unwrap();
-    assert_eq!(answers.len(), 1);
-    assert!(matches!(
-        answers[0].response,
-        Some(Answer::RequestHeaders(_))
-    ));
-    assert_eq!(lb_destination(&answers[0]), None);
-    let answers = stream.on_message(body_msg(b"{", false)).await.unwrap();
-    assert_eq!(answers.len(), 1);
-    assert_eq!(lb_destination(&answers[0]), None);
-    let answers = stream.on_message(body_msg(b"}", true)).await.unwrap();
-    assert_eq!(answers.len(), 1);
-    assert!(matches!(answers[0].response, Some(Answer::RequestBody(_))));
-    assert_routed(&answers[0]);
+    let answer = only_answer(&mut stream, headers_msg(BodySendMode::Streamed, false, &[])).await;
+    assert!(is_headers_answer(&answer));
+    assert_eq!(lb_destination(&answer), None);
+    let answer = only_answer(&mut stream, body_msg(b"{", false)).await;
+    assert_eq!(lb_destination(&answer), None);
+    let answer = only_answer(&mut stream, body_msg(b"}", true)).await;
+    assert!(is_body_answer(&answer));
+    assert_routed(&answer);
 }
 
 #[tokio::test]
@@ -630,7 +622,7 @@ async fn grpc_stream_keeps_the_hold_until_the_stream_ends() {
         .await
         .unwrap();
     let first = answers.message().await.unwrap().unwrap();
-    assert!(matches!(first.response, Some(Answer::RequestHeaders(_))));
+    assert!(is_headers_answer(&first));
     sender.send(body_msg(b"{}", true)).await.unwrap();
     let second = answers.message().await.unwrap().unwrap();
     assert_routed(&second);

@@ -67,10 +67,7 @@ impl Agent {
         self.next_id += 1;
         let id = self.next_id;
         self.tx
-            .send(pb::AgentMessage {
-                id,
-                body: Some(body),
-            })
+            .send(pb::AgentMessage::numbered(id, body))
             .await
             .map_err(|_| Status::cancelled("stream gone"))?;
         let mut replies = Vec::new();
@@ -101,31 +98,12 @@ impl Agent {
 }
 
 fn hello() -> pb::agent_message::Body {
-    pb::agent_message::Body::Hello(pb::Hello {
-        node: "n1".into(),
-        agent_version: "test".into(),
-        engines: vec![pb::EngineInfo {
-            engine: "e1".into(),
-            replica: "r1:8000".into(),
-            ..pb::EngineInfo::default()
-        }],
-    })
+    let engine = pb::EngineInfo::serving("e1", "r1:8000");
+    pb::agent_message::Body::hello("n1", "test", vec![engine])
 }
 
 fn snapshot(blocks: Vec<pb::Block>) -> pb::agent_message::Body {
-    pb::agent_message::Body::Snapshot(pb::Snapshot {
-        engine: "e1".into(),
-        blocks,
-        ..pb::Snapshot::default()
-    })
-}
-
-fn block(hash: u64, count: u32) -> pb::Block {
-    pb::Block {
-        hash,
-        count,
-        ..pb::Block::default()
-    }
+    pb::agent_message::Body::snapshot("e1", blocks)
 }
 
 fn held(index: &KvIndex) -> Vec<u64> {
@@ -141,12 +119,18 @@ async fn a_count_of_u32_max_is_refused_and_the_router_keeps_serving() {
     let (addr, svc, index) = serve(None).await;
     // The reported attacks: one block of count u32::MAX, two of 3e9 for one hash.
     for blocks in [
-        vec![block(2, u32::MAX)],
-        vec![block(2, 3_000_000_000), block(2, 3_000_000_000)],
+        vec![pb::Block::copies(2, u32::MAX)],
+        vec![
+            pb::Block::copies(2, 3_000_000_000),
+            pb::Block::copies(2, 3_000_000_000),
+        ],
     ] {
         let mut agent = Agent::connect(addr, None).await.unwrap();
         agent.send(hello()).await.unwrap();
-        agent.send(snapshot(vec![block(1, 1)])).await.unwrap();
+        agent
+            .send(snapshot(vec![pb::Block::copies(1, 1)]))
+            .await
+            .unwrap();
         assert_eq!(held(&index), [1]);
         let replies = agent.send(snapshot(blocks)).await.unwrap();
         let refused = replies.iter().find_map(|r| match &r.body {
@@ -165,7 +149,7 @@ async fn a_count_of_u32_max_is_refused_and_the_router_keeps_serving() {
             .send(pb::agent_message::Body::Delta(pb::Delta {
                 engine: "e1".into(),
                 seq: 1,
-                stored: vec![block(5, 1)],
+                stored: vec![pb::Block::copies(5, 1)],
                 ..pb::Delta::default()
             }))
             .await
@@ -176,7 +160,10 @@ async fn a_count_of_u32_max_is_refused_and_the_router_keeps_serving() {
     // A fresh stream resyncs the engine.
     let mut agent = Agent::connect(addr, None).await.unwrap();
     agent.send(hello()).await.unwrap();
-    agent.send(snapshot(vec![block(3, 1)])).await.unwrap();
+    agent
+        .send(snapshot(vec![pb::Block::copies(3, 1)]))
+        .await
+        .unwrap();
     assert_eq!(held(&index), [3]);
 }
 
@@ -188,7 +175,7 @@ async fn a_protocol_violation_ends_only_that_stream_with_invalid_argument() {
         .send(pb::agent_message::Body::Delta(pb::Delta {
             engine: "e1".into(),
             seq: 1,
-            stored: vec![block(1, 1)],
+            stored: vec![pb::Block::copies(1, 1)],
             ..pb::Delta::default()
         }))
         .await
@@ -208,7 +195,10 @@ async fn a_protocol_violation_ends_only_that_stream_with_invalid_argument() {
     // The router still serves other streams.
     let mut agent = Agent::connect(addr, None).await.unwrap();
     agent.send(hello()).await.unwrap();
-    agent.send(snapshot(vec![block(1, 1)])).await.unwrap();
+    agent
+        .send(snapshot(vec![pb::Block::copies(1, 1)]))
+        .await
+        .unwrap();
     assert_eq!(held(&index), [1]);
 }
 
@@ -219,14 +209,17 @@ async fn a_message_over_the_size_limit_is_refused_before_it_is_decoded() {
     agent.send(hello()).await.unwrap();
     // About 14 bytes a block: this is over MAX_MESSAGE_BYTES.
     let huge: Vec<pb::Block> = (0..(MAX_MESSAGE_BYTES / 10) as u64)
-        .map(|h| block(h, 1))
+        .map(|h| pb::Block::copies(h, 1))
         .collect();
     let status = agent.send(snapshot(huge)).await.unwrap_err();
     assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
     assert!(held(&index).is_empty());
     let mut agent = Agent::connect(addr, None).await.unwrap();
     agent.send(hello()).await.unwrap();
-    agent.send(snapshot(vec![block(1, 1)])).await.unwrap();
+    agent
+        .send(snapshot(vec![pb::Block::copies(1, 1)]))
+        .await
+        .unwrap();
     assert_eq!(
         held(&index),
         [1],
@@ -240,7 +233,10 @@ async fn a_second_stream_for_a_node_takes_it_over_and_the_first_is_told_why() {
     let mut first = Agent::connect(addr, None).await.unwrap();
     first.send(hello()).await.unwrap();
     first
-        .send(snapshot(vec![block(1, 1), block(2, 1)]))
+        .send(snapshot(vec![
+            pb::Block::copies(1, 1),
+            pb::Block::copies(2, 1),
+        ]))
         .await
         .unwrap();
     let mut second = Agent::connect(addr, None).await.unwrap();
@@ -252,7 +248,10 @@ async fn a_second_stream_for_a_node_takes_it_over_and_the_first_is_told_why() {
     let status = first.ended().await;
     assert_eq!(status.code(), Code::Aborted, "{status:?}");
     assert!(status.message().contains("taken over"), "{status:?}");
-    second.send(snapshot(vec![block(7, 1)])).await.unwrap();
+    second
+        .send(snapshot(vec![pb::Block::copies(7, 1)]))
+        .await
+        .unwrap();
     assert_eq!(held(&index), [7]);
     assert_eq!(svc.metrics.takeovers.get(), 1);
 }

@@ -436,10 +436,7 @@ impl Outbound {
         self.next_id += 1;
         let id = self.next_id;
         self.tx
-            .send(pb::AgentMessage {
-                id,
-                body: Some(body),
-            })
+            .send(pb::AgentMessage::numbered(id, body))
             .await
             .ok()
             .map(|()| id)

@@ -108,34 +108,19 @@ fn state(grace: Duration) -> FeedState {
 }
 
 fn msg(id: u64, body: pb::agent_message::Body) -> pb::AgentMessage {
-    pb::AgentMessage {
-        id,
-        body: Some(body),
-    }
+    pb::AgentMessage::numbered(id, body)
 }
 
 fn hello(node: &str, engines: &[(&str, &str)]) -> pb::agent_message::Body {
-    pb::agent_message::Body::Hello(pb::Hello {
-        node: node.into(),
-        agent_version: "test".into(),
-        engines: engines
-            .iter()
-            .map(|(e, r)| pb::EngineInfo {
-                engine: (*e).into(),
-                replica: (*r).into(),
-                ..pb::EngineInfo::default()
-            })
-            .collect(),
-    })
+    let engines = engines
+        .iter()
+        .map(|(e, r)| pb::EngineInfo::serving(e, r))
+        .collect();
+    pb::agent_message::Body::hello(node, "test", engines)
 }
 
 fn block(hash: u64, count: u32) -> pb::Block {
-    pb::Block {
-        hash,
-        group: 0,
-        medium: pb::Medium::Gpu as i32,
-        count,
-    }
+    pb::Block::copies(hash, count)
 }
 
 fn snapshot(engine: &str, epoch: u64, seq: u64, blocks: &[u64]) -> pb::agent_message::Body {
@@ -499,11 +484,7 @@ fn an_engine_hashing_differently_from_the_router_is_refused() {
         (engine(16, "sha256_cbor", true), ""),
     ] {
         let s = st.open();
-        let hello = pb::agent_message::Body::Hello(pb::Hello {
-            node: "n1".into(),
-            agent_version: "test".into(),
-            engines: vec![bad],
-        });
+        let hello = pb::agent_message::Body::hello("n1", "test", vec![bad]);
         let replies = st.apply(&rec, s, msg(1, hello)).unwrap().replies;
         st.apply(&rec, s, msg(2, snapshot("e1", 1, 1, &[7])))
             .unwrap();
