@@ -139,37 +139,39 @@ struct StreamOptions {
     include_usage: bool,
 }
 
+/// What completions and chats share after the prompt: how much to generate, and how to answer.
 #[derive(Debug, Deserialize)]
-struct CompletionRequest {
+struct Sampling {
     model: Option<String>,
-    prompt: Value,
     max_tokens: Option<i64>,
     #[serde(default)]
     stream: bool,
     stream_options: Option<StreamOptions>,
     cache_salt: Option<String>,
-    #[serde(default = "yes")]
-    add_special_tokens: bool,
     n: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    prompt: Value,
+    #[serde(default = "yes")]
+    add_special_tokens: bool,
+    #[serde(flatten)]
+    sampling: Sampling,
+}
+
+#[derive(Debug, Deserialize)]
 struct ChatRequest {
-    model: Option<String>,
     messages: Vec<Value>,
-    max_tokens: Option<i64>,
     max_completion_tokens: Option<i64>,
-    #[serde(default)]
-    stream: bool,
-    stream_options: Option<StreamOptions>,
-    cache_salt: Option<String>,
     #[serde(default = "yes")]
     add_generation_prompt: bool,
     #[serde(default)]
     continue_final_message: bool,
     #[serde(default)]
     add_special_tokens: bool,
-    n: Option<i64>,
+    #[serde(flatten)]
+    sampling: Sampling,
 }
 
 fn yes() -> bool {
@@ -520,24 +522,15 @@ fn unix_secs() -> u64 {
 async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let result = async {
         let req: CompletionRequest = parse(&body)?;
-        state.check_model(req.model.as_deref())?;
+        state.check_model(req.sampling.model.as_deref())?;
         let prompt = state.prompt_tokens(&req.prompt, req.add_special_tokens)?;
-        let max_tokens = state.validate(
-            prompt.len(),
-            req.max_tokens,
-            Some(16),
-            req.cache_salt.as_deref(),
-            req.n,
-        )?;
-        let include_usage = req.stream_options.unwrap_or_default().include_usage;
-        generate(
-            Arc::clone(&state),
-            Api::Completions,
+        let requested = req.sampling.max_tokens;
+        respond(
+            &state,
+            (Api::Completions, req.sampling),
             prompt,
-            max_tokens,
-            req.cache_salt,
-            req.stream,
-            include_usage,
+            requested,
+            Some(16),
         )
         .await
     }
@@ -548,7 +541,7 @@ async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Respons
 async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let result = async {
         let req: ChatRequest = parse(&body)?;
-        state.check_model(req.model.as_deref())?;
+        state.check_model(req.sampling.model.as_deref())?;
         let prompt = state.chat_tokens(
             &req.messages,
             ChatOptions {
@@ -557,27 +550,40 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Re
                 add_special_tokens: req.add_special_tokens,
             },
         )?;
-        let max_tokens = state.validate(
-            prompt.len(),
-            req.max_completion_tokens.or(req.max_tokens),
-            None,
-            req.cache_salt.as_deref(),
-            req.n,
-        )?;
-        let include_usage = req.stream_options.unwrap_or_default().include_usage;
-        generate(
-            Arc::clone(&state),
-            Api::Chat,
-            prompt,
-            max_tokens,
-            req.cache_salt,
-            req.stream,
-            include_usage,
-        )
-        .await
+        let requested = req.max_completion_tokens.or(req.sampling.max_tokens);
+        respond(&state, (Api::Chat, req.sampling), prompt, requested, None).await
     }
     .await;
     result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Validates a request's generation settings against its prompt and generates the answer:
+/// `requested` tokens at most, `default` when the request names none.
+async fn respond(
+    state: &Arc<AppState>,
+    (api, sampling): (Api, Sampling),
+    prompt: Vec<u32>,
+    requested: Option<i64>,
+    default: Option<usize>,
+) -> Result<Response, ApiError> {
+    let max_tokens = state.validate(
+        prompt.len(),
+        requested,
+        default,
+        sampling.cache_salt.as_deref(),
+        sampling.n,
+    )?;
+    let include_usage = sampling.stream_options.unwrap_or_default().include_usage;
+    generate(
+        Arc::clone(state),
+        api,
+        prompt,
+        max_tokens,
+        sampling.cache_salt,
+        sampling.stream,
+        include_usage,
+    )
+    .await
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -58,6 +58,16 @@ impl Agent {
         Ok(Agent { tx, rx, next_id: 0 })
     }
 
+    /// An agent that has said Hello (engine e1 of node n1) and sent a snapshot of `blocks`, one
+    /// copy each.
+    async fn synced(addr: SocketAddr, blocks: &[u64]) -> Agent {
+        let mut agent = Agent::connect(addr, None).await.unwrap();
+        agent.send(hello()).await.unwrap();
+        let blocks = blocks.iter().map(|&h| pb::Block::copies(h, 1)).collect();
+        agent.send(snapshot(blocks)).await.unwrap();
+        agent
+    }
+
     /// Sends `body` and reads the replies up to its acknowledgement, or the status that ended
     /// the stream.
     async fn send(
@@ -106,6 +116,16 @@ fn snapshot(blocks: Vec<pb::Block>) -> pb::agent_message::Body {
     pb::agent_message::Body::snapshot("e1", blocks)
 }
 
+/// Delta `seq` of engine e1 (epoch 0) storing one copy of each of `stored`.
+fn delta(seq: u64, stored: &[u64]) -> pb::agent_message::Body {
+    pb::agent_message::Body::Delta(pb::Delta {
+        engine: "e1".into(),
+        seq,
+        stored: stored.iter().map(|&h| pb::Block::copies(h, 1)).collect(),
+        ..pb::Delta::default()
+    })
+}
+
 fn held(index: &KvIndex) -> Vec<u64> {
     index
         .replica_blocks("r1:8000")
@@ -125,12 +145,7 @@ async fn a_count_of_u32_max_is_refused_and_the_router_keeps_serving() {
             pb::Block::copies(2, 3_000_000_000),
         ],
     ] {
-        let mut agent = Agent::connect(addr, None).await.unwrap();
-        agent.send(hello()).await.unwrap();
-        agent
-            .send(snapshot(vec![pb::Block::copies(1, 1)]))
-            .await
-            .unwrap();
+        let mut agent = Agent::synced(addr, &[1]).await;
         assert_eq!(held(&index), [1]);
         let replies = agent.send(snapshot(blocks)).await.unwrap();
         let refused = replies.iter().find_map(|r| match &r.body {
@@ -145,25 +160,12 @@ async fn a_count_of_u32_max_is_refused_and_the_router_keeps_serving() {
         );
         assert!(held(&index).is_empty(), "the engine's blocks are dropped");
         // The stream stays open, the engine's later changes ignored.
-        agent
-            .send(pb::agent_message::Body::Delta(pb::Delta {
-                engine: "e1".into(),
-                seq: 1,
-                stored: vec![pb::Block::copies(5, 1)],
-                ..pb::Delta::default()
-            }))
-            .await
-            .unwrap();
+        agent.send(delta(1, &[5])).await.unwrap();
         assert!(held(&index).is_empty());
     }
     assert_eq!(svc.metrics.refused_total(), 2);
     // A fresh stream resyncs the engine.
-    let mut agent = Agent::connect(addr, None).await.unwrap();
-    agent.send(hello()).await.unwrap();
-    agent
-        .send(snapshot(vec![pb::Block::copies(3, 1)]))
-        .await
-        .unwrap();
+    let _agent = Agent::synced(addr, &[3]).await;
     assert_eq!(held(&index), [3]);
 }
 
@@ -171,15 +173,7 @@ async fn a_count_of_u32_max_is_refused_and_the_router_keeps_serving() {
 async fn a_protocol_violation_ends_only_that_stream_with_invalid_argument() {
     let (addr, svc, index) = serve(None).await;
     let mut agent = Agent::connect(addr, None).await.unwrap();
-    let status = agent
-        .send(pb::agent_message::Body::Delta(pb::Delta {
-            engine: "e1".into(),
-            seq: 1,
-            stored: vec![pb::Block::copies(1, 1)],
-            ..pb::Delta::default()
-        }))
-        .await
-        .unwrap_err();
+    let status = agent.send(delta(1, &[1])).await.unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     assert!(status.message().contains("before_hello"), "{status:?}");
     assert_eq!(
@@ -193,12 +187,7 @@ async fn a_protocol_violation_ends_only_that_stream_with_invalid_argument() {
     );
     assert!(held(&index).is_empty());
     // The router still serves other streams.
-    let mut agent = Agent::connect(addr, None).await.unwrap();
-    agent.send(hello()).await.unwrap();
-    agent
-        .send(snapshot(vec![pb::Block::copies(1, 1)]))
-        .await
-        .unwrap();
+    let _agent = Agent::synced(addr, &[1]).await;
     assert_eq!(held(&index), [1]);
 }
 
@@ -214,12 +203,7 @@ async fn a_message_over_the_size_limit_is_refused_before_it_is_decoded() {
     let status = agent.send(snapshot(huge)).await.unwrap_err();
     assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
     assert!(held(&index).is_empty());
-    let mut agent = Agent::connect(addr, None).await.unwrap();
-    agent.send(hello()).await.unwrap();
-    agent
-        .send(snapshot(vec![pb::Block::copies(1, 1)]))
-        .await
-        .unwrap();
+    let _agent = Agent::synced(addr, &[1]).await;
     assert_eq!(
         held(&index),
         [1],
@@ -230,15 +214,7 @@ async fn a_message_over_the_size_limit_is_refused_before_it_is_decoded() {
 #[tokio::test]
 async fn a_second_stream_for_a_node_takes_it_over_and_the_first_is_told_why() {
     let (addr, svc, index) = serve(None).await;
-    let mut first = Agent::connect(addr, None).await.unwrap();
-    first.send(hello()).await.unwrap();
-    first
-        .send(snapshot(vec![
-            pb::Block::copies(1, 1),
-            pb::Block::copies(2, 1),
-        ]))
-        .await
-        .unwrap();
+    let first = Agent::synced(addr, &[1, 2]).await;
     let mut second = Agent::connect(addr, None).await.unwrap();
     second.send(hello()).await.unwrap();
     assert!(
