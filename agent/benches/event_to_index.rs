@@ -25,7 +25,7 @@ use llmgw_agent::config::{AgentArgs, EngineSpec};
 use llmgw_agent::daemon::Agent;
 use llmgw_agent::uplink::{self, UplinkConfig};
 use llmgw_agent::wire::{self, BlockStored, EventBatch, EventForm, KvEvent};
-use llmgw_agent::zmq::{Publisher, ReplyShape};
+use llmgw_agent::zmq::Publisher;
 use parking_lot::Mutex;
 
 const REPLICA: &str = "10.0.0.5:8000";
@@ -147,15 +147,7 @@ async fn run(opts: Options) -> anyhow::Result<()> {
     let server = tokio::spawn(feed.clone().serve_with_listener(listener));
 
     // The engine's PUB (with a replay socket, as vLLM offers) and the agent mirroring it.
-    let mut publisher = Publisher::start(
-        "tcp://127.0.0.1:0",
-        false,
-        Some("tcp://127.0.0.1:0"),
-        "kv",
-        ReplyShape::WithTopic,
-        10_000,
-    )
-    .await?;
+    let mut publisher = Publisher::on_loopback("kv", true, 10_000).await?;
     let replay = publisher
         .replay_endpoint
         .clone()

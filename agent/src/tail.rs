@@ -6,10 +6,9 @@
 use std::io::Write;
 
 use serde::Serialize;
-use zeromq::{Socket as _, SocketEvent, SocketRecv};
 
 use crate::wire::{KvEvent, decode_batch};
-use crate::zmq::{EngineEndpoint, ZmqError, next_event, open_when_ready};
+use crate::zmq::{EngineEndpoint, Heard, Subscription, ZmqError, open_when_ready};
 
 #[derive(Serialize)]
 struct Line<'a> {
@@ -48,35 +47,22 @@ pub async fn tail(
     out: &mut impl Write,
 ) -> Result<(), ZmqError> {
     // The engine may not listen yet: wait for it rather than give up after 30 s.
-    let (mut sock, bound) = open_when_ready(&endpoint).await?;
+    let (sock, bound) = open_when_ready(&endpoint).await?;
     if let Some(b) = bound {
         eprintln!("listening on {b}");
     }
-    // As the agent's intake: zeromq's own re-dialling of a lost engine backs off to 30 s, so a
-    // restarted engine's first batches would go by; on a disconnect, dial afresh.
-    let mut socket_events = (!endpoint.bind).then(|| sock.monitor());
+    // As the agent's intake: a disconnected engine is dialled afresh.
+    let mut subscription = Subscription::new(endpoint, sock);
     let mut seen = 0u64;
     while limit.is_none_or(|l| seen < l) {
-        let received = tokio::select! {
-            r = sock.recv() => Some(r),
-            Some(event) = next_event(&mut socket_events) => {
-                if !matches!(event, SocketEvent::Disconnected(_)) {
-                    continue;
-                }
-                None
-            }
-        };
-        let msg = match received {
-            Some(Ok(m)) => m,
-            Some(Err(e)) => {
+        let msg = match subscription.next().await? {
+            Heard::Message(m) => m,
+            Heard::Failed(e) => {
                 eprintln!("receive failed: {e}");
                 continue;
             }
-            None => {
-                eprintln!("engine disconnected: dialling afresh");
-                drop(sock);
-                (sock, _) = open_when_ready(&endpoint).await?;
-                socket_events = Some(sock.monitor());
+            Heard::Redialled => {
+                eprintln!("engine disconnected: dialled afresh");
                 continue;
             }
         };

@@ -17,7 +17,7 @@ mod support;
 use support::{final_set, frames};
 
 use llmgw_agent::wire::{KvEvent, decode_batch};
-use llmgw_agent::zmq::{Publisher, ReplyShape};
+use llmgw_agent::zmq::Publisher;
 
 fn bin() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_llmgw-agent"));
@@ -84,16 +84,9 @@ fn vllm_args_prints_the_seed_and_flags_from_flags_or_environment() {
 #[tokio::test]
 async fn tail_prints_each_batch_as_one_json_line() {
     let frames = frames();
-    let mut publisher = Publisher::start(
-        "tcp://127.0.0.1:0",
-        false,
-        None,
-        "kv",
-        ReplyShape::WithTopic,
-        10,
-    )
-    .await
-    .expect("binds");
+    let mut publisher = Publisher::on_loopback("kv", false, 10)
+        .await
+        .expect("binds");
     let mut child = Killed(
         bin()
             .args(["tail", "--connect", &publisher.endpoint, "--topic", "kv"])
@@ -165,16 +158,9 @@ fn http_get(port: u16, path: &str) -> Option<String> {
 #[tokio::test]
 async fn serve_mirrors_the_recorded_stream_and_exposes_it_on_the_admin_port() {
     let frames = frames();
-    let mut publisher = Publisher::start(
-        "tcp://127.0.0.1:0",
-        false,
-        Some("tcp://127.0.0.1:0"),
-        "kv",
-        ReplyShape::WithTopic,
-        100,
-    )
-    .await
-    .expect("binds");
+    let mut publisher = Publisher::on_loopback("kv", true, 100)
+        .await
+        .expect("binds");
     let admin = free_port();
     let engine = format!(
         "r0:8000={},replay={}",

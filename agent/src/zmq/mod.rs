@@ -165,12 +165,64 @@ pub struct Intake {
 }
 
 /// The next event of a socket monitor; never, without one.
-pub(crate) async fn next_event(
+async fn next_event(
     events: &mut Option<mpsc_futures::Receiver<SocketEvent>>,
 ) -> Option<SocketEvent> {
     match events {
         Some(rx) => rx.next().await,
         None => std::future::pending().await,
+    }
+}
+
+/// What [`Subscription::next`] heard.
+pub enum Heard {
+    Message(ZmqMessage),
+    /// A receive failed; the socket stays open.
+    Failed(zeromq::ZmqError),
+    /// The engine's PUB disconnected and the SUB has dialled it afresh.
+    Redialled,
+}
+
+/// A SUB that dials afresh when its connect-mode engine disconnects. zeromq re-dials a lost
+/// connect-mode peer with a backoff that grows to 30 s, so a restarted vLLM's first batches
+/// went by unheard (seen with `make e2e-vllm`). A bound SUB waits for vLLM, which re-dials
+/// every 100 ms.
+pub struct Subscription {
+    endpoint: EngineEndpoint,
+    sock: SubSocket,
+    events: Option<mpsc_futures::Receiver<SocketEvent>>,
+}
+
+impl Subscription {
+    /// Receives on `sock`, opened for `endpoint`.
+    pub fn new(endpoint: EngineEndpoint, mut sock: SubSocket) -> Subscription {
+        let events = (!endpoint.bind).then(|| sock.monitor());
+        Subscription {
+            endpoint,
+            sock,
+            events,
+        }
+    }
+
+    /// The next message, failure or re-dial. Errs only when the engine cannot be dialled again.
+    pub async fn next(&mut self) -> Result<Heard, ZmqError> {
+        loop {
+            tokio::select! {
+                r = self.sock.recv() => {
+                    return Ok(r.map_or_else(Heard::Failed, Heard::Message));
+                }
+                Some(event) = next_event(&mut self.events) => {
+                    if matches!(event, SocketEvent::Disconnected(_)) {
+                        break;
+                    }
+                }
+            }
+        }
+        // Dropping the old socket first stops its own slow re-dialling.
+        drop(std::mem::replace(&mut self.sock, SubSocket::new()));
+        (self.sock, _) = open_when_ready(&self.endpoint).await?;
+        self.events = Some(self.sock.monitor());
+        Ok(Heard::Redialled)
     }
 }
 
@@ -182,40 +234,23 @@ struct Message {
 
 impl Intake {
     /// Receives until the socket fails or the mirror task stops.
-    pub async fn run(self, mut sock: SubSocket) -> Result<(), ZmqError> {
+    pub async fn run(self, sock: SubSocket) -> Result<(), ZmqError> {
         let mut tracker = SeqTracker::default();
-        // zeromq re-dials a lost connect-mode peer with a backoff that grows to 30 s, so a
-        // restarted vLLM's first batches went by unheard (seen with `make e2e-vllm`). On a
-        // disconnect the intake dials afresh instead. A bound SUB waits for vLLM, which
-        // re-dials every 100 ms.
-        let mut socket_events = (!self.endpoint.bind).then(|| sock.monitor());
+        let mut subscription = Subscription::new(self.endpoint.clone(), sock);
         self.replay_at_start(&mut tracker).await?;
         loop {
-            let received = tokio::select! {
-                r = sock.recv() => Some(r),
-                Some(event) = next_event(&mut socket_events) => {
-                    if !matches!(event, SocketEvent::Disconnected(_)) {
-                        continue;
-                    }
-                    None
-                }
-            };
-            let msg = match received {
-                Some(Ok(m)) => m,
-                Some(Err(e)) => {
+            let msg = match subscription.next().await? {
+                Heard::Message(m) => m,
+                Heard::Failed(e) => {
                     tracing::warn!(engine = &*self.engine, error = %e, "SUB receive failed");
                     continue;
                 }
-                None => {
+                Heard::Redialled => {
                     tracing::info!(
                         engine = &*self.engine,
                         endpoint = self.endpoint.endpoint,
-                        "engine's PUB disconnected: dialling afresh"
+                        "engine's PUB disconnected: dialled afresh"
                     );
-                    // Dropping the old socket stops its own slow re-dialling.
-                    drop(sock);
-                    (sock, _) = open_when_ready(&self.endpoint).await?;
-                    socket_events = Some(sock.monitor());
                     continue;
                 }
             };

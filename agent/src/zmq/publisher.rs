@@ -59,6 +59,19 @@ fn sock_err(action: &'static str, endpoint: &str) -> impl FnOnce(zeromq::ZmqErro
 }
 
 impl Publisher {
+    /// A PUB bound on a free loopback port (vLLM's default mode) publishing `topic`, with a
+    /// replay ROUTER on another when `replay`, keeping `buffer_steps` batches to replay.
+    pub async fn on_loopback(
+        topic: &str,
+        replay: bool,
+        buffer_steps: usize,
+    ) -> Result<Publisher, ZmqError> {
+        const ANY_PORT: &str = "tcp://127.0.0.1:0";
+        let replay = replay.then_some(ANY_PORT);
+        let shape = ReplyShape::WithTopic;
+        Publisher::start(ANY_PORT, false, replay, topic, shape, buffer_steps).await
+    }
+
     /// Binds the PUB at `endpoint` (vLLM's default mode) or connects it to an agent's bound SUB
     /// (`connect`), and binds a replay ROUTER at `replay` if given.
     pub async fn start(

@@ -223,16 +223,9 @@ async fn a_bound_sub_receives_from_a_connecting_engine() {
 #[tokio::test]
 async fn the_topic_filter_keeps_other_topics_out() {
     let frames = frames();
-    let mut publisher = Publisher::start(
-        "tcp://127.0.0.1:0",
-        false,
-        None,
-        "kv",
-        ReplyShape::WithTopic,
-        10,
-    )
-    .await
-    .expect("binds");
+    let mut publisher = Publisher::on_loopback("kv", false, 10)
+        .await
+        .expect("binds");
     let (other, _) = rig(EngineEndpoint {
         endpoint: publisher.endpoint.clone(),
         bind: false,

@@ -22,7 +22,7 @@ use llmgw_agent::engine::Update;
 use llmgw_agent::metrics::Metrics;
 use llmgw_agent::uplink::{self, UplinkConfig};
 use llmgw_agent::wire::{KvEvent, decode_batch};
-use llmgw_agent::zmq::{Publisher, ReplyShape};
+use llmgw_agent::zmq::Publisher;
 use parking_lot::Mutex;
 use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
@@ -200,16 +200,9 @@ pub async fn node_tls(
     token: Option<&str>,
     tls: Option<ClientTlsConfig>,
 ) -> Node {
-    let publisher = Publisher::start(
-        "tcp://127.0.0.1:0",
-        false,
-        Some("tcp://127.0.0.1:0"),
-        "kv",
-        ReplyShape::WithTopic,
-        1000,
-    )
-    .await
-    .expect("publisher");
+    let publisher = Publisher::on_loopback("kv", true, 1000)
+        .await
+        .expect("publisher");
     let spec: EngineSpec = format!(
         "{replica}={},replay={}",
         publisher.endpoint,
