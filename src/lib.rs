@@ -11,6 +11,7 @@ pub mod app;
 pub mod config;
 pub mod cputime;
 pub mod discovery;
+pub mod duration;
 pub mod extproc;
 pub mod feed;
 pub mod kvindex;

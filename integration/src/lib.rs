@@ -177,6 +177,32 @@ impl SimHandle {
     }
 }
 
+/// `llmgw-sim` flags for a replica of `model` whose cache holds `gpu_blocks` blocks of
+/// `block_size` tokens (the longest prompt fits the cache, at most 8,192 tokens), publishing
+/// KV events as `kv_events_config` (vLLM's `--kv-events-config` JSON) says.
+pub fn cache_sim_args(
+    model: &str,
+    block_size: usize,
+    gpu_blocks: usize,
+    kv_events_config: &str,
+) -> Vec<String> {
+    let max_model_len = (gpu_blocks.saturating_sub(1) * block_size).min(8192);
+    [
+        "--served-model-name",
+        model,
+        "--block-size",
+        &block_size.to_string(),
+        "--num-gpu-blocks-override",
+        &gpu_blocks.to_string(),
+        "--max-model-len",
+        &max_model_len.to_string(),
+        "--kv-events-config",
+        kv_events_config,
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
 /// Starts `llmgw-sim` on `127.0.0.1:0` with `args` added (later flags win, so `--host` or
 /// `--port` may be overridden), waits until it listens, and returns its addresses. The
 /// simulator prints its bound endpoints on stdout; this reads them. Test-support code: it panics

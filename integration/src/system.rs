@@ -10,7 +10,10 @@ use std::time::Duration;
 use crate::prom;
 pub use crate::router::RouterAddrs;
 use crate::router::RouterCommand;
-use crate::{ChildGuard, SimHandle, bin_path, envoy_bin, free_port, repo_root, spawn_sim_with_env};
+use crate::{
+    ChildGuard, SimHandle, bin_path, cache_sim_args, envoy_bin, free_port, repo_root,
+    spawn_sim_with_env,
+};
 
 /// What to start.
 #[derive(Debug, Clone)]
@@ -152,11 +155,6 @@ impl System {
 /// Starts one replica; `at` is (HTTP port, KV-events endpoint, replay endpoint) to restart one
 /// on its ports.
 fn spawn_replica(config: &SystemConfig, at: Option<(&str, &str, Option<&str>)>) -> SimHandle {
-    let blocks = config.blocks_per_replica.to_string();
-    let block_size = config.block_size.to_string();
-    let max_model_len = ((config.blocks_per_replica - 1) * config.block_size)
-        .min(8192)
-        .to_string();
     let endpoint = at.map_or("tcp://127.0.0.1:*", |(_, events, _)| events);
     let replay = match at {
         Some((_, _, Some(replay))) => format!(r#","replay_endpoint":"{replay}""#),
@@ -166,21 +164,15 @@ fn spawn_replica(config: &SystemConfig, at: Option<(&str, &str, Option<&str>)>) 
     let events = format!(
         r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"{endpoint}"{replay},"topic":"kv"}}"#
     );
-    let mut args: Vec<&str> = vec![
-        "--served-model-name",
+    let mut args = cache_sim_args(
         &config.model,
-        "--block-size",
-        &block_size,
-        "--num-gpu-blocks-override",
-        &blocks,
-        "--max-model-len",
-        &max_model_len,
-        "--kv-events-config",
+        config.block_size,
+        config.blocks_per_replica,
         &events,
-    ];
-    args.extend(config.sim_args.iter().map(String::as_str));
+    );
+    args.extend(config.sim_args.iter().cloned());
     if let Some((port, _, _)) = at {
-        args.extend(["--port", port]);
+        args.extend(["--port".to_owned(), port.to_owned()]);
     }
     spawn_sim_with_env(args, [("PYTHONHASHSEED", config.seed.as_str())])
 }
@@ -405,16 +397,29 @@ pub async fn sim_blocks(sim: &SimHandle) -> Vec<u64> {
 /// Waits (at most `timeout`) until every router's index equals every sim's own block list;
 /// returns whether it did.
 pub async fn converged(system: &System, timeout: Duration) -> bool {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        let mut equal = true;
+    poll_until(timeout, || async {
         for sim in &system.sims {
             let blocks = sim_blocks(sim).await;
             for router in system.routers() {
-                equal &= router_blocks_at(router, sim.addr).await == blocks;
+                if router_blocks_at(router, sim.addr).await != blocks {
+                    return false;
+                }
             }
         }
-        if equal {
+        true
+    })
+    .await
+}
+
+/// Asks `done` every 50 ms until it says yes (true) or `timeout` passes (false).
+pub async fn poll_until<F, Fut>(timeout: Duration, mut done: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if done().await {
             return true;
         }
         if tokio::time::Instant::now() >= deadline {
@@ -429,23 +434,18 @@ pub async fn converged(system: &System, timeout: Duration) -> bool {
 /// that no cached block decides is a load decision: two routers agree on it only once both
 /// have scraped the same state, which the index converging earlier does not imply.
 pub async fn load_seen(system: &System, timeout: Duration) -> bool {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        let mut seen = true;
+    poll_until(timeout, || async {
         for sim in &system.sims {
             let own = sim_load(sim).await;
             for router in system.routers() {
-                seen &= router_load_of(router, sim.addr).await == own;
+                if router_load_of(router, sim.addr).await != own {
+                    return false;
+                }
             }
         }
-        if seen {
-            return true;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        true
+    })
+    .await
 }
 
 /// The load a sim reports on its own `/metrics`, read as the router reads it.

@@ -123,12 +123,11 @@ async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
         .expect("connect to the feed");
     feed.send(hello(a.addr)).await.expect("Hello");
     let status = feed
-        .send(pb::agent_message::Body::Delta(pb::Delta {
-            engine: "e1".into(),
-            seq: 1,
-            stored: vec![pb::Block::copies(5, 1)],
-            ..pb::Delta::default()
-        }))
+        .send(pb::agent_message::Body::delta(
+            "e1",
+            1,
+            vec![pb::Block::copies(5, 1)],
+        ))
         .await
         .expect_err("a delta before the snapshot");
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
@@ -176,12 +175,11 @@ async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
         .await
         .expect("snapshot");
     agent
-        .send(pb::agent_message::Body::Delta(pb::Delta {
-            engine: "e1".into(),
-            seq: 1,
-            stored: vec![pb::Block::copies(12, 1)],
-            ..pb::Delta::default()
-        }))
+        .send(pb::agent_message::Body::delta(
+            "e1",
+            1,
+            vec![pb::Block::copies(12, 1)],
+        ))
         .await
         .expect("delta");
     assert_eq!(blocks_of(&router, a.addr).await, [10, 11, 12]);

@@ -1,7 +1,7 @@
 //! Constructors for the messages every party builds the same way: the agent's uplink, the
 //! router's tests and the hostile clients of the integration tests.
 
-use crate::v1::{AgentMessage, Block, EngineInfo, Hello, Snapshot, agent_message};
+use crate::v1::{AgentMessage, Block, Delta, EngineInfo, Hello, Snapshot, agent_message};
 
 impl AgentMessage {
     /// Message `id` of a stream (ids count from 1; the router acknowledges each).
@@ -51,6 +51,16 @@ impl agent_message::Body {
             engine: engine.to_owned(),
             blocks,
             ..Snapshot::default()
+        })
+    }
+
+    /// Delta `seq` of `engine` at epoch 0, storing `stored`.
+    pub fn delta(engine: &str, seq: u64, stored: Vec<Block>) -> Self {
+        agent_message::Body::Delta(Delta {
+            engine: engine.to_owned(),
+            seq,
+            stored,
+            ..Delta::default()
         })
     }
 }

@@ -182,17 +182,15 @@ pub async fn start(
     {
         return Err(PublisherError::Publisher(p.to_owned()));
     }
+    let bound_failed = |addr: &str| {
+        let endpoint = addr.to_owned();
+        move |source| PublisherError::Bind { endpoint, source }
+    };
     let mut bound = Bound::default();
     let mut socket = zeromq::PubSocket::new();
     let connect = match parse_endpoint(&cfg.events.endpoint)? {
         Mode::Bind(addr) => {
-            let ep = socket
-                .bind(&addr)
-                .await
-                .map_err(|source| PublisherError::Bind {
-                    endpoint: addr.clone(),
-                    source,
-                })?;
+            let ep = socket.bind(&addr).await.map_err(bound_failed(&addr))?;
             bound.publisher = Some(shown(&ep));
             None
         }
@@ -206,13 +204,7 @@ pub async fn start(
     if let Some(replay) = &cfg.events.replay_endpoint {
         let addr = bind_addr(replay)?;
         let mut router = zeromq::RouterSocket::new();
-        let ep = router
-            .bind(&addr)
-            .await
-            .map_err(|source| PublisherError::Bind {
-                endpoint: addr.clone(),
-                source,
-            })?;
+        let ep = router.bind(&addr).await.map_err(bound_failed(&addr))?;
         bound.replay = Some(shown(&ep));
         let topic = cfg.replay_topic_frame.then(|| topic.clone());
         tokio::spawn(serve_replay(router, Arc::clone(&buffer), topic));

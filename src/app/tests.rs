@@ -63,6 +63,11 @@ impl Running {
     }
 }
 
+/// `GET url`'s body.
+async fn text_of(url: &str) -> String {
+    reqwest::get(url).await.unwrap().text().await.unwrap()
+}
+
 /// A replica stand-in whose /health answers 200 or 503 as `up` says.
 async fn fake_replica(up: Arc<AtomicBool>) -> SocketAddr {
     let app = axum::Router::new()
@@ -145,12 +150,7 @@ async fn serves_grpc_health_admin_endpoints_and_stops_on_shutdown() {
     assert_eq!(healthz.status().as_u16(), 200);
     let mut metrics = String::new();
     for _ in 0..100 {
-        metrics = reqwest::get(format!("{admin}/metrics"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        metrics = text_of(&format!("{admin}/metrics")).await;
         if metrics.contains(&format!("llmgw_replica_waiting{{replica=\"{replica}\"}} 2")) {
             break;
         }
@@ -304,12 +304,7 @@ async fn the_feeds_node_map_follows_configuration_reloads() {
     let status = stream.ended().await;
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status}");
     assert!(blocks_of(bound.admin, "127.0.0.1:8002").await.is_empty());
-    let metrics = reqwest::get(format!("http://{}/metrics", bound.admin))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = text_of(&format!("http://{}/metrics", bound.admin)).await;
     assert!(
         metrics.contains("llmgw_feed_node_map_reloads_total 2"),
         "{metrics}"
@@ -360,12 +355,7 @@ async fn a_health_only_port_and_the_inference_pool_identity() {
     assert_eq!(refused.code(), tonic::Code::Unimplemented);
 
     let admin = format!("http://{}", bound.admin);
-    let metrics = reqwest::get(format!("{admin}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = text_of(&format!("{admin}/metrics")).await;
     assert!(
         metrics.contains("llmgw_pool_info{pool_name=\"chat-pool\",pool_namespace=\"llm\"} 1"),
         "{metrics}"

@@ -49,10 +49,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use serde::{Deserialize, Deserializer};
+use serde::Deserialize;
 use thiserror::Error;
 
 use crate::discovery::{DiscoveryOptions, DiscoverySettings};
+use crate::duration::DurationError;
 use crate::extproc::DESTINATION_HEADER;
 use crate::feed::{FeedOptions, FeedOptionsError, FeedSettings};
 use crate::kvindex::{IndexConfig, IndexOptions};
@@ -86,8 +87,8 @@ pub enum ConfigError {
     Model(#[from] crate::models::ModelSettingsError),
     #[error(transparent)]
     Profile(#[from] ProfileError),
-    #[error("invalid duration {0:?}: expected e.g. 250ms, 2s, 1m")]
-    Duration(String),
+    #[error(transparent)]
+    Duration(#[from] DurationError),
     #[error("{0} must be positive")]
     NotPositive(&'static str),
     #[error("unknown keys in {path}: {keys}")]
@@ -145,7 +146,7 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub probes: ProbeOptions,
     /// How often the configuration file is checked for changes (default 2s).
-    #[arg(long, env = "LLMGW_CONFIG_POLL_INTERVAL", value_parser = parse_duration)]
+    #[arg(long, env = "LLMGW_CONFIG_POLL_INTERVAL", value_parser = crate::duration::parse)]
     pub config_poll_interval: Option<Duration>,
     /// Request bodies above this many bytes get 413 (default 16 MiB).
     #[arg(long, env = "LLMGW_MAX_BODY_BYTES")]
@@ -183,7 +184,7 @@ pub struct FileConfig {
     pub admin_addr: Option<SocketAddr>,
     pub pool_name: Option<String>,
     pub pool_namespace: Option<String>,
-    #[serde(default, deserialize_with = "opt_duration")]
+    #[serde(default, deserialize_with = "crate::duration::optional")]
     pub config_poll_interval: Option<Duration>,
     pub max_body_bytes: Option<usize>,
     pub destination_header: Option<String>,
@@ -437,58 +438,6 @@ pub fn parse_address(address: &str) -> Result<SocketAddr, ConfigError> {
             .map_err(|_| ConfigError::Address(address.to_string())),
         _ => Err(ConfigError::Address(address.to_string())),
     }
-}
-
-/// `250ms`, `2s`, `1m`, or a bare number of seconds.
-pub fn parse_duration(text: &str) -> Result<Duration, ConfigError> {
-    let text = text.trim();
-    let invalid = || ConfigError::Duration(text.to_string());
-    let (number, unit) = match text.find(|c: char| !(c.is_ascii_digit() || c == '.')) {
-        Some(i) => text.split_at(i),
-        None => (text, "s"),
-    };
-    let value: f64 = number.parse().map_err(|_| invalid())?;
-    let seconds = match unit {
-        "ms" => value / 1000.0,
-        "s" => value,
-        "m" => value * 60.0,
-        _ => return Err(invalid()),
-    };
-    Duration::try_from_secs_f64(seconds).map_err(|_| invalid())
-}
-
-/// `serde(with = ...)` for a duration written as `250ms`, `2s`, `1m` or a number of seconds.
-pub mod duration_text {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Text {
-        Seconds(f64),
-        Text(String),
-    }
-
-    pub fn serialize<S: Serializer>(value: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str(&format!("{}ms", value.as_millis()))
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
-        match Text::deserialize(deserializer)? {
-            Text::Seconds(seconds) => Duration::try_from_secs_f64(seconds)
-                .map_err(|_| serde::de::Error::custom(format!("invalid duration {seconds}"))),
-            Text::Text(text) => super::parse_duration(&text).map_err(serde::de::Error::custom),
-        }
-    }
-}
-
-pub(crate) fn opt_duration<'de, D: Deserializer<'de>>(
-    deserializer: D,
-) -> Result<Option<Duration>, D::Error> {
-    let text: Option<String> = Option::deserialize(deserializer)?;
-    text.map(|t| parse_duration(&t).map_err(serde::de::Error::custom))
-        .transpose()
 }
 
 /// Polls the configuration file every `interval` and hands a changed replica list (the file's

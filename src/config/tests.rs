@@ -23,16 +23,6 @@ fn replica_flags_parse() {
     }
 }
 
-#[test]
-fn durations_parse() {
-    assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
-    assert_eq!(parse_duration("2s").unwrap(), Duration::from_secs(2));
-    assert_eq!(parse_duration("1.5").unwrap(), Duration::from_millis(1500));
-    assert_eq!(parse_duration("1m").unwrap(), Duration::from_secs(60));
-    assert!(parse_duration("fast").is_err());
-    assert!(parse_duration("5h").is_err());
-}
-
 fn write_file(dir: &tempfile::TempDir, text: &str) -> PathBuf {
     let path = dir.path().join("llmgw.yaml");
     let mut file = std::fs::File::create(&path).unwrap();

@@ -50,8 +50,8 @@ pub struct DiscoveryOptions {
     )]
     pub k8s_services: Vec<K8sService>,
     /// How often Kubernetes EndpointSlices are listed (default 5s).
-    #[arg(long, env = "LLMGW_K8S_POLL_INTERVAL", value_parser = crate::config::parse_duration)]
-    #[serde(deserialize_with = "crate::config::opt_duration")]
+    #[arg(long, env = "LLMGW_K8S_POLL_INTERVAL", value_parser = crate::duration::parse)]
+    #[serde(deserialize_with = "crate::duration::optional")]
     pub k8s_poll_interval: Option<Duration>,
 }
 

@@ -40,8 +40,8 @@ pub struct FeedOptions {
     #[serde(skip)]
     pub feed_token: Option<String>,
     /// How long a node's blocks stay in the index after its agent's stream ended (default 30s).
-    #[arg(long, env = "LLMGW_FEED_GRACE", value_parser = crate::config::parse_duration)]
-    #[serde(deserialize_with = "crate::config::opt_duration")]
+    #[arg(long, env = "LLMGW_FEED_GRACE", value_parser = crate::duration::parse)]
+    #[serde(deserialize_with = "crate::duration::optional")]
     pub feed_grace: Option<Duration>,
     /// Most block copies one engine may report over the feed (all tiers); an engine reporting
     /// more is refused, its blocks dropped (default 4000000, at most 4294967295).

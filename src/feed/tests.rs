@@ -118,12 +118,8 @@ fn snapshot(blocks: Vec<pb::Block>) -> pb::agent_message::Body {
 
 /// Delta `seq` of engine e1 (epoch 0) storing one copy of each of `stored`.
 fn delta(seq: u64, stored: &[u64]) -> pb::agent_message::Body {
-    pb::agent_message::Body::Delta(pb::Delta {
-        engine: "e1".into(),
-        seq,
-        stored: stored.iter().map(|&h| pb::Block::copies(h, 1)).collect(),
-        ..pb::Delta::default()
-    })
+    let stored = stored.iter().map(|&h| pb::Block::copies(h, 1)).collect();
+    pb::agent_message::Body::delta("e1", seq, stored)
 }
 
 fn held(index: &KvIndex) -> Vec<u64> {

@@ -43,20 +43,20 @@ impl Default for ProbeSettings {
 #[serde(default)]
 pub struct ProbeOptions {
     /// How often each replica's /health is probed (default 1s).
-    #[arg(long, env = "LLMGW_HEALTH_INTERVAL", value_parser = crate::config::parse_duration)]
-    #[serde(deserialize_with = "crate::config::opt_duration")]
+    #[arg(long, env = "LLMGW_HEALTH_INTERVAL", value_parser = crate::duration::parse)]
+    #[serde(deserialize_with = "crate::duration::optional")]
     pub health_interval: Option<Duration>,
     /// How often each replica's /metrics is scraped (default 200ms).
-    #[arg(long, env = "LLMGW_SCRAPE_INTERVAL", value_parser = crate::config::parse_duration)]
-    #[serde(deserialize_with = "crate::config::opt_duration")]
+    #[arg(long, env = "LLMGW_SCRAPE_INTERVAL", value_parser = crate::duration::parse)]
+    #[serde(deserialize_with = "crate::duration::optional")]
     pub scrape_interval: Option<Duration>,
     /// A scrape older than this counts as unknown load (default 2s).
-    #[arg(long, env = "LLMGW_METRICS_STALENESS", value_parser = crate::config::parse_duration)]
-    #[serde(deserialize_with = "crate::config::opt_duration")]
+    #[arg(long, env = "LLMGW_METRICS_STALENESS", value_parser = crate::duration::parse)]
+    #[serde(deserialize_with = "crate::duration::optional")]
     pub metrics_staleness: Option<Duration>,
     /// Timeout of one health probe or scrape (default 1s).
-    #[arg(long, env = "LLMGW_PROBE_TIMEOUT", value_parser = crate::config::parse_duration)]
-    #[serde(deserialize_with = "crate::config::opt_duration")]
+    #[arg(long, env = "LLMGW_PROBE_TIMEOUT", value_parser = crate::duration::parse)]
+    #[serde(deserialize_with = "crate::duration::optional")]
     pub probe_timeout: Option<Duration>,
 }
 

@@ -294,7 +294,7 @@ pub struct SchedulerArgs {
     pub min_prefix_blocks: Option<u32>,
     /// `kv_cache` scorer: how long a pick credits the chosen replica with the prompt's blocks
     /// (default 2s; 0 off).
-    #[arg(long, env = "LLMGW_SPECULATIVE_TTL", value_parser = crate::config::parse_duration)]
+    #[arg(long, env = "LLMGW_SPECULATIVE_TTL", value_parser = crate::duration::parse)]
     pub speculative_ttl: Option<Duration>,
 }
 

@@ -68,8 +68,8 @@ impl Default for TokenizerConfig {
 #[serde(default)]
 pub struct TokenizerOptions {
     /// How long a request waits for its tokens before the prefix tree decides (default 50ms).
-    #[arg(long, env = "LLMGW_TOKENIZE_DEADLINE", value_parser = crate::config::parse_duration)]
-    #[serde(deserialize_with = "crate::config::opt_duration")]
+    #[arg(long, env = "LLMGW_TOKENIZE_DEADLINE", value_parser = crate::duration::parse)]
+    #[serde(deserialize_with = "crate::duration::optional")]
     pub tokenize_deadline: Option<Duration>,
     /// Bytes the tokenization cache may hold (default 64 MiB).
     #[arg(long, env = "LLMGW_TOKENIZE_CACHE_BYTES")]

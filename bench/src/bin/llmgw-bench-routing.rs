@@ -37,7 +37,8 @@ use llmgw_integration::router::{RouterAddrs, RouterCommand, RouterProcess};
 use llmgw_integration::system::envoy_config;
 use llmgw_integration::workload::{self, Results, WorkloadConfig};
 use llmgw_integration::{
-    ChildGuard, SimHandle, bin_path, envoy_bin, free_port, repo_root, spawn_sim_with_env,
+    ChildGuard, SimHandle, bin_path, cache_sim_args, envoy_bin, free_port, repo_root,
+    spawn_sim_with_env,
 };
 use parking_lot::Mutex;
 
@@ -266,26 +267,10 @@ fn write(path: &Path, text: &str) -> anyhow::Result<()> {
 fn start_sims(args: &Args) -> Vec<SimHandle> {
     let events =
         r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:*"}"#;
-    let blocks = args.blocks_per_replica.to_string();
-    let block_size = BLOCK_SIZE.to_string();
-    let max_model_len = ((args.blocks_per_replica.saturating_sub(1)) * BLOCK_SIZE)
-        .min(8192)
-        .to_string();
     (0..args.replicas)
         .map(|_| {
-            let mut sim_args: Vec<&str> = vec![
-                "--served-model-name",
-                MODEL,
-                "--block-size",
-                &block_size,
-                "--num-gpu-blocks-override",
-                &blocks,
-                "--max-model-len",
-                &max_model_len,
-                "--kv-events-config",
-                events,
-            ];
-            sim_args.extend(args.sim_args.iter().map(String::as_str));
+            let mut sim_args = cache_sim_args(MODEL, BLOCK_SIZE, args.blocks_per_replica, events);
+            sim_args.extend(args.sim_args.iter().cloned());
             spawn_sim_with_env(sim_args, [("PYTHONHASHSEED", SEED)])
         })
         .collect()

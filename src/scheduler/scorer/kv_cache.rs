@@ -52,7 +52,7 @@ pub(super) static PLUGIN: ScorerPlugin = ScorerPlugin {
 #[serde(default, deny_unknown_fields)]
 struct Parameters {
     min_blocks: u32,
-    #[serde(with = "crate::config::duration_text")]
+    #[serde(with = "crate::duration::text")]
     speculative_ttl: Duration,
 }
 
