@@ -90,7 +90,10 @@ mod tests {
         }
         let read = |yaml: &str| serde_yaml::from_str::<File>(yaml).map(|f| f.grace);
         assert_eq!(read("grace: 5s").unwrap(), Some(Duration::from_secs(5)));
-        assert_eq!(read("grace: 0.5").unwrap(), Some(Duration::from_millis(500)));
+        assert_eq!(
+            read("grace: 0.5").unwrap(),
+            Some(Duration::from_millis(500))
+        );
         assert_eq!(read("{}").unwrap(), None);
         let err = read("grace: soon").unwrap_err().to_string();
         assert!(err.contains("invalid duration"), "{err}");

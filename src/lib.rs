@@ -24,6 +24,9 @@ pub mod router;
 pub mod scheduler;
 pub mod tokenize;
 
+#[cfg(test)]
+mod testing;
+
 // Shared with the agent through llmgw-core; re-exported so the router's paths name them as before.
 pub use llmgw_core::{blockhash, ids, telemetry};
 

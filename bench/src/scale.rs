@@ -29,18 +29,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, ensure};
 use bytes::Bytes;
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
-use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Message;
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Answer;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
-};
 use llmgw::blockhash::{BlockDigest, BlockHasher, HashSettings};
 use zeromq::{PubSocket, Socket as _, SocketSend as _, ZmqMessage};
 
 use crate::routing::percentile;
+use llmgw_integration::extproc_client::ExtProcClient;
 use llmgw_integration::procfs::{load_avg, parse_status_rss_mib, proc_stat_cpu_seconds};
 use llmgw_integration::prom;
 use llmgw_integration::router::{RouterCommand, RouterProcess};
@@ -851,7 +844,7 @@ async fn run_lookups(
     router: &RouterProcess,
     admin: &Admin,
 ) -> anyhow::Result<LookupResult> {
-    let mut client = ExternalProcessorClient::connect(format!("http://{}", router.addrs.grpc))
+    let mut client = ExtProcClient::connect(router.addrs.grpc)
         .await
         .context("connect to the router's ext_proc port")?;
     // Prompts: each replica's last fill conversation (held whole by it alone; its system
@@ -910,90 +903,17 @@ async fn run_lookups(
     })
 }
 
-fn header(key: &str, value: &str) -> HeaderValue {
-    HeaderValue {
-        key: key.to_owned(),
-        raw_value: value.as_bytes().to_vec(),
-        ..Default::default()
-    }
-}
-
 /// One request as Envoy's BUFFERED ext_proc filter sends it: headers, then the whole body.
 /// Returns the destination the router set and the time from sending the body to the answer.
-async fn route_once(
-    client: &mut ExternalProcessorClient<tonic::transport::Channel>,
-    body: &[u8],
-) -> anyhow::Result<(String, Duration)> {
-    let (sender, receiver) = tokio::sync::mpsc::channel(4);
-    let mut answers = client
-        .process(tokio_stream::wrappers::ReceiverStream::new(receiver))
-        .await?
-        .into_inner();
-    let headers = ProcessingRequest {
-        protocol_config: Some(ProtocolConfiguration {
-            request_body_mode: BodySendMode::Buffered as i32,
-            response_body_mode: BodySendMode::None as i32,
-            ..Default::default()
-        }),
-        request: Some(Message::RequestHeaders(HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: vec![
-                    header(":method", "POST"),
-                    header(":path", "/v1/completions"),
-                    header(":authority", "bench"),
-                    header("content-type", "application/json"),
-                ],
-            }),
-            end_of_stream: false,
-            ..Default::default()
-        })),
-        ..Default::default()
-    };
-    sender.send(headers).await?;
-    answers
-        .message()
-        .await?
-        .context("no answer to the request headers")?;
-    let started = Instant::now();
-    sender
-        .send(ProcessingRequest {
-            request: Some(Message::RequestBody(HttpBody {
-                body: body.to_vec(),
-                end_of_stream: true,
-                ..Default::default()
-            })),
-            ..Default::default()
-        })
-        .await?;
-    let answer = answers
-        .message()
-        .await?
-        .context("no answer to the request body")?;
-    let rtt = started.elapsed();
-    drop(sender);
-    let destination = destination_of(&answer).with_context(|| {
+async fn route_once(client: &mut ExtProcClient, body: &[u8]) -> anyhow::Result<(String, Duration)> {
+    let routed = client.route("/v1/completions", body).await?;
+    let destination = routed.destination().with_context(|| {
         format!(
             "the router did not route the request: {:?}",
-            answer.response
+            routed.answer.response
         )
     })?;
-    Ok((destination, rtt))
-}
-
-fn destination_of(answer: &ProcessingResponse) -> Option<String> {
-    let common = match answer.response.as_ref()? {
-        Answer::RequestBody(b) => b.response.as_ref()?,
-        Answer::RequestHeaders(h) => h.response.as_ref()?,
-        _ => return None,
-    };
-    common
-        .header_mutation
-        .as_ref()?
-        .set_headers
-        .iter()
-        .filter_map(|h| h.header.as_ref())
-        .find(|h| h.key == llmgw::extproc::DESTINATION_HEADER)
-        .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
+    Ok((destination, routed.rtt))
 }
 
 /// Publishes at `event_rate` per replica for `config.steady`; returns the block events sent.

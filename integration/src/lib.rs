@@ -2,6 +2,7 @@
 //! workspace's binaries and Envoy, picking loopback ports, and child processes that never
 //! outlive a test.
 
+pub mod extproc_client;
 pub mod feed_client;
 pub mod procfs;
 pub mod prom;

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use llmgw_integration::extproc_client::ExtProcClient;
 use llmgw_integration::prom;
 use llmgw_integration::system::{self, System, SystemConfig};
 use serde_json::{Value, json};
@@ -116,66 +117,15 @@ async fn a_chat_follows_its_replica_turn_after_turn_and_the_index_stays_true() {
 /// Asks `router` over ext_proc, as Envoy does in BUFFERED mode, where `body` would go; returns
 /// the destination (primary first). The stream ends with the answer, so nothing stays in flight.
 async fn pick(router: system::RouterAddrs, path: &str, body: &Value) -> String {
-    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
-    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-    use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
-    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
-    use envoy_types::pb::envoy::service::ext_proc::v3::{
-        HttpBody, HttpHeaders, ProcessingRequest, ProtocolConfiguration,
-    };
-
-    let header = |key: &str, value: &str| HeaderValue {
-        key: key.to_owned(),
-        raw_value: value.as_bytes().to_vec(),
-        ..Default::default()
-    };
-    let messages = vec![
-        ProcessingRequest {
-            protocol_config: Some(ProtocolConfiguration {
-                request_body_mode: BodySendMode::Buffered as i32,
-                ..Default::default()
-            }),
-            request: Some(Request::RequestHeaders(HttpHeaders {
-                headers: Some(HeaderMap {
-                    headers: vec![header(":method", "POST"), header(":path", path)],
-                }),
-                end_of_stream: false,
-                ..Default::default()
-            })),
-            ..Default::default()
-        },
-        ProcessingRequest {
-            request: Some(Request::RequestBody(HttpBody {
-                body: body.to_string().into_bytes(),
-                end_of_stream: true,
-                ..Default::default()
-            })),
-            ..Default::default()
-        },
-    ];
-    let mut client = ExternalProcessorClient::connect(format!("http://{}", router.grpc))
+    let mut client = ExtProcClient::connect(router.grpc)
         .await
         .expect("connect to the router's ext_proc port");
-    let mut answers = client
-        .process(futures::stream::iter(messages))
+    client
+        .route(path, body.to_string().as_bytes())
         .await
-        .expect("ext_proc stream")
-        .into_inner();
-    while let Some(answer) = answers.message().await.expect("ext_proc answer") {
-        let Some(Response::RequestBody(body)) = answer.response else {
-            continue;
-        };
-        let mutation = body.response.and_then(|r| r.header_mutation);
-        return mutation
-            .into_iter()
-            .flat_map(|m| m.set_headers)
-            .filter_map(|h| h.header)
-            .find(|h| h.key == "x-gateway-destination-endpoint")
-            .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
-            .expect("the body answer routes");
-    }
-    panic!("the router closed the stream without routing");
+        .expect("ext_proc answers")
+        .destination()
+        .expect("the body answer routes")
 }
 
 /// Waits until `router` counts no request in flight on any replica.

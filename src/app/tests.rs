@@ -88,10 +88,7 @@ async fn fake_replica(up: Arc<AtomicBool>) -> SocketAddr {
             "/metrics",
             axum::routing::get(|| async { "vllm:num_requests_waiting{engine=\"0\"} 2\n" }),
         );
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    addr
+    crate::testing::serve_on_loopback(app).await
 }
 
 async fn status_of(client: &mut HealthClient<tonic::transport::Channel>, service: &str) -> Status {

@@ -129,9 +129,7 @@ async fn polled_endpoints_follow_pods_and_survive_an_api_outage() {
             axum::routing::get(list_endpoint_slices),
         )
         .with_state(Arc::clone(&api));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let addr = crate::testing::serve_on_loopback(app).await;
 
     // A static replica from the configuration stays beside the discovered ones.
     let static_replica = ReplicaSpec {

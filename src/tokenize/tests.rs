@@ -50,12 +50,7 @@ async fn serve(fake: Fake) -> SocketAddr {
     let app = axum::Router::new()
         .route("/tokenize", post(tokenize))
         .with_state(fake);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    addr
+    crate::testing::serve_on_loopback(app).await
 }
 
 fn completion(prompt: &str) -> ParsedRequest {

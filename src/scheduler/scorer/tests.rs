@@ -35,12 +35,7 @@ async fn fake_tokenize(Json(body): Json<Value>) -> Json<Value> {
 
 async fn tokenizer_server() -> SocketAddr {
     let app = axum::Router::new().route("/tokenize", post(fake_tokenize));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    addr
+    crate::testing::serve_on_loopback(app).await
 }
 
 fn hasher() -> Arc<BlockHasher> {

@@ -1,0 +1,13 @@
+//! What the library's unit tests share (compiled only for them).
+
+use std::net::SocketAddr;
+
+/// Serves `app` on a free loopback port for the rest of the test; returns where.
+pub(crate) async fn serve_on_loopback(app: axum::Router) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    let addr = listener.local_addr().expect("local addr");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
