@@ -24,7 +24,6 @@ use std::collections::{HashSet, VecDeque};
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, ensure};
@@ -33,11 +32,12 @@ use llmgw::blockhash::{BlockDigest, BlockHasher, HashSettings};
 use zeromq::{PubSocket, Socket as _, SocketSend as _, ZmqMessage};
 
 use crate::routing::percentile;
+use llmgw_integration::ChildGuard;
+use llmgw_integration::agent::AgentCommand;
 use llmgw_integration::extproc_client::ExtProcClient;
 use llmgw_integration::procfs::{load_avg, parse_status_rss_mib, proc_stat_cpu_seconds};
 use llmgw_integration::prom;
 use llmgw_integration::router::{RouterCommand, RouterProcess};
-use llmgw_integration::{ChildGuard, bin_path};
 use llmgw_sim::events::{BlockStored, Encoding, EventBatch, KvEvent};
 
 /// The served model, its block size and the engines' PYTHONHASHSEED.
@@ -659,30 +659,19 @@ fn start_agent(
     engines: &[Engine],
     feed: SocketAddr,
 ) -> anyhow::Result<ChildGuard> {
-    let mut cmd = Command::new(bin_path("llmgw-agent"));
-    cmd.arg("serve")
-        .args(["--node", &node(a)])
-        .args(["--router", &feed.to_string()])
-        .args(["--model", MODEL])
-        .args(["--hash-seed", SEED])
-        .args(["--block-size", &BLOCK_SIZE.to_string()])
-        .args(["--topic", "kv"])
-        .args(["--admin-addr", "127.0.0.1:0"]);
+    let mut agent = AgentCommand::serve(&node(a))
+        .router(feed)
+        .hash_settings(MODEL, SEED, BLOCK_SIZE)
+        .args(["--topic", "kv", "--admin-addr", "127.0.0.1:0"]);
     for engine in engines {
-        cmd.arg("--engine")
-            .arg(format!("{}={}", engine.replica, engine.endpoint));
+        agent = agent.args([
+            "--engine",
+            &format!("{}={}", engine.replica, engine.endpoint),
+        ]);
     }
-    cmd.env(
-        "LLMGW_AGENT_LOG",
-        std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".to_owned()),
-    )
-    .stdin(Stdio::null())
-    .stdout(Stdio::null())
-    .stderr(log_file(config, &format!("agent-{a}"))?);
-    Ok(ChildGuard::new(
-        "llmgw-agent",
-        cmd.spawn().context("spawn llmgw-agent")?,
-    ))
+    Ok(agent
+        .stderr(log_file(config, &format!("agent-{a}"))?)
+        .spawn()?)
 }
 
 /// The router's admin port.

@@ -2,6 +2,8 @@
 //! workspace's binaries and Envoy, picking loopback ports, and child processes that never
 //! outlive a test.
 
+pub mod agent;
+pub mod envoy;
 pub mod extproc_client;
 pub mod feed_client;
 pub mod procfs;

@@ -3,17 +3,14 @@
 //! real processes killed when the [`System`] is dropped.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use crate::agent::AgentCommand;
+use crate::envoy::EnvoyCommand;
 use crate::prom;
 pub use crate::router::RouterAddrs;
 use crate::router::RouterCommand;
-use crate::{
-    ChildGuard, SimHandle, bin_path, cache_sim_args, envoy_bin, free_port, repo_root,
-    spawn_sim_with_env,
-};
+use crate::{ChildGuard, SimHandle, cache_sim_args, free_port, repo_root, spawn_sim_with_env};
 
 /// What to start.
 #[derive(Debug, Clone)]
@@ -235,33 +232,17 @@ fn start_router(
 }
 
 fn start_agent(config: &SystemConfig, sims: &[SimHandle], feeds: &[SocketAddr]) -> ChildGuard {
-    let mut cmd = Command::new(bin_path("llmgw-agent"));
-    cmd.arg("serve").args(["--node", &config.node]);
-    for feed in feeds {
-        cmd.args(["--router", &feed.to_string()]);
-    }
-    cmd.args(["--model", &config.model])
-        .args(["--hash-seed", &config.seed])
-        .args(["--block-size", &config.block_size.to_string()])
+    let mut agent = AgentCommand::serve(&config.node)
+        .hash_settings(&config.model, &config.seed, config.block_size)
         .args(["--admin-addr", "127.0.0.1:0"]);
+    for feed in feeds {
+        agent = agent.router(*feed);
+    }
     for sim in sims {
         let events = sim.events.as_deref().expect("sim publishes events");
-        let replay = sim
-            .replay
-            .as_deref()
-            .map(|r| format!(",replay={r}"))
-            .unwrap_or_default();
-        cmd.arg("--engine")
-            .arg(format!("{}={events}{replay}", sim.addr));
+        agent = agent.engine(sim.addr, events, sim.replay.as_deref());
     }
-    cmd.env(
-        "LLMGW_AGENT_LOG",
-        std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".to_owned()),
-    )
-    .stdin(Stdio::null())
-    .stdout(Stdio::null())
-    .stderr(Stdio::inherit());
-    ChildGuard::new("llmgw-agent", cmd.spawn().expect("spawn llmgw-agent"))
+    agent.spawn().unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The default Envoy config (`envoy/envoy.yaml`) pointed at these ports and replicas.
@@ -290,28 +271,18 @@ async fn start_envoy(
     grpc: SocketAddr,
     sims: &[SimHandle],
 ) -> (SocketAddr, SocketAddr, ChildGuard) {
-    let listen = free_port();
-    let admin = free_port();
+    let (listen, admin) = (free_port(), free_port());
     let replicas: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
-    let dir: PathBuf = repo_root().join("target/llmgw-system");
-    std::fs::create_dir_all(&dir).expect("create target/llmgw-system");
-    let path = dir.join(format!("envoy-{}-{listen}.yaml", std::process::id()));
-    std::fs::write(&path, envoy_config(grpc, listen, admin, &replicas))
-        .expect("write envoy config");
-    let child = Command::new(envoy_bin())
-        .args(["-c", &path.to_string_lossy()])
-        .args(["--use-dynamic-base-id", "--concurrency", "1"])
-        .args(["--log-level", &config.envoy_log_level])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn envoy");
-    (
-        SocketAddr::from(([127, 0, 0, 1], listen)),
-        SocketAddr::from(([127, 0, 0, 1], admin)),
-        ChildGuard::new("envoy", child),
+    let envoy = EnvoyCommand::new(
+        "system",
+        envoy_config(grpc, listen, admin, &replicas),
+        listen,
+        admin,
     )
+    .log_level(&config.envoy_log_level)
+    .spawn()
+    .unwrap_or_else(|e| panic!("{e}"));
+    (envoy.listen, envoy.admin, envoy.guard)
 }
 
 async fn wait_ready(system: &System) {

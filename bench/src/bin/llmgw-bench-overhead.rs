@@ -37,10 +37,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Parser;
 use llmgw_bench::routing::plain_envoy_config;
+use llmgw_integration::envoy::EnvoyCommand;
 use llmgw_integration::router::RouterCommand;
 use llmgw_integration::{
-    ChildGuard, bin_path, envoy_bin, envoy_config_over_uds, envoy_config_streamed_ahead, free_port,
-    repo_root, retarget_envoy_config, spawn_sim,
+    ChildGuard, bin_path, envoy_config_over_uds, envoy_config_streamed_ahead, free_port, repo_root,
+    retarget_envoy_config, spawn_sim,
 };
 use parking_lot::Mutex;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -525,23 +526,13 @@ fn start_envoy(
     let listen = free_port();
     let admin = free_port();
     let config = retarget_envoy_config(config, listen, admin, grpc_port, replicas);
-    let dir = repo_root().join("target").join("bench-overhead");
-    std::fs::create_dir_all(&dir)?;
-    let path = dir.join(format!("{name}-{}.yaml", std::process::id()));
-    std::fs::write(&path, config)?;
-    let mut command = Command::new(envoy_bin());
-    command.arg("-c").arg(&path).args([
-        "--use-dynamic-base-id",
-        "--log-level",
-        "error",
-        "--concurrency",
-        "1",
-    ]);
-    let child = spawn_quiet(&mut command, "envoy")?;
+    let envoy = EnvoyCommand::new(name, config, listen, admin)
+        .config_dir(repo_root().join("target").join("bench-overhead"))
+        .spawn()?;
     Ok(EnvoyProcess {
-        listen: SocketAddr::from(([127, 0, 0, 1], listen)),
-        admin: SocketAddr::from(([127, 0, 0, 1], admin)),
-        _guard: ChildGuard::new("envoy", child),
+        listen: envoy.listen,
+        admin: envoy.admin,
+        _guard: envoy.guard,
     })
 }
 

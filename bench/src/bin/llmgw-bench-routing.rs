@@ -32,13 +32,14 @@ use llmgw_bench::routing::{
     Policy, PolicyReport, markdown_table, offered_rate, percentile, plain_envoy_config,
     rate_in_window,
 };
+use llmgw_integration::agent::AgentCommand;
+use llmgw_integration::envoy::EnvoyCommand;
 use llmgw_integration::procfs::proc_stat_cpu_seconds;
 use llmgw_integration::router::{RouterAddrs, RouterCommand, RouterProcess};
 use llmgw_integration::system::envoy_config;
 use llmgw_integration::workload::{self, Results, WorkloadConfig};
 use llmgw_integration::{
-    ChildGuard, SimHandle, bin_path, cache_sim_args, envoy_bin, free_port, repo_root,
-    spawn_sim_with_env,
+    ChildGuard, SimHandle, cache_sim_args, free_port, repo_root, spawn_sim_with_env,
 };
 use parking_lot::Mutex;
 
@@ -394,7 +395,8 @@ async fn start_stack(
             let envoy = start_envoy(
                 &args.out_dir,
                 policy,
-                &plain_envoy_config(lb, listen, admin, &replicas),
+                (listen, admin),
+                plain_envoy_config(lb, listen, admin, &replicas),
             )?;
             wait_envoy(http, admin).await?;
             Ok(Stack {
@@ -441,17 +443,16 @@ async fn start_stack(
             let mut router_pids = vec![router.id()];
             let mut guards = Vec::new();
             let agent = if policy == Policy::LlmgwPrecise {
-                let mut cmd = Command::new(bin_path("llmgw-agent"));
-                cmd.arg("serve")
-                    .args(["--node", NODE, "--router", &feed.to_string()])
-                    .args(["--model", MODEL, "--hash-seed", SEED])
-                    .args(["--block-size", &BLOCK_SIZE.to_string()])
-                    .args(["--admin-addr", "127.0.0.1:0"]);
+                let mut agent = AgentCommand::serve(NODE)
+                    .router(feed)
+                    .hash_settings(MODEL, SEED, BLOCK_SIZE)
+                    .args(["--admin-addr", "127.0.0.1:0"])
+                    .env("LLMGW_AGENT_LOG", "warn");
                 for sim in sims {
                     let events = sim.events.as_deref().context("a sim publishes no events")?;
-                    cmd.arg("--engine").arg(format!("{}={events}", sim.addr));
+                    agent = agent.engine(sim.addr, events, None);
                 }
-                let agent = spawn(cmd, "llmgw-agent")?;
+                let agent = agent.spawn()?;
                 router_pids.push(agent.id());
                 Some(agent)
             } else {
@@ -461,7 +462,8 @@ async fn start_stack(
             let envoy = start_envoy(
                 &args.out_dir,
                 policy,
-                &envoy_config(grpc, listen, envoy_admin, &replicas),
+                (listen, envoy_admin),
+                envoy_config(grpc, listen, envoy_admin, &replicas),
             )?;
             let envoy_pid = envoy.id();
             guards.push(envoy);
@@ -520,18 +522,17 @@ fn spawn(mut cmd: Command, name: &str) -> anyhow::Result<ChildGuard> {
     Ok(ChildGuard::new(name, child))
 }
 
-fn start_envoy(out_dir: &Path, policy: Policy, config: &str) -> anyhow::Result<ChildGuard> {
-    let path = out_dir.join(format!(
-        "envoy-{}.yaml",
-        policy.to_string().replace(':', "-")
-    ));
-    write(&path, config)?;
-    let mut cmd = Command::new(envoy_bin());
-    cmd.arg("-c")
-        .arg(&path)
-        .args(["--use-dynamic-base-id", "--concurrency", "1"])
-        .args(["--log-level", "error"]);
-    spawn(cmd, "envoy")
+/// Envoy with `config`, whose listener is on `listen` and admin on `admin`.
+fn start_envoy(
+    out_dir: &Path,
+    policy: Policy,
+    (listen, admin): (u16, u16),
+    config: String,
+) -> anyhow::Result<ChildGuard> {
+    let envoy = EnvoyCommand::new(&format!("envoy-{policy}"), config, listen, admin)
+        .config_dir(out_dir.to_owned())
+        .spawn()?;
+    Ok(envoy.guard)
 }
 
 async fn wait_envoy(http: &reqwest::Client, admin: u16) -> anyhow::Result<()> {

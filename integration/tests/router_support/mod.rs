@@ -12,10 +12,10 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use llmgw_integration::envoy::EnvoyCommand;
 use llmgw_integration::router::RouterCommand;
 use llmgw_integration::{
-    ChildGuard, SimHandle, bin_path, envoy_bin, free_port, repo_root, retarget_envoy_config,
-    spawn_sim,
+    ChildGuard, SimHandle, bin_path, free_port, repo_root, retarget_envoy_config, spawn_sim,
 };
 
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
@@ -170,8 +170,6 @@ pub struct EnvoyProcess {
     pub config: PathBuf,
 }
 
-static CONFIGS: AtomicUsize = AtomicUsize::new(0);
-
 /// Starts Envoy with `envoy/<config>` rewritten to: the router's gRPC port, fresh listener and
 /// admin ports, and `replicas` as the replica cluster's hosts (replacing 8001 and 8002).
 pub async fn start_envoy(config: &str, grpc_port: u16, replicas: [SocketAddr; 2]) -> EnvoyProcess {
@@ -190,44 +188,21 @@ pub async fn start_envoy_with(
     let listen = free_port();
     let admin = free_port();
     let text = retarget_envoy_config(&edit(text), listen, admin, grpc_port, replicas);
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("envoy-configs");
-    std::fs::create_dir_all(&dir).expect("config dir");
-    let path = dir.join(format!(
-        "{}-{}-{config}",
-        std::process::id(),
-        CONFIGS.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::write(&path, text).expect("write envoy config");
-    let child = Command::new(envoy_bin())
-        .args(["-c", path.to_str().expect("utf-8 path")])
-        .args([
-            "--use-dynamic-base-id",
-            "--log-level",
-            "error",
-            "--concurrency",
-            "1",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
+    let envoy = EnvoyCommand::new(config, text, listen, admin)
+        .config_dir(PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("envoy-configs"))
         .spawn()
-        .expect("spawn envoy");
-    let guard = ChildGuard::new("envoy", child);
-    let admin_addr = SocketAddr::from(([127, 0, 0, 1], admin));
-    for _ in 0..200 {
-        if let Ok(response) = reqwest::get(format!("http://{admin_addr}/ready")).await
-            && response.status().is_success()
-        {
-            return EnvoyProcess {
-                listen: SocketAddr::from(([127, 0, 0, 1], listen)),
-                admin: admin_addr,
-                guard,
-                config: path,
-            };
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        envoy.ready(Duration::from_secs(10)).await,
+        "envoy never became ready with {}",
+        envoy.config.display()
+    );
+    EnvoyProcess {
+        listen: envoy.listen,
+        admin: envoy.admin,
+        guard: envoy.guard,
+        config: envoy.config,
     }
-    panic!("envoy never became ready with {}", path.display());
 }
 
 impl EnvoyProcess {

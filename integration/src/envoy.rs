@@ -1,0 +1,116 @@
+//! Starting Envoy on loopback from a configuration text: the one way the system harness, the
+//! router tests, the benches and `make e2e-vllm` start it. The caller retargets a configuration
+//! from `envoy/` at its run's ports (see `retarget_envoy_config`); [`EnvoyCommand::spawn`]
+//! writes it where it can be read after a failure and starts Envoy with one worker.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use crate::router::SpawnError;
+use crate::{ChildGuard, envoy_bin, repo_root};
+
+/// Files written by this process, numbered so that no two runs overwrite each other's.
+static CONFIGS: AtomicUsize = AtomicUsize::new(0);
+
+/// A running Envoy, stopped when dropped.
+pub struct EnvoyProcess {
+    /// The listener clients send requests to.
+    pub listen: SocketAddr,
+    pub admin: SocketAddr,
+    /// The configuration it runs.
+    pub config: PathBuf,
+    pub guard: ChildGuard,
+}
+
+impl EnvoyProcess {
+    /// `http://LISTEN{path}`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.listen, path)
+    }
+
+    /// Waits (at most `timeout`) until the admin port says `/ready`; returns whether it did.
+    pub async fn ready(&self, timeout: Duration) -> bool {
+        let ready = format!("http://{}/ready", self.admin);
+        crate::system::poll_until(timeout, || async {
+            reqwest::get(&ready)
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        })
+        .await
+    }
+}
+
+/// Envoy with a configuration whose listener is on `listen` and admin on `admin`.
+pub struct EnvoyCommand {
+    config: String,
+    name: String,
+    listen: u16,
+    admin: u16,
+    dir: PathBuf,
+    log_level: String,
+    stderr: Option<Stdio>,
+}
+
+impl EnvoyCommand {
+    /// `name` names the file the configuration is written to (under `target/llmgw-envoy`).
+    pub fn new(name: &str, config: String, listen: u16, admin: u16) -> EnvoyCommand {
+        EnvoyCommand {
+            config,
+            name: name.replace(['/', ':'], "-"),
+            listen,
+            admin,
+            dir: repo_root().join("target/llmgw-envoy"),
+            log_level: "error".to_owned(),
+            stderr: None,
+        }
+    }
+
+    /// Where the configuration file goes instead (a bench's output folder).
+    pub fn config_dir(mut self, dir: PathBuf) -> Self {
+        self.dir = dir;
+        self
+    }
+
+    pub fn log_level(mut self, level: &str) -> Self {
+        level.clone_into(&mut self.log_level);
+        self
+    }
+
+    /// Where Envoy's log goes, instead of this process's stderr.
+    pub fn stderr(mut self, stderr: impl Into<Stdio>) -> Self {
+        self.stderr = Some(stderr.into());
+        self
+    }
+
+    pub fn spawn(self) -> Result<EnvoyProcess, SpawnError> {
+        let name = "envoy";
+        let start = |source| SpawnError::Start { name, source };
+        std::fs::create_dir_all(&self.dir).map_err(start)?;
+        let path = self.dir.join(format!(
+            "{}-{}-{}.yaml",
+            self.name,
+            std::process::id(),
+            CONFIGS.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::write(&path, &self.config).map_err(start)?;
+        let child = Command::new(envoy_bin())
+            .arg("-c")
+            .arg(&path)
+            .args(["--use-dynamic-base-id", "--concurrency", "1"])
+            .args(["--log-level", &self.log_level])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(self.stderr.unwrap_or_else(Stdio::inherit))
+            .spawn()
+            .map_err(start)?;
+        Ok(EnvoyProcess {
+            listen: SocketAddr::from(([127, 0, 0, 1], self.listen)),
+            admin: SocketAddr::from(([127, 0, 0, 1], self.admin)),
+            config: path,
+            guard: ChildGuard::new(name, child),
+        })
+    }
+}
