@@ -5,5 +5,11 @@
 //! started with `llmgw-integration`'s harness; the criterion benches live beside the code they
 //! measure. `docs/benchmarks.md` says what each measures and lists the latest figures.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
 pub mod routing;
 pub mod scale;

@@ -4,6 +4,12 @@
 //! instead of asking its ext_proc server, so a zero exit status means every routed request was
 //! answered over ext_proc. No timing is judged.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
 use std::process::Command;
 
 use llmgw_integration::{bin_path, repo_root};

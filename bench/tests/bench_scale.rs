@@ -5,6 +5,12 @@
 //! event window, and every routing request went to the one replica holding its whole prompt,
 //! decided by the index. No timing is judged.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
 use std::time::Duration;
 
 use llmgw_bench::scale::{self, ScaleConfig};

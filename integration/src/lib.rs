@@ -2,6 +2,12 @@
 //! workspace's binaries and Envoy, picking loopback ports, and child processes that never
 //! outlive a test.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
 pub mod agent;
 pub mod envoy;
 pub mod extproc_client;

@@ -4,6 +4,12 @@
 //! `--help` after them makes clap stop once everything before it parsed: an unknown flag or a
 //! value its parser rejects fails the run, and nothing is started.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
 use std::collections::HashMap;
 use std::process::Command;
 

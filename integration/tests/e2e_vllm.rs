@@ -11,6 +11,12 @@
 //! virtual environment with vLLM) and `LLMGW_E2E_VLLM_MODEL` (the model directory), which
 //! `make e2e-vllm` sets after installing both. `make test` never runs it.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
 use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
 use std::future::Future;

@@ -4,6 +4,12 @@
 //! the body byte for byte, and a client's destination header steers nothing in either Envoy
 //! configuration.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
 mod router_support;
 
 use std::collections::HashSet;

@@ -4,6 +4,12 @@
 //! refused with the router alive, its peak RSS under 100 MB, and still routing through Envoy;
 //! an intruder's blocks do not outlive the real agent's return.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
 mod router_support;
 
 use std::net::SocketAddr;

@@ -3,6 +3,12 @@
 //! scheduler with the default profile (`kv_cache`, with the `prefix_tree` as its fallback) decides in process; requests are then sent to the
 //! replica it picked, so the sims' caches and the index evolve as in production.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
 use std::collections::BTreeSet;
 use std::num::NonZeroUsize;
 use std::sync::Arc;

@@ -1,5 +1,11 @@
 //! `llmgw-sim` end to end: the real binary on 127.0.0.1, spoken to over HTTP and ZMQ.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
 use std::collections::{BTreeSet, HashMap};
 use std::num::NonZeroUsize;
 use std::time::{Duration, Instant};

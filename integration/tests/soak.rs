@@ -3,6 +3,12 @@
 //! claims the agent's node. Nothing but a restarted replica's in-flight requests may fail, and
 //! every index must equal the replicas' truth again within 15 s of each fault.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
 use std::time::Duration;
 
 use llmgw_integration::soak::{self, Fault, SoakConfig};

@@ -1,6 +1,12 @@
 //! The whole system as users run it: Envoy → llmgw-router (ext_proc) → llmgw-sim replicas, with
 //! llmgw-agent streaming each replica's KV events into the router's index over the feed.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
 use std::time::Duration;
 
 use llmgw_integration::extproc_client::ExtProcClient;

@@ -27,6 +27,12 @@
 //! The HTTP client is a minimal HTTP/1.1 keep-alive client over TCP, so that the client's own
 //! cost stays small and identical for every path.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;

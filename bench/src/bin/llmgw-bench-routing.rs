@@ -20,6 +20,12 @@
 //! more sim whose cache never evicts (and without the latency model), so that every prefix any
 //! earlier request computed is still there. No router can beat its hit rate.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

@@ -2,6 +2,12 @@
 //! and 256 replicas (synthetic engines; see `llmgw_bench::scale` for what runs and
 //! how each number is taken). Prints a Markdown table; `--json` also writes the raw reports.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
 use std::path::PathBuf;
 use std::time::Duration;
 

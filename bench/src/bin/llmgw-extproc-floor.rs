@@ -11,6 +11,12 @@
 //! One tokio runtime (one worker per core, like the router's default); the picker's only state
 //! is an atomic counter.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -2,6 +2,12 @@
 //! vLLM replicas with small caches — driven by a multi-tenant chat workload, with live progress
 //! and a closing table. Ctrl-C stops the workload early; every process is stopped on exit.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

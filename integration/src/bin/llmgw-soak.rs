@@ -1,6 +1,12 @@
 //! `make soak`: the fault soak (see `llmgw_integration::soak`), printing its table; exits 1
 //! when a goal was missed.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
 use std::time::Duration;
 
 use clap::Parser;
