@@ -13,3 +13,12 @@
 
 pub mod routing;
 pub mod scale;
+
+/// The runtime a bench's own clients and harness run on: two workers, as many as this
+/// project's development machine has cores, whatever the machine it runs on.
+pub fn client_runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+}

@@ -25,6 +25,15 @@ fn hello(replica: SocketAddr) -> pb::agent_message::Body {
     pb::agent_message::Body::hello("n1", "hostile", vec![engine])
 }
 
+/// A feed stream of node n1 that has said Hello for `replica`.
+async fn said_hello(feed: SocketAddr, replica: SocketAddr) -> FeedClient {
+    let mut client = FeedClient::connect(feed)
+        .await
+        .expect("connect to the feed");
+    client.send(hello(replica)).await.expect("Hello");
+    client
+}
+
 fn snapshot(blocks: Vec<pb::Block>) -> pb::agent_message::Body {
     pb::agent_message::Body::snapshot("e1", blocks)
 }
@@ -98,10 +107,7 @@ async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
             ],
         ),
     ] {
-        let mut feed = FeedClient::connect(router.feed)
-            .await
-            .expect("connect to the feed");
-        feed.send(hello(a.addr)).await.expect("Hello");
+        let mut feed = said_hello(router.feed, a.addr).await;
         let replies = feed
             .send(snapshot(blocks))
             .await
@@ -114,20 +120,14 @@ async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
     }
 
     // A message far over the size limit is refused before it is decoded.
-    let mut feed = FeedClient::connect(router.feed)
-        .await
-        .expect("connect to the feed");
-    feed.send(hello(a.addr)).await.expect("Hello");
+    let mut feed = said_hello(router.feed, a.addr).await;
     let huge: Vec<pb::Block> = (0..1_500_000u64).map(|h| pb::Block::copies(h, 1)).collect();
     let status = feed.send(snapshot(huge)).await.expect_err("too large");
     assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
     still_routing(&router, &envoy, "an oversized message").await;
 
     // A stream breaking the protocol ends, unapplied.
-    let mut feed = FeedClient::connect(router.feed)
-        .await
-        .expect("connect to the feed");
-    feed.send(hello(a.addr)).await.expect("Hello");
+    let mut feed = said_hello(router.feed, a.addr).await;
     let status = feed
         .send(pb::agent_message::Body::delta(
             "e1",
@@ -142,10 +142,7 @@ async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
 
     // The real agent streams; an intruder claims its node; the agent comes back. No block of
     // the intruder remains, and the agent's later changes apply.
-    let mut agent = FeedClient::connect(router.feed)
-        .await
-        .expect("connect to the feed");
-    agent.send(hello(a.addr)).await.expect("Hello");
+    let mut agent = said_hello(router.feed, a.addr).await;
     agent
         .send(snapshot(vec![
             pb::Block::copies(10, 1),
@@ -154,10 +151,7 @@ async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
         .await
         .expect("snapshot");
     assert_eq!(blocks_of(&router, a.addr).await, [10, 11]);
-    let mut intruder = FeedClient::connect(router.feed)
-        .await
-        .expect("connect to the feed");
-    intruder.send(hello(a.addr)).await.expect("Hello");
+    let mut intruder = said_hello(router.feed, a.addr).await;
     intruder
         .send(snapshot(vec![pb::Block::copies(66, 1)]))
         .await
@@ -165,10 +159,7 @@ async fn every_hostile_feed_message_is_refused_and_the_router_keeps_routing() {
     assert_eq!(blocks_of(&router, a.addr).await, [66]);
     let status = agent.ended().await;
     assert_eq!(status.code(), Code::Aborted, "{status:?}");
-    let mut agent = FeedClient::connect(router.feed)
-        .await
-        .expect("connect to the feed");
-    agent.send(hello(a.addr)).await.expect("Hello");
+    let mut agent = said_hello(router.feed, a.addr).await;
     assert!(
         blocks_of(&router, a.addr).await.is_empty(),
         "the intruder's blocks are gone"

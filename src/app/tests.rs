@@ -158,12 +158,8 @@ async fn serves_grpc_health_admin_endpoints_and_stops_on_shutdown() {
         "{metrics}"
     );
     assert!(metrics.contains(&format!("llmgw_replica_healthy{{replica=\"{replica}\"}} 1")));
-    let debug: serde_json::Value = reqwest::get(format!("{admin}/debug"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let debug: serde_json::Value =
+        serde_json::from_str(&text_of(&format!("{admin}/debug")).await).unwrap();
     assert_eq!(debug["replicas"][0]["endpoint"], replica.to_string());
     assert_eq!(debug["replicas"][0]["models"][0], "tiny");
     assert_eq!(debug["scheduler"]["fallbacks"], 2);
@@ -357,12 +353,8 @@ async fn a_health_only_port_and_the_inference_pool_identity() {
         metrics.contains("llmgw_pool_info{pool_name=\"chat-pool\",pool_namespace=\"llm\"} 1"),
         "{metrics}"
     );
-    let debug: serde_json::Value = reqwest::get(format!("{admin}/debug"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let debug: serde_json::Value =
+        serde_json::from_str(&text_of(&format!("{admin}/debug")).await).unwrap();
     assert_eq!(
         debug["inference_pool"],
         serde_json::json!({"name": "chat-pool", "namespace": "llm"})

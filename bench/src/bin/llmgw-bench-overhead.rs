@@ -99,11 +99,7 @@ const PATHS: [&str; 5] = ["baseline", "floor", "buffered", "streamed", "full_dup
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    runtime.block_on(run(args))
+    llmgw_bench::client_runtime()?.block_on(run(args))
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {

@@ -122,11 +122,7 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("tokio runtime")?;
+    let runtime = llmgw_bench::client_runtime().context("tokio runtime")?;
     runtime.block_on(run(args))
 }
 

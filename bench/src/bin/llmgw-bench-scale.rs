@@ -51,10 +51,7 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let runtime = llmgw_bench::client_runtime()?;
     let mut reports = Vec::new();
     for &replicas in &args.replicas {
         let config = ScaleConfig {
