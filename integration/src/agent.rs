@@ -16,7 +16,7 @@ pub struct AgentCommand {
 }
 
 impl AgentCommand {
-    /// `llmgw-agent serve --node NODE`, its admin port on a free loopback port.
+    /// `llmgw-agent serve --node NODE` (callers choose its `--admin-addr`).
     pub fn serve(node: &str) -> AgentCommand {
         AgentCommand::new("serve", node)
     }
