@@ -13,12 +13,14 @@
 //! * Per replica, read from the pool at scrape time: `llmgw_replica_in_flight`,
 //!   `llmgw_replica_healthy`, and, while the last scrape is fresh, `llmgw_replica_waiting`,
 //!   `llmgw_replica_running`, `llmgw_replica_kv_cache_usage`.
+//! * With a named InferencePool, GIE's standard pool gauges (`inference_pool_*`, see [`gie`]).
 //!
 //! # Concurrency model
 //! Counters and the histogram are atomics updated from every stream; the per-replica gauges are
 //! computed from a lock-free pool snapshot when `/metrics` is read, so the request path never
 //! touches them. The registry itself is only read (encoded) after start-up.
 
+mod gie;
 pub mod state;
 
 use std::sync::Arc;
@@ -137,6 +139,8 @@ pub struct Metrics {
     prefix_unavailable: Counter,
     /// `llmgw_served_reports` by [`Served`], made at start-up like `decisions`.
     served: [Counter; Served::ALL.len()],
+    /// Read at scrape time by the collectors.
+    pool: Arc<Pool>,
 }
 
 impl Metrics {
@@ -195,7 +199,9 @@ impl Metrics {
                 })
                 .clone()
         });
-        registry.register_collector(Box::new(ReplicaCollector { pool }));
+        registry.register_collector(Box::new(ReplicaCollector {
+            pool: Arc::clone(&pool),
+        }));
         Metrics {
             registry,
             decisions,
@@ -204,6 +210,7 @@ impl Metrics {
             imbalance_guard,
             prefix_unavailable,
             served,
+            pool,
         }
     }
 
@@ -230,7 +237,8 @@ impl Metrics {
         self.prefix_unavailable.inc();
     }
 
-    /// `llmgw_pool_info{pool_name, pool_namespace} 1`: which InferencePool this router serves.
+    /// `llmgw_pool_info{pool_name, pool_namespace} 1`: which InferencePool this router serves;
+    /// and GIE's `inference_pool_*` gauges for it.
     pub fn pool_info(&mut self, name: &str, namespace: &str) {
         let info = Family::<PoolLabels, Gauge>::default();
         info.get_or_create(&PoolLabels {
@@ -243,6 +251,11 @@ impl Metrics {
             "The InferencePool this router is the endpoint picker of",
             info,
         );
+        self.registry
+            .register_collector(Box::new(gie::InferencePoolCollector {
+                pool: Arc::clone(&self.pool),
+                name: name.to_owned(),
+            }));
     }
 
     pub fn served(&self, served: Served) {
@@ -381,6 +394,70 @@ mod tests {
             assert!(text.contains(expected), "missing {expected:?} in\n{text}");
         }
         assert!(!text.contains("llmgw_replica_running{"));
+    }
+
+    #[test]
+    fn a_named_pool_exports_gies_pool_gauges_over_ready_replicas() {
+        let spec = |port| ReplicaSpec {
+            address: SocketAddr::from(([127, 0, 0, 1], port)),
+            models: vec!["m".to_string()],
+            node: None,
+        };
+        let pool = Arc::new(Pool::new(
+            vec![spec(8001), spec(8002), spec(8003)],
+            Duration::from_secs(60),
+        ));
+        let replicas = pool.snapshot().replicas().to_vec();
+        for (replica, (waiting, kv)) in replicas.iter().zip([(4.0, 0.2), (2.0, 0.6), (9.0, 0.9)]) {
+            replica.record_scrape(
+                EngineLoad {
+                    waiting: Some(waiting),
+                    running: Some(1.0),
+                    kv_cache_usage: Some(kv),
+                },
+                Instant::now(),
+            );
+        }
+        // The third replica fails its health checks: not ready, not averaged.
+        replicas[0].set_health(Health::Healthy);
+        replicas[1].set_health(Health::Healthy);
+        replicas[2].set_health(Health::Unhealthy);
+
+        let mut metrics = Metrics::new(Arc::clone(&pool));
+        assert!(
+            !metrics.encode().unwrap().contains("inference_pool_"),
+            "no pool named, no pool gauges"
+        );
+        metrics.pool_info("chat", "llm");
+        let text = metrics.encode().unwrap();
+        for expected in [
+            "inference_pool_ready_pods{name=\"chat\"} 2",
+            "inference_pool_average_kv_cache_utilization{name=\"chat\"} 0.4",
+            "inference_pool_average_queue_size{name=\"chat\"} 3.0",
+            "inference_pool_per_pod_queue_size{name=\"chat\",model_server_pod=\"127.0.0.1:8001\"} 4.0",
+            "inference_pool_per_pod_queue_size{name=\"chat\",model_server_pod=\"127.0.0.1:8002\"} 2.0",
+        ] {
+            assert!(text.contains(expected), "missing {expected:?} in\n{text}");
+        }
+        assert!(
+            !text.contains("model_server_pod=\"127.0.0.1:8003\""),
+            "{text}"
+        );
+
+        // No fresh scrape anywhere: no averages rather than zeros.
+        let idle = Arc::new(Pool::new(vec![spec(8004)], Duration::from_secs(60)));
+        idle.snapshot().replicas()[0].set_health(Health::Healthy);
+        let mut metrics = Metrics::new(idle);
+        metrics.pool_info("chat", "");
+        let text = metrics.encode().unwrap();
+        assert!(
+            text.contains("inference_pool_ready_pods{name=\"chat\"} 1"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("inference_pool_average_queue_size{"),
+            "{text}"
+        );
     }
 
     #[test]
