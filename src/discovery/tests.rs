@@ -160,21 +160,26 @@ async fn polled_endpoints_follow_pods_and_survive_an_api_outage() {
             .map(|r| r.endpoint().to_string())
             .collect()
     };
-    wait_until(|| endpoints(&pool) == ["127.0.0.1:9", "10.1.0.1:8000"]).await;
-    let nodes: Vec<Option<String>> = published.lock().iter().map(|r| r.node.clone()).collect();
-    assert_eq!(nodes, [None, Some("node-a".to_string())]);
+    // The pool is swapped before the change is published (the feed's node map): wait for both.
+    let nodes =
+        || -> Vec<Option<String>> { published.lock().iter().map(|r| r.node.clone()).collect() };
+    wait_until(|| {
+        endpoints(&pool) == ["127.0.0.1:9", "10.1.0.1:8000"]
+            && nodes() == [None, Some("node-a".to_string())]
+    })
+    .await;
 
     // The pod moves to another node and a second one starts, not ready yet.
     *api.slices.lock() = slice_with(json!([
         {"addresses": ["10.1.0.9"], "conditions": {"ready": true}, "nodeName": "node-b"},
         {"addresses": ["10.1.0.5"], "conditions": {"ready": false}, "nodeName": "node-a"},
     ]));
-    wait_until(|| endpoints(&pool) == ["127.0.0.1:9", "10.1.0.9:8000"]).await;
-    assert_eq!(
-        published.lock()[1].node.as_deref(),
-        Some("node-b"),
-        "the feed's node map follows the pod"
-    );
+    // The feed's node map follows the pod.
+    wait_until(|| {
+        endpoints(&pool) == ["127.0.0.1:9", "10.1.0.9:8000"]
+            && nodes() == [None, Some("node-b".to_string())]
+    })
+    .await;
 
     // The API server fails: the last replicas stay.
     *api.broken.lock() = true;
