@@ -34,7 +34,7 @@ impl EnvoyProcess {
     /// Waits (at most `timeout`) until the admin port says `/ready`; returns whether it did.
     pub async fn ready(&self, timeout: Duration) -> bool {
         let ready = format!("http://{}/ready", self.admin);
-        crate::system::poll_until(timeout, || async {
+        crate::poll_until(timeout, || async {
             reqwest::get(&ready)
                 .await
                 .is_ok_and(|r| r.status().is_success())

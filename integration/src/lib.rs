@@ -137,6 +137,24 @@ pub fn envoy_config_streamed_ahead(text: &str) -> String {
         )
 }
 
+/// Asks `done` every 50 ms until it says yes (true) or `timeout` passes (false).
+pub async fn poll_until<F, Fut>(timeout: std::time::Duration, mut done: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if done().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 /// A loopback address with a free port.
 pub fn free_addr() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], free_port()))

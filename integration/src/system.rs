@@ -10,7 +10,9 @@ use crate::envoy::EnvoyCommand;
 use crate::prom;
 pub use crate::router::RouterAddrs;
 use crate::router::RouterCommand;
-use crate::{ChildGuard, SimHandle, cache_sim_args, free_port, repo_root, spawn_sim_with_env};
+use crate::{
+    ChildGuard, SimHandle, cache_sim_args, free_port, poll_until, repo_root, spawn_sim_with_env,
+};
 
 /// What to start.
 #[derive(Debug, Clone)]
@@ -380,24 +382,6 @@ pub async fn converged(system: &System, timeout: Duration) -> bool {
         true
     })
     .await
-}
-
-/// Asks `done` every 50 ms until it says yes (true) or `timeout` passes (false).
-pub async fn poll_until<F, Fut>(timeout: Duration, mut done: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if done().await {
-            return true;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// Waits (at most `timeout`) until every router's last scrape of every replica shows the load
