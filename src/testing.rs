@@ -11,3 +11,14 @@ pub(crate) async fn serve_on_loopback(app: axum::Router) -> SocketAddr {
     tokio::spawn(async move { axum::serve(listener, app).await });
     addr
 }
+
+/// Polls `check` every 10 ms until it holds, failing the test after 20 s.
+pub(crate) async fn wait_until(mut check: impl FnMut() -> bool) {
+    for _ in 0..2000 {
+        if check() {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("condition not met within 20 s");
+}

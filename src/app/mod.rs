@@ -20,7 +20,7 @@ use tonic_health::ServingStatus;
 
 use crate::admin::{self, AdminState};
 use crate::config::{self, Settings};
-use crate::discovery::{self, DiscoveryError};
+use crate::discovery::{self, DiscoveryError, DiscoveryMetrics, PoolRef};
 use crate::extproc::{ExtProcService, ExtProcSettings};
 use crate::feed::{FeedConfig, FeedService};
 use crate::kvindex::{KvEventSink, KvIndex};
@@ -147,13 +147,14 @@ pub async fn serve(
             .transpose()?,
     );
 
-    // The configuration (a reloaded file) and each Kubernetes Service are sources of replicas;
-    // their union goes to the pool, and the feed's node map follows it.
+    // The configuration (a reloaded file), each Kubernetes Service and the InferencePool are
+    // sources of replicas; their union goes to the pool, and the feed's node map follows it.
+    let services = settings.discovery.services.len();
     let sources = {
         let feed = feed.clone();
         Arc::new(ReplicaSources::new(
             Arc::clone(&pool),
-            1 + settings.discovery.services.len(),
+            1 + services + usize::from(settings.pool.is_some()),
             move |replicas| {
                 if feed.set_nodes(crate::feed::node_map(replicas)) {
                     tracing::info!("agent feed's node map reloaded");
@@ -169,15 +170,39 @@ pub async fn serve(
             Arc::clone(&sources),
         ));
     }
-    if !settings.discovery.services.is_empty() {
-        let client = discovery::default_client().await?;
-        background.spawn(discovery::run(
-            client,
-            settings.discovery.services.clone(),
-            settings.discovery.poll_interval,
-            Arc::clone(&sources),
-            CONFIG_SOURCE + 1,
-        ));
+    let discovery_metrics = DiscoveryMetrics::default();
+    if services > 0 || settings.pool.is_some() {
+        let client = discovery::client(settings.discovery.kubeconfig.as_deref()).await?;
+        if services > 0 {
+            background.spawn(discovery::endpoint_slices::run(
+                client.clone(),
+                settings.discovery.services.clone(),
+                Arc::clone(&sources),
+                CONFIG_SOURCE + 1,
+                discovery_metrics.clone(),
+            ));
+        }
+        if let Some(identity) = &settings.pool {
+            let models: Vec<String> = settings.models.iter().map(|m| m.model.clone()).collect();
+            if models.is_empty() {
+                return Err(DiscoveryError::PoolWithoutModels.into());
+            }
+            let namespace = match identity.namespace.as_str() {
+                "" => client.default_namespace().to_string(),
+                given => given.to_string(),
+            };
+            background.spawn(discovery::inference_pool::run(
+                client,
+                PoolRef {
+                    namespace,
+                    name: identity.name.clone(),
+                },
+                models,
+                Arc::clone(&sources),
+                CONFIG_SOURCE + 1 + services,
+                discovery_metrics.clone(),
+            ));
+        }
     }
 
     let mut metrics = Metrics::new(Arc::clone(&pool));
@@ -191,6 +216,7 @@ pub async fn serve(
             tokenizer,
         }));
     feed.metrics.register(metrics.registry_mut());
+    discovery_metrics.register(metrics.registry_mut());
     let scheduler = Scheduler::build(
         Arc::clone(&pool),
         &settings.scheduler,

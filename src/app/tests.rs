@@ -7,6 +7,8 @@ use tonic_health::pb::health_client::HealthClient;
 
 use super::*;
 use crate::config::{ServeArgs, Settings};
+use crate::discovery::DiscoveryOptions;
+use crate::discovery::fake_api::FakeApi;
 use crate::feed::FeedOptions;
 use crate::pool::monitor::ProbeOptions;
 
@@ -307,14 +309,46 @@ async fn the_feeds_node_map_follows_configuration_reloads() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_health_only_port_and_the_inference_pool_identity() {
+async fn a_health_only_port_and_the_inference_pools_replicas() {
     let up = Arc::new(AtomicBool::new(true));
     let replica = fake_replica(Arc::clone(&up)).await;
+    // The pool's one pod is the replica stand-in; its port is the pool's target port.
+    let (api, kube_addr) = FakeApi::start().await;
+    api.apply(
+        "/apis/inference.networking.k8s.io/v1/namespaces/llm/inferencepools",
+        serde_json::json!({
+            "metadata": {"name": "chat-pool", "namespace": "llm"},
+            "spec": {"selector": {"matchLabels": {"app": "vllm"}},
+                     "targetPorts": [{"number": replica.port()}]},
+        }),
+    );
+    api.apply(
+        "/api/v1/namespaces/llm/pods",
+        serde_json::json!({
+            "metadata": {"name": "vllm-0", "namespace": "llm", "labels": {"app": "vllm"}},
+            "spec": {"nodeName": "node-a", "containers": []},
+            "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+        }),
+    );
+    // A Ready pod without an IP yet is skipped, and counted.
+    api.apply(
+        "/api/v1/namespaces/llm/pods",
+        serde_json::json!({
+            "metadata": {"name": "vllm-1", "namespace": "llm", "labels": {"app": "vllm"}},
+            "spec": {"nodeName": "node-b", "containers": []},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+        }),
+    );
+    let dir = tempfile::tempdir().unwrap();
     let mut settings = Settings::resolve(&ServeArgs {
-        replicas: vec![format!("tiny={replica}")],
+        models: vec!["tiny=block_size=16".to_string()],
         probes: ProbeOptions {
             health_interval: Some(Duration::from_millis(50)),
             ..ProbeOptions::default()
+        },
+        discovery: DiscoveryOptions {
+            kubeconfig: Some(FakeApi::kubeconfig(kube_addr, dir.path())),
+            ..DiscoveryOptions::default()
         },
         pool_name: Some("chat-pool".to_string()),
         pool_namespace: Some("llm".to_string()),
@@ -358,6 +392,17 @@ async fn a_health_only_port_and_the_inference_pool_identity() {
     assert_eq!(
         debug["inference_pool"],
         serde_json::json!({"name": "chat-pool", "namespace": "llm"})
+    );
+    // The replica came from the pool's pod, on the pod's node.
+    assert_eq!(debug["replicas"][0]["endpoint"], replica.to_string());
+    assert_eq!(debug["replicas"][0]["node"], "node-a");
+    assert_eq!(debug["replicas"][0]["models"], serde_json::json!(["tiny"]));
+    assert_eq!(debug["replicas"].as_array().map(Vec::len), Some(1));
+    assert!(
+        metrics.contains(
+            "llmgw_discovery_problems_total{source=\"inference_pool\",problem=\"pod_without_ip\"} 1"
+        ),
+        "{metrics}"
     );
 
     running.stop().await;

@@ -133,11 +133,12 @@ pub struct ServeArgs {
     pub grpc_uds: Option<PathBuf>,
     #[command(flatten)]
     pub discovery: DiscoveryOptions,
-    /// The InferencePool this router is the endpoint picker of: a label on its metrics
-    /// (`llmgw_pool_info`), /debug and logs. Replicas still come from --replica/--config.
+    /// The InferencePool this router is the endpoint picker of: its Ready pods at its
+    /// targetPorts are replicas (watched; needs --model), and it labels the metrics
+    /// (`llmgw_pool_info`), /debug and logs.
     #[arg(long, env = "LLMGW_POOL_NAME")]
     pub pool_name: Option<String>,
-    /// The InferencePool's namespace (see --pool-name).
+    /// The InferencePool's namespace (see --pool-name; default the Kubernetes client's).
     #[arg(long, env = "LLMGW_POOL_NAMESPACE")]
     pub pool_namespace: Option<String>,
     /// Admin HTTP listen address: /metrics, /healthz, /debug (default 127.0.0.1:9090).

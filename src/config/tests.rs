@@ -358,7 +358,7 @@ fn kubernetes_services_from_file_and_flags() {
     let dir = tempfile::tempdir().unwrap();
     let path = write_file(
         &dir,
-        "k8s_services:\n  - {model: base, namespace: llm, service: vllm-base, port: 8000}\nk8s_poll_interval: 2s\n",
+        "k8s_services:\n  - {model: base, namespace: llm, service: vllm-base, port: 8000}\nkubeconfig: /etc/llmgw/kubeconfig\n",
     );
     let args = ServeArgs {
         config: Some(path),
@@ -379,7 +379,10 @@ fn kubernetes_services_from_file_and_flags() {
         specs,
         ["base=llm/vllm-base:8000", "lora=llm/vllm-lora:8001"]
     );
-    assert_eq!(settings.discovery.poll_interval, Duration::from_secs(2));
+    assert_eq!(
+        settings.discovery.kubeconfig.as_deref(),
+        Some(std::path::Path::new("/etc/llmgw/kubeconfig"))
+    );
 }
 
 /// The flags as `llmgw-router serve` parses them.
@@ -413,8 +416,8 @@ fn a_bad_flag_value_is_refused_by_the_parser_naming_the_flag() {
         "9",
         "--probe-timeout",
         "3s",
-        "--k8s-poll-interval",
-        "1m",
+        "--kubeconfig",
+        "/tmp/kube.yaml",
     ])
     .expect("parses");
     let settings = Settings::resolve(&parsed.args).unwrap();
@@ -422,7 +425,10 @@ fn a_bad_flag_value_is_refused_by_the_parser_naming_the_flag() {
     assert_eq!(settings.index.offloaded_weight, 0.25);
     assert_eq!(settings.feed.limits.max_blocks_per_engine, 9);
     assert_eq!(settings.probes.timeout, Duration::from_secs(3));
-    assert_eq!(settings.discovery.poll_interval, Duration::from_secs(60));
+    assert_eq!(
+        settings.discovery.kubeconfig.as_deref(),
+        Some(std::path::Path::new("/tmp/kube.yaml"))
+    );
 }
 
 #[test]

@@ -1,29 +1,35 @@
-//! Replicas from Kubernetes: the ready endpoints of a Service's EndpointSlices, each with the
-//! node it runs on (so the agent feed's ownership check keeps working as pods move).
+//! Replicas from Kubernetes, watched (list, then watch from the list's resourceVersion; relist
+//! on 410 Gone; bookmarks keep a quiet watch's resourceVersion fresh), never polled:
+//! - [`inference_pool`]: with `--pool-name`, the InferencePool's pods. Each Ready pod's IP at
+//!   each of the pool's `targetPorts` is a replica, on the pod's node.
+//! - [`endpoint_slices`]: `--k8s-service MODEL=NAMESPACE/SERVICE:PORT`, the ready endpoints of a
+//!   Service's EndpointSlices (the Istio and standalone path).
 //!
-//! `--k8s-service MODEL=NAMESPACE/SERVICE:PORT` names a source: every ready address of the
-//! EndpointSlices labelled `kubernetes.io/service-name=SERVICE` in NAMESPACE is a replica of
-//! MODEL at `address:PORT` (the vLLM port of the pod).
+//! Each replica carries its node, so the agent feed's ownership check follows pods as they move.
 //!
 //! # Concurrency model
-//! One task lists every source's EndpointSlices each poll interval and hands each source's
-//! replicas to [`ReplicaSources`], which publishes the union to the pool. A failed list keeps the
-//! source's last replicas (the API server being briefly unreachable must not empty the pool).
+//! One task per source drives kube's watcher streams and keeps their objects in a reflector
+//! store; after each change it recomputes the source's replicas and hands them to
+//! [`ReplicaSources`], which publishes the union to the pool. Nothing else shares that state.
+//! A failed list or watch keeps the source's last replicas (the API server being briefly
+//! unreachable must not empty the pool) and is retried with kube's default backoff.
 
-use std::fmt;
-use std::net::{IpAddr, SocketAddr};
-use std::str::FromStr;
-use std::sync::Arc;
-use std::time::Duration;
+pub mod endpoint_slices;
+pub mod inference_pool;
 
-use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::api::{Api, ListParams};
+#[cfg(test)]
+pub(crate) mod fake_api;
+
+use std::path::PathBuf;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
 use thiserror::Error;
 
-use crate::pool::{ReplicaSources, ReplicaSpec};
-
-/// The label Kubernetes puts on a Service's EndpointSlices.
-const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+pub use endpoint_slices::K8sService;
+pub use inference_pool::PoolRef;
 
 #[derive(Debug, Error)]
 pub enum DiscoveryError {
@@ -31,8 +37,18 @@ pub enum DiscoveryError {
     Spec(String),
     #[error("no Kubernetes client configuration (in-cluster or kubeconfig): {0}")]
     Config(#[from] kube::config::InferConfigError),
+    #[error("kubeconfig {}: {source}", path.display())]
+    Kubeconfig {
+        path: PathBuf,
+        #[source]
+        source: kube::config::KubeconfigError,
+    },
     #[error("Kubernetes client: {0}")]
     Client(#[from] kube::Error),
+    #[error(
+        "the InferencePool's replicas need the models they serve: give --model (or models in the configuration file)"
+    )]
+    PoolWithoutModels,
 }
 
 /// Discovery's options: flags (and `LLMGW_*` variables) with the same names as the
@@ -42,29 +58,29 @@ pub enum DiscoveryError {
 pub struct DiscoveryOptions {
     /// Replicas from a Kubernetes Service, repeatable: MODEL=NAMESPACE/SERVICE:PORT. The ready
     /// endpoints of the Service's EndpointSlices, at the pods' vLLM PORT, with their nodes;
-    /// needs RBAC to list endpointslices (discovery.k8s.io) in NAMESPACE.
+    /// needs RBAC to get, list and watch endpointslices (discovery.k8s.io) in NAMESPACE.
     #[arg(
         long = "k8s-service",
         env = "LLMGW_K8S_SERVICES",
         value_delimiter = ','
     )]
     pub k8s_services: Vec<K8sService>,
-    /// How often Kubernetes EndpointSlices are listed (default 5s).
-    #[arg(long, env = "LLMGW_K8S_POLL_INTERVAL", value_parser = crate::duration::parse)]
-    #[serde(deserialize_with = "crate::duration::optional")]
-    pub k8s_poll_interval: Option<Duration>,
+    /// The Kubernetes client's configuration file (default: in-cluster, else $KUBECONFIG or
+    /// ~/.kube/config).
+    #[arg(long, env = "LLMGW_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
 }
 
-/// Where replicas are discovered, and how often.
-#[derive(Debug, Clone, PartialEq)]
+/// Where replicas are discovered.
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct DiscoverySettings {
     /// The file's Services, then the flags'.
     pub services: Vec<K8sService>,
-    pub poll_interval: Duration,
+    pub kubeconfig: Option<PathBuf>,
 }
 
 impl DiscoveryOptions {
-    /// These options (the flags) after `file`'s services; the flag's interval over the file's.
+    /// These options (the flags) after `file`'s services; the flag's kubeconfig over the file's.
     pub fn resolve(&self, file: &DiscoveryOptions) -> DiscoverySettings {
         DiscoverySettings {
             services: file
@@ -73,138 +89,117 @@ impl DiscoveryOptions {
                 .chain(&self.k8s_services)
                 .cloned()
                 .collect(),
-            poll_interval: (self.k8s_poll_interval)
-                .or(file.k8s_poll_interval)
-                .unwrap_or(Duration::from_secs(5)),
+            kubeconfig: self.kubeconfig.clone().or(file.kubeconfig.clone()),
         }
     }
 }
 
-/// One `--k8s-service`: the replicas of `model` behind a Service.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct K8sService {
-    pub model: String,
-    pub namespace: String,
-    pub service: String,
-    /// The pods' vLLM port.
-    pub port: u16,
-}
-
-impl FromStr for K8sService {
-    type Err = DiscoveryError;
-
-    fn from_str(spec: &str) -> Result<Self, Self::Err> {
-        let invalid = || DiscoveryError::Spec(spec.to_string());
-        let (model, rest) = spec.trim().split_once('=').ok_or_else(invalid)?;
-        let (namespace, rest) = rest.split_once('/').ok_or_else(invalid)?;
-        let (service, port) = rest.rsplit_once(':').ok_or_else(invalid)?;
-        let port = port.parse().map_err(|_| invalid())?;
-        if [model, namespace, service].iter().any(|s| s.is_empty()) {
-            return Err(invalid());
-        }
-        Ok(K8sService {
-            model: model.to_string(),
-            namespace: namespace.to_string(),
-            service: service.to_string(),
-            port,
-        })
-    }
-}
-
-impl fmt::Display for K8sService {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}={}/{}:{}",
-            self.model, self.namespace, self.service, self.port
-        )
-    }
-}
-
-/// The replicas a Service's EndpointSlices describe: ready endpoints only (an absent `ready`
-/// condition means ready, as the API defines it), one replica per address.
-pub fn replicas_from_slices(source: &K8sService, slices: &[EndpointSlice]) -> Vec<ReplicaSpec> {
-    let mut replicas = Vec::new();
-    for endpoint in slices.iter().flat_map(|slice| &slice.endpoints) {
-        let ready = endpoint
-            .conditions
-            .as_ref()
-            .and_then(|c| c.ready)
-            .unwrap_or(true);
-        if !ready {
-            continue;
-        }
-        for address in &endpoint.addresses {
-            let Ok(ip) = address.parse::<IpAddr>() else {
-                tracing::warn!(%address, service = %source, "skipping an endpoint address that is not an IP");
-                continue;
+/// A client from `kubeconfig` when given, else the pod's service account, else the local
+/// kubeconfig.
+pub async fn client(kubeconfig: Option<&std::path::Path>) -> Result<kube::Client, DiscoveryError> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let failed = |source| DiscoveryError::Kubeconfig {
+                path: path.to_path_buf(),
+                source,
             };
-            replicas.push(ReplicaSpec {
-                address: SocketAddr::new(ip, source.port),
-                models: vec![source.model.clone()],
-                node: endpoint.node_name.clone(),
-            });
+            let file = kube::config::Kubeconfig::read_from(path).map_err(failed)?;
+            kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
+                .await
+                .map_err(failed)?
         }
-    }
-    replicas.sort_by_key(|r| r.address);
-    replicas
-}
-
-/// Lists one source's EndpointSlices.
-pub async fn list_service(
-    client: &kube::Client,
-    source: &K8sService,
-) -> Result<Vec<ReplicaSpec>, kube::Error> {
-    let api: Api<EndpointSlice> = Api::namespaced(client.clone(), &source.namespace);
-    let selector = format!("{SERVICE_NAME_LABEL}={}", source.service);
-    let slices = api.list(&ListParams::default().labels(&selector)).await?;
-    Ok(replicas_from_slices(source, &slices.items))
-}
-
-/// A client from the pod's service account, or the local kubeconfig.
-pub async fn default_client() -> Result<kube::Client, DiscoveryError> {
-    let config = kube::Config::infer().await?;
+        None => kube::Config::infer().await?,
+    };
     Ok(kube::Client::try_from(config)?)
 }
 
-/// Polls every source each `interval` and publishes each one's replicas as source
-/// `first_source + i` of `sources`. Runs until dropped.
-pub async fn run(
-    client: kube::Client,
-    services: Vec<K8sService>,
-    interval: Duration,
-    sources: Arc<ReplicaSources>,
-    first_source: usize,
-) {
-    let mut ticker = tokio::time::interval(interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // Log a failing source once until it recovers, not every poll.
-    let mut failing = vec![false; services.len()];
-    loop {
-        ticker.tick().await;
-        for (i, service) in services.iter().enumerate() {
-            match list_service(&client, service).await {
-                Ok(replicas) => {
-                    if failing[i] {
-                        tracing::info!(%service, "Kubernetes endpoints readable again");
-                        failing[i] = false;
-                    }
-                    let count = replicas.len();
-                    if sources.set(first_source + i, replicas) {
-                        tracing::info!(%service, replicas = count, "replicas from Kubernetes changed");
-                    }
-                }
-                Err(error) => {
-                    if !failing[i] {
-                        tracing::warn!(%service, %error, "cannot list Kubernetes endpoints; keeping the last replicas");
-                        failing[i] = true;
-                    }
-                }
-            }
-        }
+/// Which source a problem was seen in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum SourceKind {
+    inference_pool,
+    endpoint_slices,
+}
+
+/// What went wrong. Each keeps the source's last replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum Problem {
+    /// A list or watch failed (unreachable API server, refused credentials, RBAC, ...).
+    api,
+    /// The InferencePool does not exist (or was deleted).
+    pool_not_found,
+    /// The InferencePool's spec is unusable (no selector, no or over 8 target ports, ...).
+    invalid_pool,
+    /// The selector matches no pods (or the Service has no endpoints).
+    no_pods,
+    /// A Ready pod without a usable IP, skipped.
+    pod_without_ip,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct ProblemLabels {
+    pub source: SourceKind,
+    pub problem: Problem,
+}
+
+/// Discovery's counters; cheap to clone into each source's task.
+#[derive(Debug, Clone, Default)]
+pub struct DiscoveryMetrics {
+    pub problems: Family<ProblemLabels, Counter>,
+}
+
+impl DiscoveryMetrics {
+    pub fn register(&self, registry: &mut Registry) {
+        registry.sub_registry_with_prefix("llmgw_discovery").register(
+            "problems",
+            "Problems met while discovering replicas in Kubernetes, by source and problem (api, pool_not_found, invalid_pool, no_pods, pod_without_ip); each keeps the last good replicas",
+            self.problems.clone(),
+        );
+    }
+
+    fn count(&self, source: SourceKind, problem: Problem) {
+        self.problems
+            .get_or_create(&ProblemLabels { source, problem })
+            .inc();
+    }
+
+    /// Tests read the counter back.
+    pub fn count_of(&self, source: SourceKind, problem: Problem) -> u64 {
+        self.problems
+            .get_or_create(&ProblemLabels { source, problem })
+            .get()
     }
 }
 
-#[cfg(test)]
-mod tests;
+/// Logs a watch stream's failures once per streak, counting each.
+struct Failing {
+    source: SourceKind,
+    what: String,
+    failing: bool,
+}
+
+impl Failing {
+    fn new(source: SourceKind, what: String) -> Failing {
+        Failing {
+            source,
+            what,
+            failing: false,
+        }
+    }
+
+    fn failed(&mut self, metrics: &DiscoveryMetrics, error: &kube::runtime::watcher::Error) {
+        metrics.count(self.source, Problem::api);
+        if !self.failing {
+            tracing::warn!(source = %self.what, %error, "cannot list or watch in Kubernetes; keeping the last replicas, retrying");
+            self.failing = true;
+        }
+    }
+
+    fn succeeded(&mut self) {
+        if self.failing {
+            tracing::info!(source = %self.what, "Kubernetes readable again");
+            self.failing = false;
+        }
+    }
+}

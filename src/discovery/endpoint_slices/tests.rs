@@ -1,13 +1,12 @@
 use std::time::Duration;
 
-use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 
 use super::*;
+use crate::discovery::fake_api::FakeApi;
 use crate::pool::{CONFIG_SOURCE, Pool};
+use crate::testing::wait_until;
 
 fn source() -> K8sService {
     "tiny=llm/vllm:8000".parse().unwrap()
@@ -80,56 +79,37 @@ fn ready_endpoints_become_replicas_with_their_nodes() {
     assert!(replicas.iter().all(|r| r.models == ["tiny"]));
 }
 
-/// A stand-in for the API server's EndpointSlice list: answers what `slices` holds for the
-/// label selector `kubernetes.io/service-name=vllm` in namespace `llm`, or 500 while `broken`.
-#[derive(Default)]
-struct FakeApi {
-    slices: Mutex<Value>,
-    broken: Mutex<bool>,
-}
+const SLICES: &str = "/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices";
 
-async fn list_endpoint_slices(
-    State(api): State<Arc<FakeApi>>,
-    Path(namespace): Path<String>,
-    Query(query): Query<std::collections::HashMap<String, String>>,
-) -> Response {
-    if *api.broken.lock() {
-        return (StatusCode::INTERNAL_SERVER_ERROR, "etcd is sad").into_response();
-    }
-    let selected = namespace == "llm"
-        && query.get("labelSelector").map(String::as_str)
-            == Some("kubernetes.io/service-name=vllm");
-    let items = if selected {
-        api.slices.lock().clone()
-    } else {
-        json!([])
-    };
-    axum::Json(json!({
+fn slice(name: &str, service: &str, endpoints: Value) -> Value {
+    json!({
         "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSliceList",
-        "metadata": {"resourceVersion": "1"},
-        "items": items,
-    }))
-    .into_response()
-}
-
-fn slice_with(endpoints: Value) -> Value {
-    json!([{"metadata": {"name": "vllm-x"}, "addressType": "IPv4", "endpoints": endpoints}])
+        "kind": "EndpointSlice",
+        "metadata": {"name": name, "namespace": "llm",
+                     "labels": {"kubernetes.io/service-name": service}},
+        "addressType": "IPv4",
+        "endpoints": endpoints,
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn polled_endpoints_follow_pods_and_survive_an_api_outage() {
-    let api = Arc::new(FakeApi::default());
-    *api.slices.lock() = slice_with(json!([
-        {"addresses": ["10.1.0.1"], "conditions": {"ready": true}, "nodeName": "node-a"},
-    ]));
-    let app = axum::Router::new()
-        .route(
-            "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
-            axum::routing::get(list_endpoint_slices),
-        )
-        .with_state(Arc::clone(&api));
-    let addr = crate::testing::serve_on_loopback(app).await;
+async fn watched_endpoints_follow_pods_and_survive_an_api_outage() {
+    let (api, addr) = FakeApi::start().await;
+    api.apply(
+        SLICES,
+        slice(
+            "vllm-x",
+            "vllm",
+            json!([
+                {"addresses": ["10.1.0.1"], "conditions": {"ready": true}, "nodeName": "node-a"},
+            ]),
+        ),
+    );
+    // Another Service's slice in the namespace is not ours.
+    api.apply(
+        SLICES,
+        slice("other-x", "other", json!([{"addresses": ["10.9.9.9"]}])),
+    );
 
     // A static replica from the configuration stays beside the discovered ones.
     let static_replica = ReplicaSpec {
@@ -143,14 +123,13 @@ async fn polled_endpoints_follow_pods_and_survive_an_api_outage() {
     let sources = Arc::new(ReplicaSources::new(Arc::clone(&pool), 2, move |all| {
         *sink.lock() = all.to_vec();
     }));
-    let config = kube::Config::new(format!("http://{addr}").parse().unwrap());
-    let client = kube::Client::try_from(config).unwrap();
-    let poller = tokio::spawn(run(
-        client,
+    let metrics = DiscoveryMetrics::default();
+    let watcher = tokio::spawn(run(
+        FakeApi::client(addr),
         vec![source()],
-        Duration::from_millis(20),
         Arc::clone(&sources),
         CONFIG_SOURCE + 1,
+        metrics.clone(),
     ));
 
     let endpoints = |pool: &Pool| -> Vec<String> {
@@ -169,36 +148,40 @@ async fn polled_endpoints_follow_pods_and_survive_an_api_outage() {
     })
     .await;
 
-    // The pod moves to another node and a second one starts, not ready yet.
-    *api.slices.lock() = slice_with(json!([
-        {"addresses": ["10.1.0.9"], "conditions": {"ready": true}, "nodeName": "node-b"},
-        {"addresses": ["10.1.0.5"], "conditions": {"ready": false}, "nodeName": "node-a"},
-    ]));
-    // The feed's node map follows the pod.
+    // The pod moves to another node and a second one starts, not ready yet: a watch event.
+    api.apply(
+        SLICES,
+        slice(
+            "vllm-x",
+            "vllm",
+            json!([
+                {"addresses": ["10.1.0.9"], "conditions": {"ready": true}, "nodeName": "node-b"},
+                {"addresses": ["10.1.0.5"], "conditions": {"ready": false}, "nodeName": "node-a"},
+            ]),
+        ),
+    );
     wait_until(|| {
         endpoints(&pool) == ["127.0.0.1:9", "10.1.0.9:8000"]
             && nodes() == [None, Some("node-b".to_string())]
     })
     .await;
+    // One list, then watches: nothing polls.
+    let (lists, watches) = api.requests(SLICES);
+    assert_eq!(lists, 1, "{:?}", api.requests(SLICES));
+    assert!(watches >= 1);
 
-    // The API server fails: the last replicas stay.
-    *api.broken.lock() = true;
-    *api.slices.lock() = json!([]);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The API server fails and its watches drop: the last replicas stay.
+    api.set_broken(true);
+    api.drop_watches();
+    wait_until(|| metrics.count_of(SourceKind::endpoint_slices, Problem::api) > 0).await;
     assert_eq!(endpoints(&pool), ["127.0.0.1:9", "10.1.0.9:8000"]);
-    // It recovers with no endpoints: the discovered replicas go, the static one stays.
-    *api.broken.lock() = false;
+    // It recovers having compacted its history (the watch's resourceVersion is gone: 410, so
+    // the client lists again), and the Service has no endpoints now: the discovered replicas
+    // go, the static one stays.
+    api.delete(SLICES, "vllm-x");
+    api.compact();
+    api.set_broken(false);
     wait_until(|| endpoints(&pool) == ["127.0.0.1:9"]).await;
-    poller.abort();
-}
-
-/// Polls `check` every 10 ms, failing after 10 s.
-async fn wait_until(mut check: impl FnMut() -> bool) {
-    for _ in 0..1000 {
-        if check() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("condition not met within 10 s");
+    assert!(metrics.count_of(SourceKind::endpoint_slices, Problem::no_pods) >= 1);
+    watcher.abort();
 }
