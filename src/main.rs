@@ -55,8 +55,21 @@ struct TelemetryArgs {
     log_format: LogFormat,
 }
 
+/// The arguments, with `serve` put first when they start with a flag other than `--help` or
+/// `--version`: GIE's endpoint-picker manifests (its conformance suite's included) pass only
+/// flags (`--pool-name …`) to the container's entrypoint.
+fn with_default_command(mut args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let starts_with_a_flag = args.get(1).and_then(|a| a.to_str()).is_some_and(|first| {
+        first.starts_with('-') && !matches!(first, "-h" | "--help" | "-V" | "--version")
+    });
+    if starts_with_a_flag {
+        args.insert(1, "serve".into());
+    }
+    args
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(with_default_command(std::env::args_os().collect()));
     match cli.command {
         Command::Serve(args) => match serve(&args) {
             Ok(()) => ExitCode::SUCCESS,
@@ -151,9 +164,9 @@ async fn shutdown_signal() {
 
 #[cfg(test)]
 mod tests {
-    use clap::CommandFactory;
+    use clap::{CommandFactory, Parser};
 
-    use super::Cli;
+    use super::{Cli, Command, with_default_command};
 
     const BEGIN: &str = "<!-- options:begin (generated from `serve --help`; see src/main.rs) -->\n";
     const END: &str = "<!-- options:end -->";
@@ -183,6 +196,40 @@ mod tests {
             ));
         }
         table
+    }
+
+    #[test]
+    fn bare_flags_mean_serve_as_an_endpoint_picker_is_started() {
+        let parse = |args: &[&str]| {
+            let args = args.iter().map(std::ffi::OsString::from).collect();
+            Cli::try_parse_from(with_default_command(args))
+        };
+        // The flags GIE's conformance manifests give their endpoint picker.
+        let cli = parse(&[
+            "llmgw-router",
+            "--pool-name",
+            "primary-inference-pool",
+            "--pool-namespace",
+            "gateway-conformance-app-backend",
+            "--grpc-port",
+            "9002",
+            "--grpc-health-port",
+            "9003",
+        ])
+        .expect("parses as serve");
+        let Command::Serve(serve) = cli.command else {
+            panic!("not serve");
+        };
+        assert_eq!(
+            serve.serve.pool_name.as_deref(),
+            Some("primary-inference-pool")
+        );
+        assert_eq!(serve.serve.grpc_port, Some(9002));
+        assert!(parse(&["llmgw-router", "hash", "--block-size", "16"]).is_ok());
+        // --help and --version stay the tool's own.
+        let help = parse(&["llmgw-router", "--help"]).err().expect("help");
+        assert_eq!(help.kind(), clap::error::ErrorKind::DisplayHelp);
+        assert!(help.to_string().contains("serve"), "{help}");
     }
 
     /// docs/router.md lists every option as `--help` describes it. `LLMGW_UPDATE_DOCS=1 cargo

@@ -274,6 +274,130 @@ async fn gie_config_reports_the_served_endpoint_and_a_fallback_that_served() {
     assert_eq!(router.in_flight(dead).await, 0);
 }
 
+/// `envoy-gie.yaml` as a GIE gateway that sends a subset hint: a `set_metadata` filter before
+/// ext_proc puts `hint` in `envoy.lb.subset_hint`, which ext_proc forwards to the picker.
+fn with_subset_hint(text: String, hint: std::net::SocketAddr) -> String {
+    const EXT_PROC: &str = "          - name: envoy.filters.http.ext_proc\n";
+    const FORWARDING: &str =
+        "                forwarding_namespaces:\n                  untyped: [\"envoy.lb\"]";
+    assert_eq!(text.matches(EXT_PROC).count(), 1, "one ext_proc filter");
+    assert_eq!(text.matches(FORWARDING).count(), 1, "one forwarding list");
+    let set_metadata = format!(
+        "          - name: envoy.filters.http.set_metadata\n\
+         \x20           typed_config:\n\
+         \x20             \"@type\": type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config\n\
+         \x20             metadata:\n\
+         \x20             - metadata_namespace: envoy.lb.subset_hint\n\
+         \x20               value: {{x-gateway-destination-endpoint-subset: [\"{hint}\"]}}\n"
+    );
+    text.replace(EXT_PROC, &format!("{set_metadata}{EXT_PROC}")).replace(
+        FORWARDING,
+        "                forwarding_namespaces:\n                  untyped: [\"envoy.lb\", \"envoy.lb.subset_hint\"]",
+    )
+}
+
+/// A completion through Envoy: status, the replica that answered, and the conformance header
+/// naming the endpoint that served.
+async fn post_for_conformance(
+    envoy: &EnvoyProcess,
+    prompt: &str,
+    selection: Option<&str>,
+) -> (u16, Option<String>, Option<String>) {
+    let mut request = client()
+        .post(envoy.url("/v1/completions"))
+        .header("content-type", "application/json")
+        .body(completion("tiny", prompt));
+    if let Some(selection) = selection {
+        request = request.header("test-epp-endpoint-selection", selection);
+    }
+    let response = request.send().await.expect("request through envoy");
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(String::from)
+    };
+    let replica = header("x-llmgw-sim-replica");
+    let served = header("x-conformance-test-served-endpoint");
+    let status = response.status().as_u16();
+    let body = response.text().await.expect("body");
+    assert_eq!(status, 200, "{body}");
+    (status, replica, served)
+}
+
+/// The endpoint-picker contract GIE's conformance suite checks, behind a real Envoy with the
+/// GIE wiring: the gateway's subset hint confines every pick, the test selection (an `ip:port`
+/// or a bare IP: every port of that pod) steers it, and every response names the endpoint that
+/// served in `x-conformance-test-served-endpoint`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gie_conformance_hooks_behind_envoy_with_a_subset_hint() {
+    let a = sim("a", &["tiny"], 0, &[]);
+    let b = sim("b", &["tiny"], 0, &[]);
+    let grpc = free_port();
+    let router = start_router(
+        grpc,
+        &[format!("tiny={}", a.addr), format!("tiny={}", b.addr)],
+        &["--allow-test-endpoint-selection"],
+    );
+    router.wait_healthy(&[a.addr, b.addr]).await;
+    let envoy = start_envoy_with("envoy-gie.yaml", grpc, [a.addr, b.addr], |text| {
+        with_subset_hint(text, b.addr)
+    })
+    .await;
+    envoy.wait_llmgw_marked_up().await;
+
+    // Three long requests keep b busy (steered there by the test selection), so load alone
+    // would send new prompts to a; the hint keeps every one on b.
+    let long = serde_json::json!({"model": "tiny", "prompt": "a long answer", "max_tokens": 1500})
+        .to_string();
+    let b_addr = b.addr.to_string();
+    let busy: Vec<_> = (0..3)
+        .map(|_| {
+            let request = client()
+                .post(envoy.url("/v1/completions"))
+                .header("content-type", "application/json")
+                .header("test-epp-endpoint-selection", b_addr.clone())
+                .body(long.clone());
+            tokio::spawn(async move { request.send().await.map(|r| r.status().as_u16()) })
+        })
+        .collect();
+    wait_for(|| async { router.in_flight(b.addr).await >= 3 }).await;
+    let b_served = (Some("b".to_string()), Some(b_addr.clone()));
+    for (i, prompt) in [
+        "alpha beta",
+        "gamma delta",
+        "epsilon",
+        "zeta eta theta",
+        "iota",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let (_, replica, served) = post_for_conformance(&envoy, prompt, None).await;
+        assert_eq!((replica, served), b_served, "request {i}");
+    }
+    for request in busy {
+        assert_eq!(request.await.unwrap().unwrap(), 200);
+    }
+
+    // The test selection overrides: by ip:port, and by bare IP (both replicas share 127.0.0.1,
+    // so the lowest port is the pick and the other the fallback).
+    let a_addr = a.addr.to_string();
+    let (_, replica, served) = post_for_conformance(&envoy, "steered", Some(&a_addr)).await;
+    assert_eq!((replica.as_deref(), served), (Some("a"), Some(a_addr)));
+    let (lowest, name) = if a.addr.port() < b.addr.port() {
+        (a.addr, "a")
+    } else {
+        (b.addr, "b")
+    };
+    let (_, replica, served) = post_for_conformance(&envoy, "by ip", Some("127.0.0.1")).await;
+    assert_eq!(
+        (replica.as_deref(), served),
+        (Some(name), Some(lowest.to_string()))
+    );
+}
+
 /// Polls `check` until it holds, failing after 10 s.
 async fn wait_for<F, Fut>(mut check: F)
 where

@@ -51,6 +51,12 @@ pub fn ext_proc_server_settings() -> tonic::transport::Server {
 /// The gRPC health service name for the ext_proc service (same as readiness).
 pub const EXT_PROC_HEALTH_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
 
+/// The gRPC health services that say whether the router can route: `readiness`, the ext_proc
+/// service, and `inference-extension`, which Gateway API Inference Extension's probes and
+/// conformance suite ask for.
+pub const READINESS_SERVICES: [&str; 3] =
+    ["readiness", EXT_PROC_HEALTH_SERVICE, "inference-extension"];
+
 #[derive(Debug, Error)]
 pub enum ServeError {
     #[error("cannot listen on {addr}: {source}")]
@@ -402,7 +408,7 @@ async fn report_readiness(pool: Arc<Pool>, reporter: tonic_health::server::Healt
             } else {
                 ServingStatus::NotServing
             };
-            for service in ["readiness", EXT_PROC_HEALTH_SERVICE] {
+            for service in READINESS_SERVICES {
                 reporter.set_service_status(service, status).await;
             }
         }

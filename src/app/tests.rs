@@ -371,8 +371,10 @@ async fn a_health_only_port_and_the_inference_pools_replicas() {
     assert_eq!(status_of(&mut health, "liveness").await, Status::Serving);
     wait_for(&mut health, "readiness", Status::Serving).await;
     wait_for(&mut health, EXT_PROC_HEALTH_SERVICE, Status::Serving).await;
+    wait_for(&mut health, "inference-extension", Status::Serving).await;
     up.store(false, Ordering::SeqCst);
     wait_for(&mut health, "readiness", Status::NotServing).await;
+    wait_for(&mut health, "inference-extension", Status::NotServing).await;
     // Only health lives there: ext_proc is not served on that port.
     let mut ext_proc = envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient::new(channel);
     let refused = ext_proc

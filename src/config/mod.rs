@@ -155,7 +155,9 @@ pub struct ServeArgs {
     /// The destination header and envoy.lb metadata key (default x-gateway-destination-endpoint).
     #[arg(long, env = "LLMGW_DESTINATION_HEADER")]
     pub destination_header: Option<String>,
-    /// Honour the conformance suite's `test-epp-endpoint-selection` header. Never in production.
+    /// Turn on the GIE conformance suite's hooks: the `test-epp-endpoint-selection` header
+    /// (IP or ip:port, comma-separated) picks the replicas, and responses name the endpoint that
+    /// served in `x-conformance-test-served-endpoint`. Never in production.
     #[arg(long, env = "LLMGW_ALLOW_TEST_ENDPOINT_SELECTION")]
     pub allow_test_endpoint_selection: bool,
     /// The scheduling profile's common knobs.

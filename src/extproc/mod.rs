@@ -135,6 +135,12 @@ pub trait Picker: Send + Sync + 'static {
     /// Told, once per request, which endpoint the proxy reports as having served it (a
     /// fallback when the pick failed), with the hold of the routed request.
     fn served(&self, _hold: &mut Self::Hold, _endpoint: &str) {}
+
+    /// Headers to set on the response to a routed request (after [`Picker::served`]); usually
+    /// none.
+    fn response_headers(&self, _hold: &Self::Hold) -> Vec<(&'static str, String)> {
+        Vec::new()
+    }
 }
 
 /// Settings of the protocol layer.

@@ -118,9 +118,17 @@ pub(super) fn request_trailers() -> ProcessingResponse {
     }
 }
 
-pub(super) fn response_headers() -> ProcessingResponse {
+/// The answer to response headers, setting `set` (none: unchanged).
+pub(super) fn response_headers(set: &[(&'static str, String)]) -> ProcessingResponse {
+    let response = (!set.is_empty()).then(|| CommonResponse {
+        header_mutation: Some(HeaderMutation {
+            set_headers: set.iter().map(|(key, value)| header(key, value)).collect(),
+            ..HeaderMutation::default()
+        }),
+        ..CommonResponse::default()
+    });
     ProcessingResponse {
-        response: Some(Response::ResponseHeaders(HeadersResponse::default())),
+        response: Some(Response::ResponseHeaders(HeadersResponse { response })),
         ..ProcessingResponse::default()
     }
 }

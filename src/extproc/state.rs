@@ -137,7 +137,13 @@ impl<P: Picker> StreamState<P> {
             }
             Message::RequestBody(body) => self.on_request_body(body).await,
             Message::RequestTrailers(_) => self.on_request_trailers().await,
-            Message::ResponseHeaders(_) => Ok(vec![response::response_headers()]),
+            Message::ResponseHeaders(_) => {
+                let headers = match &self.hold {
+                    Some(hold) => self.picker.response_headers(hold),
+                    None => Vec::new(),
+                };
+                Ok(vec![response::response_headers(&headers)])
+            }
             Message::ResponseBody(body) => Ok(vec![response::response_body(
                 self.echo_response_body
                     .then_some((body.body, body.end_of_stream)),

@@ -58,6 +58,12 @@ impl Picker for FakePicker {
     fn served(&self, _hold: &mut FakeHold, endpoint: &str) {
         self.served.lock().push(endpoint.to_string());
     }
+
+    /// Names the last endpoint reported as served.
+    fn response_headers(&self, _hold: &FakeHold) -> Vec<(&'static str, String)> {
+        let served = self.served.lock().last().cloned();
+        served.map(|s| ("x-served", s)).into_iter().collect()
+    }
 }
 
 /// `envoy.lb: {key: value}` metadata as Envoy forwards it.
@@ -733,6 +739,58 @@ async fn the_served_endpoint_is_reported_once_from_the_response_path() {
     };
     stream.on_message(trailers).await.unwrap();
     assert_eq!(*picker.served.lock(), ["10.0.0.2:8000"]);
+}
+
+/// The header mutation of a response-headers answer, as `(key, value)` pairs.
+fn response_header_mutation(answers: &[ProcessingResponse]) -> Option<Vec<(String, String)>> {
+    let [answer] = answers else {
+        panic!("one answer, not {answers:?}");
+    };
+    let Some(Answer::ResponseHeaders(headers)) = &answer.response else {
+        panic!("not a response-headers answer: {answer:?}");
+    };
+    let mutation = headers.response.as_ref()?.header_mutation.as_ref()?;
+    Some(
+        mutation
+            .set_headers
+            .iter()
+            .filter_map(|h| h.header.as_ref())
+            .map(|h| {
+                (
+                    h.key.clone(),
+                    String::from_utf8_lossy(&h.raw_value).into_owned(),
+                )
+            })
+            .collect(),
+    )
+}
+
+#[tokio::test]
+async fn the_pickers_response_headers_are_set_on_a_routed_response_only() {
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    stream
+        .on_message(headers_msg(BodySendMode::Buffered, true, &[]))
+        .await
+        .unwrap();
+    let mut response_headers = ProcessingRequest {
+        request: Some(Message::ResponseHeaders(HttpHeaders::default())),
+        metadata_context: Some(lb_metadata(SERVED_KEY, "10.0.0.2:8000")),
+        ..Default::default()
+    };
+    // The report comes with the same message, and is passed on before the headers are asked.
+    let answers = stream.on_message(response_headers.clone()).await.unwrap();
+    assert_eq!(
+        response_header_mutation(&answers),
+        Some(vec![("x-served".to_string(), "10.0.0.2:8000".to_string())])
+    );
+
+    // A stream whose request was never routed asks the picker nothing: the headers pass as
+    // they are.
+    let mut unrouted = state(&picker);
+    response_headers.metadata_context = None;
+    let answers = unrouted.on_message(response_headers).await.unwrap();
+    assert_eq!(response_header_mutation(&answers), None);
 }
 
 #[tokio::test]

@@ -216,6 +216,17 @@ impl PoolSnapshot {
         self.replicas.iter().find(|r| r.endpoint() == endpoint)
     }
 
+    /// Every replica at `ip` (any port: a pod's data-parallel ranks), lowest port first.
+    pub fn at_ip(&self, ip: std::net::IpAddr) -> Vec<&Arc<Replica>> {
+        let mut at: Vec<&Arc<Replica>> = self
+            .replicas
+            .iter()
+            .filter(|r| r.spec.address.ip() == ip)
+            .collect();
+        at.sort_by_key(|r| r.spec.address.port());
+        at
+    }
+
     pub fn any_healthy(&self) -> bool {
         self.replicas.iter().any(|r| r.is_healthy())
     }

@@ -26,6 +26,13 @@ use crate::pool::InFlightGuard;
 use crate::scheduler::{DecideError, Decision, Scheduler, Scope};
 use crate::telemetry::{self, TraceHeaders};
 
+/// The response header naming the endpoint that served, for the Gateway API Inference
+/// Extension conformance suite (with `--allow-test-endpoint-selection` only).
+pub const CONFORMANCE_SERVED_HEADER: &str = "x-conformance-test-served-endpoint";
+/// The request header the conformance suite's echo backend turns into a response header
+/// (`NAME:VALUE`); lwepp sets it to name the pick.
+pub const ECHO_SET_HEADER: &str = "x-echo-set-header";
+
 /// Parses, schedules and accounts.
 #[derive(Debug)]
 pub struct Router {
@@ -35,8 +42,9 @@ pub struct Router {
 }
 
 impl Router {
-    /// `allow_test_selection` honours the conformance suite's `test-epp-endpoint-selection`
-    /// header; it lets any client choose among the pool's replicas.
+    /// `allow_test_selection` turns on the conformance suite's hooks: its
+    /// `test-epp-endpoint-selection` header (which lets any client choose among the pool's
+    /// replicas) and the served endpoint echoed in [`CONFORMANCE_SERVED_HEADER`].
     pub fn new(scheduler: Scheduler, metrics: Arc<Metrics>, allow_test_selection: bool) -> Router {
         Router {
             scheduler,
@@ -97,19 +105,30 @@ impl Router {
         Ok((decision, Outcome::Routed))
     }
 
-    /// `test-epp-endpoint-selection: ip:port[,ip:port]`, restricted to the pool's replicas.
+    /// `test-epp-endpoint-selection: ENDPOINT[,ENDPOINT]`, each `ip:port` or a bare IP (every
+    /// replica at that IP, lowest port first: a pod's data-parallel ranks), restricted to the
+    /// pool's replicas, in the order given.
     fn test_selection(&self, selection: &str) -> Result<(Decision, Outcome), Rejection> {
         let snapshot = self.scheduler.pool().snapshot();
-        let mut chosen = selection
-            .split(',')
-            .map(str::trim)
-            .filter_map(|endpoint| snapshot.find(endpoint).cloned());
+        let mut chosen: Vec<&Arc<crate::pool::Replica>> = Vec::new();
+        for endpoint in selection.split(',').map(str::trim) {
+            let found = match endpoint.parse::<std::net::IpAddr>() {
+                Ok(ip) => snapshot.at_ip(ip),
+                Err(_) => snapshot.find(endpoint).into_iter().collect(),
+            };
+            for replica in found {
+                if !chosen.iter().any(|c| Arc::ptr_eq(c, replica)) {
+                    chosen.push(replica);
+                }
+            }
+        }
+        let mut chosen = chosen.into_iter();
         let Some(primary) = chosen.next() else {
             return Err(self.refuse(DecideError::EmptySubset));
         };
         let decision = Decision {
             in_flight: primary.start_request(),
-            fallbacks: chosen.collect(),
+            fallbacks: chosen.cloned().collect(),
             imbalance_guard_fired: false,
             prefix_unavailable: false,
         };
@@ -177,10 +196,21 @@ impl Picker for Router {
         span.record("pick", decision.primary().endpoint());
         span.record("fallbacks", decision.fallbacks.len() as i64);
         span.in_scope(|| tracing::debug!(%destination, ?outcome, "routed"));
+        let mut headers = telemetry::propagation_headers(&span);
+        if self.allow_test_selection {
+            // The conformance suite's echo backend copies this into its response.
+            headers.push((
+                ECHO_SET_HEADER,
+                format!(
+                    "{CONFORMANCE_SERVED_HEADER}:{}",
+                    decision.primary().endpoint()
+                ),
+            ));
+        }
         Ok(Routed {
             destination,
             hold: decision.in_flight,
-            headers: telemetry::propagation_headers(&span),
+            headers,
         })
     }
 
@@ -188,6 +218,18 @@ impl Picker for Router {
         if rejection.status == 413 {
             self.metrics.record(Outcome::BodyTooLarge);
         }
+    }
+
+    /// With the conformance hooks on, the endpoint that served (as the proxy reported it, else
+    /// the pick).
+    fn response_headers(&self, hold: &InFlightGuard) -> Vec<(&'static str, String)> {
+        if !self.allow_test_selection {
+            return Vec::new();
+        }
+        vec![(
+            CONFORMANCE_SERVED_HEADER,
+            hold.replica().endpoint().to_owned(),
+        )]
     }
 
     /// A fallback served the request: the in-flight count moves to it, so load reflects where

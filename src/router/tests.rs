@@ -195,6 +195,86 @@ async fn test_selection_header_only_behind_the_flag() {
 }
 
 #[tokio::test]
+async fn a_test_selection_by_ip_takes_every_port_of_that_ip() {
+    // A pod with two data-parallel ranks (8001, 8002) and one with one.
+    let specs = [("10.0.0.1", 8002), ("10.0.0.2", 8000), ("10.0.0.1", 8001)]
+        .map(|(ip, port)| ReplicaSpec {
+            address: SocketAddr::new(ip.parse().unwrap(), port),
+            models: vec!["tiny".to_string()],
+            node: None,
+        })
+        .to_vec();
+    let pool = Arc::new(Pool::new(specs, Duration::from_secs(60)));
+    let router = router(&pool, true);
+    let selection = |value: &str| RoutingRequest {
+        test_selection: Some(value.to_string()),
+        ..post("/v1/completions", r#"{"model":"tiny","prompt":"x"}"#)
+    };
+    let routed = router.pick(selection("10.0.0.1")).await.unwrap();
+    assert_eq!(routed.destination, "10.0.0.1:8001,10.0.0.1:8002");
+    // IPs and ip:port mix, in the order given, each replica once.
+    let routed = router
+        .pick(selection("10.0.0.2, 10.0.0.1:8002,10.0.0.1"))
+        .await
+        .unwrap();
+    assert_eq!(
+        routed.destination,
+        "10.0.0.2:8000,10.0.0.1:8002,10.0.0.1:8001"
+    );
+    // An IP with no replica is skipped; none left is a 503.
+    let routed = router.pick(selection("10.9.9.9,10.0.0.2")).await.unwrap();
+    assert_eq!(routed.destination, "10.0.0.2:8000");
+    assert_eq!(
+        status_of(&router, selection("10.9.9.9, not-an-ip")).await,
+        503
+    );
+}
+
+#[tokio::test]
+async fn the_conformance_hooks_name_the_pick_and_the_endpoint_that_served() {
+    let pool = pool();
+    let request = || RoutingRequest {
+        test_selection: Some("127.0.0.1:8001,127.0.0.1:8002".to_string()),
+        ..post("/v1/completions", r#"{"model":"tiny","prompt":"x"}"#)
+    };
+    let hooked = router(&pool, true);
+    let mut routed = hooked.pick(request()).await.unwrap();
+    let echo: Vec<_> = routed
+        .headers
+        .iter()
+        .filter(|(name, _)| *name == ECHO_SET_HEADER)
+        .collect();
+    assert_eq!(
+        echo,
+        [&(
+            ECHO_SET_HEADER,
+            "x-conformance-test-served-endpoint:127.0.0.1:8001".to_string()
+        )]
+    );
+    assert_eq!(
+        hooked.response_headers(&routed.hold),
+        [(CONFORMANCE_SERVED_HEADER, "127.0.0.1:8001".to_string())]
+    );
+    // The proxy reports that the fallback served: the response names it.
+    hooked.served(&mut routed.hold, "127.0.0.1:8002");
+    assert_eq!(
+        hooked.response_headers(&routed.hold),
+        [(CONFORMANCE_SERVED_HEADER, "127.0.0.1:8002".to_string())]
+    );
+
+    // Without the flag, neither header.
+    let plain = router(&pool, false);
+    let routed = plain.pick(request()).await.unwrap();
+    assert!(
+        routed
+            .headers
+            .iter()
+            .all(|(name, _)| *name != ECHO_SET_HEADER)
+    );
+    assert!(plain.response_headers(&routed.hold).is_empty());
+}
+
+#[tokio::test]
 async fn a_fallback_that_served_takes_the_in_flight_count() {
     let pool = pool();
     let router = router(&pool, true);
