@@ -396,6 +396,30 @@ async fn gie_conformance_hooks_behind_envoy_with_a_subset_hint() {
         (replica.as_deref(), served),
         (Some(name), Some(lowest.to_string()))
     );
+
+    // GIE's request metrics saw the five scheduled requests end, with the replica's usage (the
+    // GIE wiring sends the response body); the steered ones are not parsed, so not counted.
+    let count = |metrics: &str, name: &str| {
+        prom::sum(metrics, name, &[("model_name", "tiny")]).unwrap_or(0.0)
+    };
+    wait_for(|| async {
+        count(
+            &router.metrics().await,
+            "inference_objective_request_duration_seconds_count",
+        ) >= 5.0
+    })
+    .await;
+    let metrics = router.metrics().await;
+    assert_eq!(count(&metrics, "inference_objective_request_total"), 5.0);
+    assert_eq!(
+        count(&metrics, "inference_objective_output_tokens_count"),
+        5.0
+    );
+    assert_eq!(
+        count(&metrics, "inference_objective_input_tokens_count"),
+        5.0
+    );
+    assert_eq!(count(&metrics, "inference_objective_running_requests"), 0.0);
 }
 
 /// Polls `check` until it holds, failing after 10 s.

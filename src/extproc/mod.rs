@@ -141,6 +141,56 @@ pub trait Picker: Send + Sync + 'static {
     fn response_headers(&self, _hold: &Self::Hold) -> Vec<(&'static str, String)> {
         Vec::new()
     }
+
+    /// Told once, with the hold, when a routed request's stream ends, and what the protocol saw
+    /// of the exchange.
+    fn finished(&self, _hold: Self::Hold, _exchange: Exchange) {}
+}
+
+/// The response body's last bytes kept for [`Exchange::response_tail`]: an OpenAI response
+/// ends with its `usage` (a JSON response's last field, a stream's last event).
+pub const RESPONSE_TAIL: usize = 16 * 1024;
+
+/// What the protocol layer saw of one routed exchange.
+#[derive(Debug, Clone)]
+pub struct Exchange {
+    /// When the request's headers arrived.
+    pub received: tokio::time::Instant,
+    /// The upstream's `:status`, when the proxy sent the response headers.
+    pub status: Option<u16>,
+    /// Response body bytes seen (none when the proxy does not send the response body).
+    pub response_bytes: u64,
+    /// The last [`RESPONSE_TAIL`] bytes of the response body.
+    pub response_tail: Vec<u8>,
+    /// Whether the response's end (its last body chunk or trailers) was seen.
+    pub complete: bool,
+}
+
+impl Exchange {
+    pub fn new(received: tokio::time::Instant) -> Exchange {
+        Exchange {
+            received,
+            status: None,
+            response_bytes: 0,
+            response_tail: Vec::new(),
+            complete: false,
+        }
+    }
+
+    /// Counts a response body chunk and keeps the tail.
+    pub fn response_chunk(&mut self, chunk: &[u8], end_of_stream: bool) {
+        self.response_bytes += chunk.len() as u64;
+        if chunk.len() >= RESPONSE_TAIL {
+            self.response_tail.clear();
+            self.response_tail
+                .extend_from_slice(&chunk[chunk.len() - RESPONSE_TAIL..]);
+        } else {
+            let overflow = (self.response_tail.len() + chunk.len()).saturating_sub(RESPONSE_TAIL);
+            self.response_tail.drain(..overflow);
+            self.response_tail.extend_from_slice(chunk);
+        }
+        self.complete |= end_of_stream;
+    }
 }
 
 /// Settings of the protocol layer.

@@ -20,13 +20,14 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::google::protobuf::value::Kind;
 use futures::Stream;
+use tokio::time::Instant;
 use tonic::{Status, Streaming};
 
 use super::response;
 use super::wire::{Inbound, InboundBody, InboundPart as Message};
 use super::{
-    ExtProcSettings, Picker, ProtocolError, Rejection, RoutingRequest, SERVED_KEY, SUBSET_HINT_KEY,
-    SUBSET_HINT_NAMESPACE, TEST_SELECTION_HEADER,
+    Exchange, ExtProcSettings, Picker, ProtocolError, Rejection, RoutingRequest, SERVED_KEY,
+    SUBSET_HINT_KEY, SUBSET_HINT_NAMESPACE, TEST_SELECTION_HEADER,
 };
 
 /// How the filter sends the request body (from `protocol_config`; BUFFERED when absent).
@@ -84,6 +85,18 @@ pub struct StreamState<P: Picker> {
     hold: Option<P::Hold>,
     /// Whether the proxy's served-endpoint report was passed on (once per request).
     served_reported: bool,
+    /// What this stream saw of the exchange, for [`Picker::finished`].
+    exchange: Exchange,
+}
+
+impl<P: Picker> Drop for StreamState<P> {
+    /// The stream is over (the response ended, or the client or proxy went away).
+    fn drop(&mut self) {
+        if let Some(hold) = self.hold.take() {
+            let exchange = std::mem::replace(&mut self.exchange, Exchange::new(Instant::now()));
+            self.picker.finished(hold, exchange);
+        }
+    }
 }
 
 impl<P: Picker> StreamState<P> {
@@ -96,6 +109,7 @@ impl<P: Picker> StreamState<P> {
             phase: Phase::AwaitingHeaders,
             hold: None,
             served_reported: false,
+            exchange: Exchange::new(Instant::now()),
         }
     }
 
@@ -137,18 +151,26 @@ impl<P: Picker> StreamState<P> {
             }
             Message::RequestBody(body) => self.on_request_body(body).await,
             Message::RequestTrailers(_) => self.on_request_trailers().await,
-            Message::ResponseHeaders(_) => {
+            Message::ResponseHeaders(headers) => {
+                self.exchange.status = response_status(headers.headers.as_ref());
+                self.exchange.complete |= headers.end_of_stream;
                 let headers = match &self.hold {
                     Some(hold) => self.picker.response_headers(hold),
                     None => Vec::new(),
                 };
                 Ok(vec![response::response_headers(&headers)])
             }
-            Message::ResponseBody(body) => Ok(vec![response::response_body(
-                self.echo_response_body
-                    .then_some((body.body, body.end_of_stream)),
-            )]),
-            Message::ResponseTrailers(_) => Ok(vec![response::response_trailers()]),
+            Message::ResponseBody(body) => {
+                self.exchange.response_chunk(&body.body, body.end_of_stream);
+                Ok(vec![response::response_body(
+                    self.echo_response_body
+                        .then_some((body.body, body.end_of_stream)),
+                )])
+            }
+            Message::ResponseTrailers(_) => {
+                self.exchange.complete = true;
+                Ok(vec![response::response_trailers()])
+            }
         }
     }
 
@@ -170,6 +192,7 @@ impl<P: Picker> StreamState<P> {
         headers: HttpHeaders,
         metadata: Option<&Metadata>,
     ) -> Result<Vec<ProcessingResponse>, ProtocolError> {
+        self.exchange.received = Instant::now();
         let mut request = read_headers(headers.headers.as_ref(), &self.settings.request_headers);
         request.subset = subset_hint(metadata);
         if headers.end_of_stream || self.request_mode == RequestBodyMode::None {
@@ -406,6 +429,13 @@ fn read_headers(headers: Option<&HeaderMap>, wanted: &[String]) -> RoutingReques
         }
     }
     request
+}
+
+/// The response's `:status`.
+fn response_status(headers: Option<&HeaderMap>) -> Option<u16> {
+    let headers = headers.map(|h| h.headers.as_slice()).unwrap_or(&[]);
+    let status = headers.iter().find(|h| h.key == ":status")?;
+    header_value(status).trim().parse().ok()
 }
 
 /// `envoy.lb` → `x-gateway-destination-endpoint-served`: the `ip:port` that served the request.

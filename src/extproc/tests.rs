@@ -24,6 +24,7 @@ struct FakePicker {
     seen: Mutex<Vec<RoutingRequest>>,
     live_holds: Arc<AtomicUsize>,
     served: Mutex<Vec<String>>,
+    finished: Mutex<Vec<Exchange>>,
 }
 
 struct FakeHold(Arc<AtomicUsize>);
@@ -57,6 +58,10 @@ impl Picker for FakePicker {
 
     fn served(&self, _hold: &mut FakeHold, endpoint: &str) {
         self.served.lock().push(endpoint.to_string());
+    }
+
+    fn finished(&self, _hold: FakeHold, exchange: Exchange) {
+        self.finished.lock().push(exchange);
     }
 
     /// Names the last endpoint reported as served.
@@ -801,4 +806,81 @@ async fn a_served_report_before_any_pick_is_ignored() {
     message.metadata_context = Some(lb_metadata(SERVED_KEY, "10.0.0.2:8000"));
     stream.on_message(message).await.unwrap();
     assert!(picker.served.lock().is_empty());
+}
+
+#[tokio::test]
+async fn the_exchange_is_reported_with_the_hold_when_the_stream_ends() {
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    stream
+        .on_message(headers_msg(BodySendMode::Buffered, true, &[]))
+        .await
+        .unwrap();
+    let mut status = HeaderMap::default();
+    status.headers.push(HeaderValue {
+        key: ":status".into(),
+        raw_value: b"503".to_vec(),
+        ..Default::default()
+    });
+    stream
+        .on_message(ProcessingRequest {
+            request: Some(Message::ResponseHeaders(HttpHeaders {
+                headers: Some(status),
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    // A body longer than the tail kept: its bytes are counted, its end kept.
+    let big = vec![b'x'; RESPONSE_TAIL + 10];
+    for (chunk, end_of_stream) in [(&big[..], false), (&b"{\"usage\":1}"[..], true)] {
+        stream
+            .on_message(ProcessingRequest {
+                request: Some(Message::ResponseBody(HttpBody {
+                    body: chunk.to_vec(),
+                    end_of_stream,
+                    ..Default::default()
+                })),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    assert!(
+        picker.finished.lock().is_empty(),
+        "not before the stream ends"
+    );
+    drop(stream);
+    let finished = std::mem::take(&mut *picker.finished.lock());
+    let [exchange] = finished.as_slice() else {
+        panic!("one exchange, not {}", finished.len());
+    };
+    assert_eq!(exchange.status, Some(503));
+    assert_eq!(exchange.response_bytes, (RESPONSE_TAIL + 10 + 11) as u64);
+    assert_eq!(exchange.response_tail.len(), RESPONSE_TAIL);
+    assert!(exchange.response_tail.ends_with(b"x{\"usage\":1}"));
+    assert!(exchange.complete);
+    assert_eq!(picker.live_holds.load(Ordering::SeqCst), 0);
+
+    // A rejected request holds nothing: nothing to report.
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    stream
+        .on_message(headers_msg(BodySendMode::Buffered, false, &[]))
+        .await
+        .unwrap();
+    stream
+        .on_message(ProcessingRequest {
+            request: Some(Message::RequestBody(HttpBody {
+                body: b"reject".to_vec(),
+                end_of_stream: true,
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    drop(stream);
+    assert!(picker.finished.lock().is_empty());
 }

@@ -14,6 +14,9 @@
 //!   `llmgw_replica_healthy`, and, while the last scrape is fresh, `llmgw_replica_waiting`,
 //!   `llmgw_replica_running`, `llmgw_replica_kv_cache_usage`.
 //! * With a named InferencePool, GIE's standard pool gauges (`inference_pool_*`, see [`gie`]).
+//! * GIE's request metrics (`inference_objective_*`, see [`ObjectiveMetrics`]): requests, errors
+//!   by GIE's error code, duration, request and response sizes, token counts from the
+//!   response's usage (when the proxy sends the response body), running requests.
 //!
 //! # Concurrency model
 //! Counters and the histogram are atomics updated from every stream; the per-replica gauges are
@@ -22,6 +25,8 @@
 
 mod gie;
 pub mod state;
+
+pub use gie::{Finished, ObjectiveMetrics, RunningRequest, error_code};
 
 use std::sync::Arc;
 
@@ -139,6 +144,8 @@ pub struct Metrics {
     prefix_unavailable: Counter,
     /// `llmgw_served_reports` by [`Served`], made at start-up like `decisions`.
     served: [Counter; Served::ALL.len()],
+    /// GIE's `inference_objective_*` request metrics.
+    objective: ObjectiveMetrics,
     /// Read at scrape time by the collectors.
     pool: Arc<Pool>,
 }
@@ -202,6 +209,8 @@ impl Metrics {
         registry.register_collector(Box::new(ReplicaCollector {
             pool: Arc::clone(&pool),
         }));
+        let objective = ObjectiveMetrics::new();
+        objective.register(&mut registry);
         Metrics {
             registry,
             decisions,
@@ -210,7 +219,23 @@ impl Metrics {
             imbalance_guard,
             prefix_unavailable,
             served,
+            objective,
             pool,
+        }
+    }
+
+    /// GIE's request metrics.
+    pub fn objective(&self) -> &ObjectiveMetrics {
+        &self.objective
+    }
+
+    /// The `model_name` a request's model is counted under: itself when some replica serves
+    /// it, else `unknown` (request bodies must not grow the label set).
+    pub fn model_label<'a>(&self, model: &'a str) -> &'a str {
+        if self.pool.snapshot().serves_model(model) {
+            model
+        } else {
+            "unknown"
         }
     }
 

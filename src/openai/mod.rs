@@ -14,6 +14,7 @@
 //! most once, thread-safely ([`OnceLock`]).
 
 mod skim;
+mod usage;
 
 use std::borrow::Cow;
 use std::sync::OnceLock;
@@ -21,6 +22,7 @@ use std::sync::OnceLock;
 use thiserror::Error;
 
 pub use skim::SkimError;
+pub use usage::{Usage, usage_in_tail};
 
 /// Which OpenAI endpoint a request was sent to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

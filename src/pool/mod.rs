@@ -212,6 +212,11 @@ impl PoolSnapshot {
         self.by_model.get(model).map(Vec::as_slice).unwrap_or(&[])
     }
 
+    /// Whether any replica serves `model`.
+    pub fn serves_model(&self, model: &str) -> bool {
+        self.by_model.contains_key(model)
+    }
+
     pub fn find(&self, endpoint: &str) -> Option<&Arc<Replica>> {
         self.replicas.iter().find(|r| r.endpoint() == endpoint)
     }

@@ -19,9 +19,9 @@ use tracing::Instrument;
 use tracing::field::Empty;
 
 use crate::cputime::CpuTimed;
-use crate::extproc::{Picker, Rejection, Routed, RoutingRequest};
-use crate::metrics::{Metrics, Outcome, Served};
-use crate::openai::{EndpointKind, parse_request};
+use crate::extproc::{Exchange, Picker, Rejection, Routed, RoutingRequest};
+use crate::metrics::{Finished, Metrics, Outcome, RunningRequest, Served, error_code};
+use crate::openai::{EndpointKind, parse_request, usage_in_tail};
 use crate::pool::InFlightGuard;
 use crate::scheduler::{DecideError, Decision, Scheduler, Scope};
 use crate::telemetry::{self, TraceHeaders};
@@ -57,10 +57,12 @@ impl Router {
         &self.scheduler
     }
 
+    /// Decides, leaving the request's model in `model` once its body parsed.
     async fn route(
         &self,
         request: RoutingRequest,
         span: &tracing::Span,
+        model: &mut Option<String>,
     ) -> Result<(Decision, Outcome), Rejection> {
         let scope = Scope {
             subset: request.subset.as_deref(),
@@ -91,6 +93,7 @@ impl Router {
                 }
             })?;
         span.record("model", parsed.model.as_str());
+        *model = Some(parsed.model.clone());
         let decision = self
             .scheduler
             .decide(&parsed, &request.headers, scope)
@@ -152,10 +155,18 @@ impl Router {
     }
 }
 
-impl Picker for Router {
-    type Hold = InFlightGuard;
+/// What a routed request holds until its ext_proc stream ends: its place in the replica's
+/// in-flight count and, when its model is known, in GIE's running requests.
+#[derive(Debug)]
+pub struct RoutedRequest {
+    pub in_flight: InFlightGuard,
+    running: Option<RunningRequest>,
+}
 
-    async fn pick(&self, request: RoutingRequest) -> Result<Routed<InFlightGuard>, Rejection> {
+impl Picker for Router {
+    type Hold = RoutedRequest;
+
+    async fn pick(&self, request: RoutingRequest) -> Result<Routed<RoutedRequest>, Rejection> {
         let span = tracing::debug_span!(
             "route",
             model = Empty,
@@ -180,14 +191,27 @@ impl Picker for Router {
             );
         }
         let started = Instant::now();
-        let (result, cpu) =
-            CpuTimed::new(self.route(request, &span).instrument(span.clone())).await;
+        let body_bytes = request.body.as_ref().map_or(0, |b| b.len());
+        let mut model = None;
+        let (result, cpu) = CpuTimed::new(
+            self.route(request, &span, &mut model)
+                .instrument(span.clone()),
+        )
+        .await;
         self.metrics.observe_pick(started, cpu);
+        let model = model.as_deref().map(|m| self.metrics.model_label(m));
+        let objective = self.metrics.objective();
+        if let Some(model) = model {
+            objective.request(model, body_bytes);
+        }
         let (decision, outcome) = match result {
             Ok(routed) => routed,
             Err(rejection) => {
                 span.record("rejected_status", i64::from(rejection.status));
                 span.record("otel.status_code", "ERROR");
+                if let Some(model) = model {
+                    objective.error(model, error_code(rejection.status));
+                }
                 return Err(rejection);
             }
         };
@@ -209,7 +233,10 @@ impl Picker for Router {
         }
         Ok(Routed {
             destination,
-            hold: decision.in_flight,
+            hold: RoutedRequest {
+                in_flight: decision.in_flight,
+                running: model.map(|m| objective.start(m)),
+            },
             headers,
         })
     }
@@ -222,28 +249,48 @@ impl Picker for Router {
 
     /// With the conformance hooks on, the endpoint that served (as the proxy reported it, else
     /// the pick).
-    fn response_headers(&self, hold: &InFlightGuard) -> Vec<(&'static str, String)> {
+    fn response_headers(&self, hold: &RoutedRequest) -> Vec<(&'static str, String)> {
         if !self.allow_test_selection {
             return Vec::new();
         }
-        vec![(
-            CONFORMANCE_SERVED_HEADER,
-            hold.replica().endpoint().to_owned(),
-        )]
+        let served = hold.in_flight.replica().endpoint();
+        vec![(CONFORMANCE_SERVED_HEADER, served.to_owned())]
+    }
+
+    /// GIE's per-request metrics: duration, response size, the usage's token counts, and the
+    /// upstream's error status.
+    fn finished(&self, hold: RoutedRequest, exchange: Exchange) {
+        let Some(running) = hold.running else {
+            return;
+        };
+        let usage = exchange
+            .complete
+            .then(|| usage_in_tail(&exchange.response_tail))
+            .flatten();
+        self.metrics.objective().finish(
+            running,
+            Finished {
+                elapsed: exchange.received.elapsed(),
+                status: exchange.status,
+                response_bytes: exchange.response_bytes,
+                tokens: usage.map(|u| (u.prompt_tokens, u.completion_tokens)),
+            },
+        );
     }
 
     /// A fallback served the request: the in-flight count moves to it, so load reflects where
     /// requests really run.
-    fn served(&self, hold: &mut InFlightGuard, endpoint: &str) {
-        if hold.replica().endpoint() == endpoint {
+    fn served(&self, hold: &mut RoutedRequest, endpoint: &str) {
+        let in_flight = &mut hold.in_flight;
+        if in_flight.replica().endpoint() == endpoint {
             self.metrics.served(Served::Picked);
             return;
         }
-        let picked = hold.replica().endpoint().to_owned();
+        let picked = in_flight.replica().endpoint().to_owned();
         match self.scheduler.pool().snapshot().find(endpoint) {
             Some(replica) => {
                 self.metrics.served(Served::OtherReplica);
-                *hold = replica.start_request();
+                *in_flight = replica.start_request();
             }
             None => self.metrics.served(Served::Unknown),
         }

@@ -55,7 +55,7 @@ async fn completions_and_chat_are_routed_and_counted() {
         .await
         .unwrap();
     assert!(routed.destination.starts_with("127.0.0.1:800"));
-    assert_eq!(routed.hold.replica().in_flight(), 1);
+    assert_eq!(routed.hold.in_flight.replica().in_flight(), 1);
     let chat = router
         .pick(post(
             "/v1/chat/completions",
@@ -65,8 +65,8 @@ async fn completions_and_chat_are_routed_and_counted() {
         .unwrap();
     // The second request goes to the replica without one in flight.
     assert_ne!(
-        chat.hold.replica().endpoint(),
-        routed.hold.replica().endpoint()
+        chat.hold.in_flight.replica().endpoint(),
+        routed.hold.in_flight.replica().endpoint()
     );
     let text = router.metrics.encode().unwrap();
     assert!(
@@ -191,7 +191,7 @@ async fn test_selection_header_only_behind_the_flag() {
     let _busy = routed;
     let ignored = router(&pool, false);
     let routed = ignored.pick(selection("127.0.0.1:8002")).await.unwrap();
-    assert_eq!(routed.hold.replica().endpoint(), "127.0.0.1:8001");
+    assert_eq!(routed.hold.in_flight.replica().endpoint(), "127.0.0.1:8001");
 }
 
 #[tokio::test]
@@ -303,4 +303,97 @@ async fn a_fallback_that_served_takes_the_in_flight_count() {
     ] {
         assert!(text.contains(line), "{line} missing from\n{text}");
     }
+}
+
+/// The sample `name{labels} value` in `metrics`, if there.
+fn sample(metrics: &Metrics, line_start: &str) -> Option<f64> {
+    let text = metrics.encode().unwrap();
+    text.lines()
+        .find_map(|line| line.strip_prefix(line_start)?.trim().parse().ok())
+}
+
+#[tokio::test]
+async fn gies_request_metrics_follow_each_request_by_model() {
+    let pool = pool();
+    let metrics = Arc::new(Metrics::new(Arc::clone(&pool)));
+    let router = Router::new(
+        Scheduler::load_only(Arc::clone(&pool)).expect("builds"),
+        Arc::clone(&metrics),
+        false,
+    );
+    let tiny = r#"{model_name="tiny",target_model_name="tiny"}"#;
+    let routed = router
+        .pick(post("/v1/completions", r#"{"model":"tiny","prompt":"hi"}"#))
+        .await
+        .unwrap();
+    let running = r#"inference_objective_running_requests{model_name="tiny"}"#;
+    assert_eq!(sample(&metrics, running), Some(1.0));
+    assert_eq!(
+        sample(
+            &metrics,
+            &format!("inference_objective_request_total{tiny}")
+        ),
+        Some(1.0)
+    );
+    // The stream ends with the upstream's 500 and a usage.
+    let mut exchange = Exchange::new(Instant::now());
+    exchange.status = Some(500);
+    exchange.response_chunk(
+        br#"{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3}}"#,
+        true,
+    );
+    router.finished(routed.hold, exchange);
+    assert_eq!(sample(&metrics, running), Some(0.0));
+    let count = |name: &str| sample(&metrics, &format!("inference_objective_{name}_count{tiny}"));
+    assert_eq!(count("request_duration_seconds"), Some(1.0));
+    assert_eq!(count("response_sizes"), Some(1.0));
+    assert_eq!(count("input_tokens"), Some(1.0));
+    assert_eq!(
+        sample(
+            &metrics,
+            &format!("inference_objective_input_tokens_sum{tiny}")
+        ),
+        Some(5.0)
+    );
+    assert_eq!(
+        sample(
+            &metrics,
+            &format!("inference_objective_output_tokens_sum{tiny}")
+        ),
+        Some(3.0)
+    );
+    assert_eq!(count("normalized_time_per_output_token_seconds"), Some(1.0));
+    assert_eq!(
+        sample(
+            &metrics,
+            r#"inference_objective_request_error_total{model_name="tiny",target_model_name="tiny",error_code="ModelServerError"}"#
+        ),
+        Some(1.0)
+    );
+
+    // A model no replica serves is counted as `unknown`, with GIE's code for the 404.
+    let refused = router
+        .pick(post(
+            "/v1/completions",
+            r#"{"model":"made-up-1","prompt":"hi"}"#,
+        ))
+        .await
+        .expect_err("unknown model");
+    assert_eq!(refused.status, 404);
+    assert_eq!(
+        sample(
+            &metrics,
+            r#"inference_objective_request_error_total{model_name="unknown",target_model_name="unknown",error_code="BadRequest"}"#
+        ),
+        Some(1.0)
+    );
+    assert!(!metrics.encode().unwrap().contains("made-up-1"));
+    // A dropped hold (the stream went away) leaves the running count too.
+    let routed = router
+        .pick(post("/v1/completions", r#"{"model":"tiny","prompt":"x"}"#))
+        .await
+        .unwrap();
+    assert_eq!(sample(&metrics, running), Some(1.0));
+    drop(routed);
+    assert_eq!(sample(&metrics, running), Some(0.0));
 }
