@@ -22,6 +22,7 @@ pub mod pool;
 pub mod prefix;
 pub mod router;
 pub mod scheduler;
+pub mod tls;
 pub mod tokenize;
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use llmgw::feed::tls::{FeedTls, TlsRefusal};
+use llmgw::tls::{ServerTls, TlsRefusal};
 use llmgw_agent::daemon::Agent;
 use llmgw_agent::engine::HashStatus;
 use llmgw_agent::routers::{self, Resolve, RouterService};
@@ -309,7 +309,7 @@ async fn mtls_router(ca: &TestCa) -> Router {
 /// The same, checking (or not) that a certificate names the node its agent claims.
 async fn mtls_router_checking(ca: &TestCa, check_node: bool) -> Router {
     let server = ca.server();
-    let tls = FeedTls::from_pem(
+    let tls = ServerTls::from_pem(
         server.cert.as_bytes(),
         server.key.as_bytes(),
         Some(ca.pem().as_bytes()),
@@ -650,13 +650,13 @@ async fn the_router_serves_renewed_certificates_without_a_restart() {
         &["elsewhere.example"],
         rcgen::ExtendedKeyUsagePurpose::ServerAuth,
     ));
-    let paths = llmgw::feed::tls::FeedTlsPaths {
+    let paths = llmgw::tls::TlsPaths {
         check_node: true,
         cert: path("tls.crt"),
         key: path("tls.key"),
         client_ca: None,
     };
-    let tls = FeedTls::load(&paths).expect("loads");
+    let tls = ServerTls::load(&paths).expect("loads");
     let r = router_tls(None, None, Some(tls)).await;
     let mut n = node(REPLICA, "1729", &[], None).await;
     let mut config = UplinkConfig::new(r.addr.clone(), None);

@@ -422,6 +422,71 @@ async fn gie_conformance_hooks_behind_envoy_with_a_subset_hint() {
     assert_eq!(count(&metrics, "inference_objective_running_requests"), 0.0);
 }
 
+/// `envoy-gie.yaml` with the `llmgw` cluster reached over TLS, as gateways configured for GIE's
+/// endpoint picker reach it (Istio's DestinationRule `tls: SIMPLE, insecureSkipVerify: true`):
+/// no validation context, so the router's self-signed certificate is accepted.
+fn with_upstream_tls_to_llmgw(text: String) -> String {
+    const LLMGW_ENDPOINTS: &str = "    load_assignment:\n      cluster_name: llmgw\n";
+    assert_eq!(
+        text.matches(LLMGW_ENDPOINTS).count(),
+        1,
+        "one llmgw cluster"
+    );
+    let tls = "    transport_socket:\n\
+               \x20     name: envoy.transport_sockets.tls\n\
+               \x20     typed_config:\n\
+               \x20       \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext\n\
+               \x20       sni: llmgw-router\n\
+               \x20       common_tls_context: {alpn_protocols: [h2]}\n";
+    text.replace(LLMGW_ENDPOINTS, &format!("{tls}{LLMGW_ENDPOINTS}"))
+}
+
+/// `--secure-serving` with no certificate: the router makes one, and a real Envoy whose ext_proc
+/// cluster speaks TLS (its health checks too) routes through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gie_config_over_tls_to_a_self_signed_router() {
+    let a = sim("a", &["tiny"], 0, &[]);
+    let b = sim("b", &["tiny"], 0, &[]);
+    let grpc = free_port();
+    let router = start_router(
+        grpc,
+        &[format!("tiny={}", a.addr), format!("tiny={}", b.addr)],
+        &["--secure-serving", "--allow-test-endpoint-selection"],
+    );
+    router.wait_healthy(&[a.addr, b.addr]).await;
+    let envoy = start_envoy_with(
+        "envoy-gie.yaml",
+        grpc,
+        [a.addr, b.addr],
+        with_upstream_tls_to_llmgw,
+    )
+    .await;
+    envoy.wait_llmgw_marked_up().await;
+    for (target, name) in [(a.addr, "a"), (b.addr, "b")] {
+        let (_, replica, served) =
+            post_for_conformance(&envoy, "over tls", Some(&target.to_string())).await;
+        assert_eq!(
+            (replica.as_deref(), served),
+            (Some(name), Some(target.to_string()))
+        );
+    }
+    let metrics = router.metrics().await;
+    assert_eq!(
+        prom::sum(
+            &metrics,
+            "llmgw_decisions_total",
+            &[("outcome", "routed_test_selection")]
+        ),
+        Some(2.0),
+        "{metrics}"
+    );
+    // Envoy never fell back to plaintext: nothing was refused.
+    assert_eq!(
+        prom::sum(&metrics, "llmgw_extproc_tls_refused_total", &[]),
+        None
+    );
+}
+
 /// Polls `check` until it holds, failing after 10 s.
 async fn wait_for<F, Fut>(mut check: F)
 where

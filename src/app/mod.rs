@@ -11,6 +11,7 @@
 use std::net::SocketAddr;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::Arc;
 
 use thiserror::Error;
@@ -31,6 +32,7 @@ use crate::pool::monitor::{self, HttpProber, ProbeError};
 use crate::pool::{CONFIG_SOURCE, Pool, ReplicaSources};
 use crate::router::Router;
 use crate::scheduler::{PluginResources, ProfileError, Scheduler};
+use crate::tls::{ServingTls, TlsIncoming, TlsRefusals};
 use crate::tokenize::Tokenizer;
 
 /// HTTP/2 flow-control windows of the ext_proc server: a whole large prompt per stream, many
@@ -79,8 +81,8 @@ pub enum ServeError {
     Admin(#[source] std::io::Error),
     #[error(transparent)]
     Models(#[from] ModelSettingsError),
-    #[error("feed TLS: {0}")]
-    FeedTls(#[from] crate::feed::tls::FeedTlsError),
+    #[error("TLS: {0}")]
+    Tls(#[from] crate::tls::TlsError),
     #[error(transparent)]
     Discovery(#[from] DiscoveryError),
     #[error("scheduling profile: {0}")]
@@ -149,7 +151,7 @@ pub async fn serve(
             .feed
             .tls
             .as_ref()
-            .map(crate::feed::tls::FeedTls::load)
+            .map(crate::tls::ServerTls::load)
             .transpose()?,
     );
 
@@ -222,6 +224,20 @@ pub async fn serve(
             tokenizer,
         }));
     feed.metrics.register(metrics.registry_mut());
+    // TLS on ext_proc: the certificate is made or read before anything listens.
+    let ext_proc_tls = settings
+        .ext_proc_tls
+        .as_ref()
+        .map(ServingTls::acceptor)
+        .transpose()?;
+    let ext_proc_tls_refused = TlsRefusals::default();
+    if ext_proc_tls.is_some() {
+        metrics.registry_mut().register(
+            "llmgw_extproc_tls_refused",
+            "TLS handshakes refused on the ext_proc port, by reason",
+            ext_proc_tls_refused.clone(),
+        );
+    }
     discovery_metrics.register(metrics.registry_mut());
     let scheduler = Scheduler::build(
         Arc::clone(&pool),
@@ -276,6 +292,7 @@ pub async fn serve(
         feed = %bound.feed,
         replicas = settings.replicas.len(),
         pool = ?settings.pool,
+        ext_proc_tls = settings.ext_proc_tls.is_some(),
         "llmgw-router serving"
     );
 
@@ -321,12 +338,21 @@ pub async fn serve(
     // TCP_NODELAY must be set on the accepted sockets here: tonic ignores `Server::tcp_nodelay`
     // for a caller-supplied listener, and with Nagle on, an answer written while an earlier small
     // write (a WINDOW_UPDATE, the header answer) is unacknowledged waits for Envoy's delayed ACK.
-    let grpc = ext_proc_server().serve_with_incoming_shutdown(
-        tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
-        async move {
-            let _ = grpc_stop.wait_for(|stop| *stop).await;
-        },
-    );
+    // (The TLS listener sets it too.)
+    let grpc_stopped = async move {
+        let _ = grpc_stop.wait_for(|stop| *stop).await;
+    };
+    let grpc: Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
+        match ext_proc_tls {
+            Some(tls) => Box::pin(ext_proc_server().serve_with_incoming_shutdown(
+                TlsIncoming::new("ext_proc", grpc_listener, tls, ext_proc_tls_refused),
+                grpc_stopped,
+            )),
+            None => Box::pin(ext_proc_server().serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+                grpc_stopped,
+            )),
+        };
     let admin_state = Arc::new(AdminState {
         pool,
         metrics,

@@ -439,3 +439,143 @@ async fn a_unix_socket_listener_and_what_is_in_its_way() {
     assert!(error.to_string().contains("notes.txt"), "{error}");
     assert_eq!(std::fs::read_to_string(&in_the_way).unwrap(), "keep me");
 }
+
+/// A CA's certificate and a `localhost` server certificate it signed, written into `dir` as
+/// tls.crt and tls.key; returns the CA's PEM.
+fn write_signed_certificate(dir: &Path, ca_name: &str) -> String {
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, ca_name);
+    let ca = rcgen::CertifiedIssuer::self_signed(ca, rcgen::KeyPair::generate().unwrap()).unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["localhost".to_string()])
+        .unwrap()
+        .signed_by(&key, &ca)
+        .unwrap();
+    // Written whole, then renamed, as a Secret volume's update swaps its files.
+    for (name, text) in [("tls.crt", cert.pem()), ("tls.key", key.serialize_pem())] {
+        let partial = dir.join(format!(".{name}.new"));
+        std::fs::write(&partial, text).unwrap();
+        std::fs::rename(&partial, dir.join(name)).unwrap();
+    }
+    ca.pem()
+}
+
+/// A health client over TLS to `addr`, trusting `ca` for `localhost`.
+async fn health_over_tls(
+    addr: SocketAddr,
+    ca: &str,
+) -> Result<HealthClient<tonic::transport::Channel>, tonic::transport::Error> {
+    let tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(ca))
+        .domain_name("localhost");
+    let channel = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(tls)?
+        .connect()
+        .await?;
+    Ok(HealthClient::new(channel))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ext_proc_over_tls_from_a_certificate_directory_that_is_reloaded() {
+    let up = Arc::new(AtomicBool::new(true));
+    let replica = fake_replica(Arc::clone(&up)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let first_ca = write_signed_certificate(dir.path(), "first CA");
+    let settings = Settings::resolve(&ServeArgs {
+        replicas: vec![format!("tiny={replica}")],
+        serving: crate::tls::ServingOptions {
+            cert_path: Some(dir.path().to_path_buf()),
+            enable_cert_reload: Some(true),
+            ..Default::default()
+        },
+        ..on_loopback()
+    })
+    .unwrap();
+    let running = Running::start(settings).await;
+    let grpc = running.bound.grpc;
+
+    // A client that trusts the first CA is served, health services included.
+    let mut health = health_over_tls(grpc, &first_ca).await.unwrap();
+    assert_eq!(status_of(&mut health, "liveness").await, Status::Serving);
+    // A plaintext client is refused at the handshake, and counted.
+    let plain = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    assert!(
+        HealthClient::new(plain)
+            .check(HealthCheckRequest::default())
+            .await
+            .is_err()
+    );
+    let metrics_url = format!("http://{}/metrics", running.bound.admin);
+    let refused = text_of(&metrics_url).await;
+    assert!(
+        refused.contains(r#"llmgw_extproc_tls_refused_total{reason="not_tls"} 1"#),
+        "{refused}"
+    );
+
+    // The Secret is renewed under another CA: the next connection gets the new certificate,
+    // and a client trusting only the old CA no longer connects.
+    let second_ca = write_signed_certificate(dir.path(), "second CA");
+    let mut renewed = health_over_tls(grpc, &second_ca).await.unwrap();
+    assert_eq!(status_of(&mut renewed, "liveness").await, Status::Serving);
+    let stale = match health_over_tls(grpc, &first_ca).await {
+        Ok(mut client) => client.check(HealthCheckRequest::default()).await.is_err(),
+        Err(_) => true,
+    };
+    assert!(stale, "the old certificate is still served");
+    // The connection opened before the renewal keeps working.
+    assert_eq!(status_of(&mut health, "liveness").await, Status::Serving);
+
+    running.stop().await;
+}
+
+#[test]
+fn tls_options_read_as_gies_endpoint_picker_flags() {
+    use crate::tls::{ServingOptions, ServingOptionsError, ServingTls};
+    use clap::Parser as _;
+    #[derive(clap::Parser)]
+    struct Flags {
+        #[command(flatten)]
+        serving: ServingOptions,
+    }
+    let resolve = |args: &[&str]| {
+        let mut all = vec!["serve"];
+        all.extend_from_slice(args);
+        Flags::try_parse_from(all)
+            .unwrap()
+            .serving
+            .resolve(&ServingOptions::default())
+    };
+    assert_eq!(resolve(&[]), Ok(None));
+    assert_eq!(resolve(&["--secure-serving=false"]), Ok(None));
+    assert_eq!(
+        resolve(&["--secure-serving"]),
+        Ok(Some(ServingTls::SelfSigned))
+    );
+    assert_eq!(
+        resolve(&["--secure-serving=true"]),
+        Ok(Some(ServingTls::SelfSigned))
+    );
+    let Ok(Some(ServingTls::Files { paths, reload })) =
+        resolve(&["--cert-path", "/etc/llmgw/tls", "--enable-cert-reload"])
+    else {
+        panic!("a certificate directory");
+    };
+    assert_eq!(paths.cert, Path::new("/etc/llmgw/tls/tls.crt"));
+    assert_eq!(paths.key, Path::new("/etc/llmgw/tls/tls.key"));
+    assert!(reload);
+    assert_eq!(
+        resolve(&["--secure-serving=false", "--cert-path", "/x"]),
+        Err(ServingOptionsError::CertPathWithoutTls)
+    );
+    assert_eq!(
+        resolve(&["--secure-serving", "--enable-cert-reload"]),
+        Err(ServingOptionsError::ReloadWithoutFiles)
+    );
+}

@@ -61,6 +61,7 @@ use crate::models::{FileModel, ModelSettings};
 use crate::pool::monitor::{ProbeOptions, ProbeSettings};
 use crate::pool::{CONFIG_SOURCE, ReplicaSources, ReplicaSpec};
 use crate::scheduler::{ProfileError, SchedulerArgs, SchedulerConfig};
+use crate::tls::{ServingOptions, ServingOptionsError, ServingTls};
 use crate::tokenize::{TokenizerConfig, TokenizerOptions};
 
 #[derive(Debug, Error)]
@@ -95,6 +96,8 @@ pub enum ConfigError {
     UnknownKeys { path: PathBuf, keys: String },
     #[error(transparent)]
     Feed(#[from] FeedOptionsError),
+    #[error(transparent)]
+    Serving(#[from] ServingOptionsError),
     #[error("--pool-namespace needs --pool-name")]
     PoolNamespaceWithoutName,
 }
@@ -175,6 +178,8 @@ pub struct ServeArgs {
     pub index: IndexOptions,
     #[command(flatten)]
     pub feed: FeedOptions,
+    #[command(flatten)]
+    pub serving: ServingOptions,
 }
 
 /// The configuration file. Every field is optional; the modules' own groups of keys are
@@ -208,6 +213,8 @@ pub struct FileConfig {
     pub index: IndexOptions,
     #[serde(flatten)]
     pub feed: FeedOptions,
+    #[serde(flatten)]
+    pub serving: ServingOptions,
     /// Keys no field above took. Serde cannot deny unknown fields of a struct with flattened
     /// parts, so this catches them, last, and [`read_file`] refuses the file when any is here.
     #[serde(flatten)]
@@ -265,6 +272,8 @@ pub struct Settings {
     pub tokenizer: TokenizerConfig,
     pub index: IndexConfig,
     pub feed: FeedSettings,
+    /// TLS on the ext_proc port, or plaintext.
+    pub ext_proc_tls: Option<ServingTls>,
 }
 
 impl Settings {
@@ -340,6 +349,7 @@ impl Settings {
             tokenizer: args.tokenizer.resolve(&file.tokenizer),
             index: args.index.resolve(&file.index),
             feed: args.feed.resolve(&file.feed)?,
+            ext_proc_tls: args.serving.resolve(&file.serving)?,
         };
         for (name, value) in [
             ("health_interval", settings.probes.health_interval),

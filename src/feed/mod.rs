@@ -42,7 +42,6 @@ mod options;
 pub mod state;
 #[cfg(test)]
 mod tests;
-pub mod tls;
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -69,6 +68,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::blockhash::ExternalHash;
 use crate::kvindex::KvEventSink;
 use crate::models::ModelSettings;
+use crate::tls;
 
 pub use options::{FeedOptions, FeedOptionsError, FeedSettings};
 pub use state::{FeedLimits, FeedState, StreamEnd, StreamId, Violation};
@@ -268,7 +268,7 @@ pub struct FeedService {
     /// Streams that must end, and why.
     kick: Arc<tokio::sync::broadcast::Sender<(StreamId, Kick)>>,
     /// TLS on the feed port; `None` serves plain text.
-    tls: Option<tls::FeedTls>,
+    tls: Option<tls::ServerTls>,
     /// The file the token came from, read again for each stream (a rotated Secret).
     token_file: Option<Arc<PathBuf>>,
     pub metrics: FeedMetrics,
@@ -323,7 +323,7 @@ impl FeedService {
     }
 
     /// Serves TLS (mutual TLS when `tls` has a client CA) instead of plain text.
-    pub fn with_tls(mut self, tls: Option<tls::FeedTls>) -> Self {
+    pub fn with_tls(mut self, tls: Option<tls::ServerTls>) -> Self {
         self.tls = tls;
         self
     }
@@ -369,7 +369,7 @@ impl FeedService {
         let result = match tls {
             Some(tls) => {
                 server
-                    .serve_with_incoming(tls::TlsIncoming::new(listener, tls, refused))
+                    .serve_with_incoming(tls::TlsIncoming::new("feed", listener, tls, refused))
                     .await
             }
             None => {

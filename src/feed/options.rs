@@ -11,7 +11,7 @@ use thiserror::Error;
 
 use super::FeedLimits;
 use super::state::DEFAULT_MAX_BLOCKS_PER_ENGINE;
-use super::tls::FeedTlsPaths;
+use crate::tls::TlsPaths;
 
 #[derive(Debug, Error)]
 pub enum FeedOptionsError {
@@ -75,7 +75,7 @@ pub struct FeedSettings {
     /// Bounds on what one agent stream may claim.
     pub limits: FeedLimits,
     /// TLS on the feed port (`None`: plain text).
-    pub tls: Option<FeedTlsPaths>,
+    pub tls: Option<TlsPaths>,
 }
 
 impl FeedOptions {
@@ -120,13 +120,13 @@ impl FeedOptions {
     }
 
     /// The certificate, key and client CA: each flag over the file's key.
-    fn tls(&self, file: &FeedOptions) -> Result<Option<FeedTlsPaths>, FeedOptionsError> {
+    fn tls(&self, file: &FeedOptions) -> Result<Option<TlsPaths>, FeedOptionsError> {
         let pick = |flag: &Option<PathBuf>, key: &Option<PathBuf>| flag.clone().or(key.clone());
         let cert = pick(&self.feed_tls_cert, &file.feed_tls_cert);
         let key = pick(&self.feed_tls_key, &file.feed_tls_key);
         let client_ca = pick(&self.feed_tls_client_ca, &file.feed_tls_client_ca);
         match (cert, key) {
-            (Some(cert), Some(key)) => Ok(Some(FeedTlsPaths {
+            (Some(cert), Some(key)) => Ok(Some(TlsPaths {
                 check_node: !(self.feed_tls_skip_node_check || file.feed_tls_skip_node_check),
                 cert,
                 key,

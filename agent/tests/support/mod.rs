@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use llmgw::blockhash::ExternalHash;
-use llmgw::feed::tls::FeedTls;
 use llmgw::feed::{FeedConfig, FeedService};
 use llmgw::kvindex::{KvEventSink, Medium};
+use llmgw::tls::ServerTls;
 use llmgw_agent::capture::{Capture, Frame};
 use llmgw_agent::config::{AgentArgs, EngineSpec};
 use llmgw_agent::daemon::Agent;
@@ -94,7 +94,7 @@ pub async fn router(addr: Option<&str>, token: Option<&str>) -> Router {
 }
 
 /// The same, serving TLS when `tls` is given.
-pub async fn router_tls(addr: Option<&str>, token: Option<&str>, tls: Option<FeedTls>) -> Router {
+pub async fn router_tls(addr: Option<&str>, token: Option<&str>, tls: Option<ServerTls>) -> Router {
     let (index, feed) = feed_for_n1(token);
     serve_router(addr, (index, feed.with_tls(tls))).await
 }

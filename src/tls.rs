@@ -1,18 +1,21 @@
-//! Optional TLS (and mutual TLS) on the feed port, with rustls and ring.
+//! TLS (and mutual TLS) on the router's gRPC listeners, with rustls and ring: the agent feed
+//! (`--feed-tls-*`) and ext_proc (`--secure-serving`, as GIE's endpoint picker offers it).
 //!
 //! The router terminates TLS itself rather than through tonic's `ServerTlsConfig`, so that a
-//! refused handshake (no client certificate, one from another CA, a plain-text agent) is
-//! logged with the peer's address and counted in `llmgw_feed_tls_refused_total{reason}`;
-//! tonic would drop it at debug level. The streams handed to tonic are ordinary
-//! `tokio_rustls` server streams, so the service sees nothing different.
+//! refused handshake (no client certificate, one from another CA, a plain-text client) is
+//! logged with the peer's address and counted (`llmgw_feed_tls_refused_total{reason}`,
+//! `llmgw_extproc_tls_refused_total{reason}`); tonic would drop it at debug level. The streams
+//! handed to tonic are ordinary `tokio_rustls` server streams, so the services see nothing
+//! different.
 //!
-//! With mutual TLS the service also checks, per stream, that the node an agent's Hello claims is
+//! With mutual TLS the feed also checks, per stream, that the node an agent's Hello claims is
 //! named by its certificate ([`cert_names`]: DNS subject alt names and the subject's CN, matched
 //! exactly, ASCII case ignored); otherwise any agent with a valid certificate could speak for
-//! another node's replicas. [`FeedTls::with_node_check`] turns that off.
+//! another node's replicas. [`ServerTls::with_node_check`] turns that off.
 //!
-//! Certificates loaded from files ([`FeedTls::load`]) are checked for changes at each new
-//! connection and rebuilt when they changed, so renewed certificates need no restart.
+//! Certificates loaded from files with reloading on ([`ServerTls::load`]) are checked for
+//! changes at each new connection and rebuilt when they changed, so renewed certificates need
+//! no restart. Without files, [`ServerTls::self_signed`] makes a certificate at start.
 //!
 //! # Concurrency model
 //! One accept task owns the listener; each handshake runs in its own task (bounded by
@@ -44,22 +47,119 @@ use tokio_rustls::server::TlsStream;
 /// How long a client may take to complete its handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Where the feed's certificate, key and (for mutual TLS) client CA live.
+/// Where a listener's certificate, key and (for mutual TLS) client CA live.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FeedTlsPaths {
+pub struct TlsPaths {
     /// With a client CA: refuse a stream whose Hello names a node its certificate does not.
     pub check_node: bool,
-    /// PEM certificate chain presented to agents.
+    /// PEM certificate chain presented to clients.
     pub cert: PathBuf,
     /// PEM private key of `cert`.
     pub key: PathBuf,
-    /// PEM CA bundle: when given, every agent must present a certificate it signed.
+    /// PEM CA bundle: when given, every client must present a certificate it signed.
     pub client_ca: Option<PathBuf>,
+}
+
+/// ext_proc's TLS options, named as GIE's endpoint picker names them: flags (and `LLMGW_*`
+/// variables) with the same names as the configuration file's keys.
+#[derive(Debug, Clone, Default, clap::Args, serde::Deserialize)]
+#[serde(default)]
+pub struct ServingOptions {
+    /// Serve ext_proc (and the gRPC health services on its port) over TLS: true or false
+    /// (default false; a bare --secure-serving means true). With no --cert-path a self-signed
+    /// certificate is made at start, as GIE's endpoint picker does. The Unix socket and the
+    /// health-only port stay plaintext (kubelet's gRPC probes speak no TLS).
+    #[arg(
+        long,
+        env = "LLMGW_SECURE_SERVING",
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
+    pub secure_serving: Option<bool>,
+    /// A directory holding ext_proc's certificate and key as tls.crt and tls.key (a Kubernetes
+    /// TLS Secret mounted as a volume); implies --secure-serving.
+    #[arg(long, env = "LLMGW_CERT_PATH")]
+    pub cert_path: Option<PathBuf>,
+    /// Read --cert-path's files again when they change (checked at each new connection).
+    #[arg(
+        long,
+        env = "LLMGW_ENABLE_CERT_RELOAD",
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
+    pub enable_cert_reload: Option<bool>,
+}
+
+/// How ext_proc is served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ServingTls {
+    /// A certificate made at start.
+    SelfSigned,
+    /// `tls.crt` and `tls.key` in a directory, read again when they change if `reload`.
+    Files { paths: TlsPaths, reload: bool },
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ServingOptionsError {
+    #[error("--cert-path needs TLS, but --secure-serving is false")]
+    CertPathWithoutTls,
+    #[error("--enable-cert-reload needs --cert-path (a self-signed certificate has no files)")]
+    ReloadWithoutFiles,
+}
+
+impl ServingOptions {
+    /// These options (the flags) over `file`'s; `None` is plaintext.
+    pub fn resolve(
+        &self,
+        file: &ServingOptions,
+    ) -> Result<Option<ServingTls>, ServingOptionsError> {
+        let cert_path = self.cert_path.clone().or(file.cert_path.clone());
+        let secure = (self.secure_serving)
+            .or(file.secure_serving)
+            .unwrap_or(cert_path.is_some());
+        let reload = (self.enable_cert_reload)
+            .or(file.enable_cert_reload)
+            .unwrap_or(false);
+        match (secure, cert_path) {
+            (false, Some(_)) => Err(ServingOptionsError::CertPathWithoutTls),
+            (false, None) | (true, None) if reload => Err(ServingOptionsError::ReloadWithoutFiles),
+            (false, None) => Ok(None),
+            (true, None) => Ok(Some(ServingTls::SelfSigned)),
+            (true, Some(dir)) => Ok(Some(ServingTls::Files {
+                paths: TlsPaths {
+                    check_node: false,
+                    cert: dir.join("tls.crt"),
+                    key: dir.join("tls.key"),
+                    client_ca: None,
+                },
+                reload,
+            })),
+        }
+    }
+}
+
+impl ServingTls {
+    /// The acceptor: the certificate made or read now.
+    pub fn acceptor(&self) -> Result<ServerTls, TlsError> {
+        match self {
+            ServingTls::SelfSigned => {
+                ServerTls::self_signed(&["llmgw-router".to_string(), "localhost".to_string()])
+            }
+            ServingTls::Files {
+                paths,
+                reload: true,
+            } => ServerTls::load(paths),
+            ServingTls::Files {
+                paths,
+                reload: false,
+            } => ServerTls::load_once(paths),
+        }
+    }
 }
 
 /// Errors setting TLS up (all at start-up).
 #[derive(Debug, Error)]
-pub enum FeedTlsError {
+pub enum TlsError {
     #[error("cannot read {path}: {source}")]
     Read {
         path: PathBuf,
@@ -72,11 +172,13 @@ pub enum FeedTlsError {
     ClientCa(#[from] rustls::server::VerifierBuilderError),
     #[error("certificate and key: {0}")]
     Rustls(#[from] rustls::Error),
+    #[error("self-signed certificate: {0}")]
+    SelfSigned(#[from] rcgen::Error),
 }
 
-/// A ready TLS acceptor for the feed.
+/// A ready TLS acceptor.
 #[derive(Clone)]
-pub struct FeedTls {
+pub struct ServerTls {
     acceptor: TlsAcceptor,
     client_auth: bool,
     check_node: bool,
@@ -87,14 +189,14 @@ pub struct FeedTls {
 /// A file's modification time and length, `None` while it cannot be read.
 type Stamp = Option<(std::time::SystemTime, u64)>;
 
-/// The files of a [`FeedTls`] and the acceptor last built from them.
+/// The files of a [`ServerTls`] and the acceptor last built from them.
 struct Reload {
-    paths: FeedTlsPaths,
+    paths: TlsPaths,
     current: parking_lot::Mutex<(Vec<Stamp>, TlsAcceptor)>,
 }
 
 impl Reload {
-    fn stamps(paths: &FeedTlsPaths) -> Vec<Stamp> {
+    fn stamps(paths: &TlsPaths) -> Vec<Stamp> {
         [
             Some(&paths.cert),
             Some(&paths.key),
@@ -112,18 +214,19 @@ impl Reload {
     /// The acceptor for a new connection: rebuilt first if a file changed since the last
     /// build (certificates renewed by cert-manager or a rotated Secret). A change that does
     /// not load (a file half written) keeps the previous acceptor and is retried at the next
-    /// connection. Connections are rare (one per agent reconnect), so checking costs nothing.
+    /// connection. Connections are rare (an agent's reconnect, a proxy's new HTTP/2 connection), so checking
+    /// costs nothing.
     fn acceptor(&self) -> TlsAcceptor {
         let mut current = self.current.lock();
         let stamps = Reload::stamps(&self.paths);
         if stamps != current.0 {
-            match FeedTls::load_files(&self.paths) {
+            match ServerTls::load_files(&self.paths) {
                 Ok(fresh) => {
-                    tracing::info!(cert = %self.paths.cert.display(), "feed TLS files changed: reloaded");
+                    tracing::info!(cert = %self.paths.cert.display(), "TLS files changed: reloaded");
                     *current = (stamps, fresh.acceptor);
                 }
                 Err(error) => {
-                    tracing::warn!(%error, "feed TLS files changed but do not load; keeping the previous ones");
+                    tracing::warn!(cert = %self.paths.cert.display(), %error, "TLS files changed but do not load; keeping the previous ones");
                 }
             }
         }
@@ -131,31 +234,31 @@ impl Reload {
     }
 }
 
-impl std::fmt::Debug for FeedTls {
+impl std::fmt::Debug for ServerTls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FeedTls")
+        f.debug_struct("ServerTls")
             .field("client_auth", &self.client_auth)
             .field("check_node", &self.check_node)
             .finish_non_exhaustive()
     }
 }
 
-fn read(path: &Path) -> Result<Vec<u8>, FeedTlsError> {
-    std::fs::read(path).map_err(|source| FeedTlsError::Read {
+fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
         path: path.to_path_buf(),
         source,
     })
 }
 
-fn certs(pem: &[u8], what: &'static str) -> Result<Vec<CertificateDer<'static>>, FeedTlsError> {
+fn certs(pem: &[u8], what: &'static str) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let certs = CertificateDer::pem_slice_iter(pem)
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| FeedTlsError::Pem {
+        .map_err(|e| TlsError::Pem {
             what,
             why: e.to_string(),
         })?;
     if certs.is_empty() {
-        return Err(FeedTlsError::Pem {
+        return Err(TlsError::Pem {
             what,
             why: "no PEM certificate found".into(),
         });
@@ -163,11 +266,30 @@ fn certs(pem: &[u8], what: &'static str) -> Result<Vec<CertificateDer<'static>>,
     Ok(certs)
 }
 
-impl FeedTls {
+impl ServerTls {
+    /// Reads the files named in `paths` once.
+    pub fn load_once(paths: &TlsPaths) -> Result<ServerTls, TlsError> {
+        ServerTls::load_files(paths)
+    }
+
+    /// A self-signed certificate for `names` (DNS names or IPs), made now, as GIE's endpoint
+    /// picker makes one when it is given none: the connection is encrypted, and a client must
+    /// skip verification (Istio's `insecureSkipVerify`, an Envoy upstream TLS context without
+    /// a validation context).
+    pub fn self_signed(names: &[String]) -> Result<ServerTls, TlsError> {
+        let key = rcgen::KeyPair::generate()?;
+        let mut params = rcgen::CertificateParams::new(names.to_vec())?;
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "llmgw-router");
+        let cert = params.self_signed(&key)?;
+        ServerTls::from_pem(cert.pem().as_bytes(), key.serialize_pem().as_bytes(), None)
+    }
+
     /// Reads the files named in `paths`, and reads them again when they change.
-    pub fn load(paths: &FeedTlsPaths) -> Result<FeedTls, FeedTlsError> {
+    pub fn load(paths: &TlsPaths) -> Result<ServerTls, TlsError> {
         let stamps = Reload::stamps(paths);
-        let mut tls = FeedTls::load_files(paths)?;
+        let mut tls = ServerTls::load_files(paths)?;
         tls.reload = Some(Arc::new(Reload {
             paths: paths.clone(),
             current: parking_lot::Mutex::new((stamps, tls.acceptor.clone())),
@@ -175,10 +297,10 @@ impl FeedTls {
         Ok(tls)
     }
 
-    fn load_files(paths: &FeedTlsPaths) -> Result<FeedTls, FeedTlsError> {
+    fn load_files(paths: &TlsPaths) -> Result<ServerTls, TlsError> {
         let ca = paths.client_ca.as_deref().map(read).transpose()?;
         Ok(
-            FeedTls::from_pem(&read(&paths.cert)?, &read(&paths.key)?, ca.as_deref())?
+            ServerTls::from_pem(&read(&paths.cert)?, &read(&paths.key)?, ca.as_deref())?
                 .with_node_check(paths.check_node),
         )
     }
@@ -191,16 +313,16 @@ impl FeedTls {
         }
     }
 
-    /// From PEM text: the server's chain and key, and optionally the CA that signs agents'
+    /// From PEM text: the server's chain and key, and optionally the CA that signs clients'
     /// certificates (then a client certificate is required).
     pub fn from_pem(
         cert: &[u8],
         key: &[u8],
         client_ca: Option<&[u8]>,
-    ) -> Result<FeedTls, FeedTlsError> {
-        let chain = certs(cert, "feed certificate")?;
-        let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| FeedTlsError::Pem {
-            what: "feed key",
+    ) -> Result<ServerTls, TlsError> {
+        let chain = certs(cert, "certificate")?;
+        let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| TlsError::Pem {
+            what: "key",
             why: e.to_string(),
         })?;
         let builder = rustls::ServerConfig::builder_with_provider(Arc::new(
@@ -224,7 +346,7 @@ impl FeedTls {
         };
         let mut config = builder.with_single_cert(chain, key)?;
         config.alpn_protocols = vec![b"h2".to_vec()];
-        Ok(FeedTls {
+        Ok(ServerTls {
             acceptor: TlsAcceptor::from(Arc::new(config)),
             client_auth: client_ca.is_some(),
             check_node: true,
@@ -232,13 +354,14 @@ impl FeedTls {
         })
     }
 
-    /// Whether a client certificate must name the node the agent claims (default: yes).
+    /// Whether a client certificate must name the node the agent claims (the feed's check;
+    /// default: yes).
     pub fn with_node_check(mut self, on: bool) -> Self {
         self.check_node = on;
         self
     }
 
-    /// Whether agents must present a certificate.
+    /// Whether clients must present a certificate.
     pub fn requires_client_cert(&self) -> bool {
         self.client_auth
     }
@@ -328,17 +451,24 @@ impl Stream for TlsIncoming {
 }
 
 impl TlsIncoming {
-    /// Accepts on `listener`, handshakes with `tls`, counts refusals in `refused`.
-    pub fn new(listener: TcpListener, tls: FeedTls, refused: TlsRefusals) -> TlsIncoming {
+    /// Accepts on `listener`, handshakes with `tls`, counts refusals in `refused`; `name`
+    /// names the listener in logs.
+    pub fn new(
+        name: &'static str,
+        listener: TcpListener,
+        tls: ServerTls,
+        refused: TlsRefusals,
+    ) -> TlsIncoming {
         let (tx, rx) = mpsc::channel(64);
-        let accept = tokio::spawn(accept_loop(listener, tls, refused, tx));
+        let accept = tokio::spawn(accept_loop(name, listener, tls, refused, tx));
         TlsIncoming { rx, accept }
     }
 }
 
 async fn accept_loop(
+    name: &'static str,
     listener: TcpListener,
-    tls: FeedTls,
+    tls: ServerTls,
     refused: TlsRefusals,
     tx: mpsc::Sender<TlsStream<TcpStream>>,
 ) {
@@ -353,7 +483,7 @@ async fn accept_loop(
             Ok(a) => a,
             Err(error) => {
                 // Out of descriptors and the like: back off briefly rather than spin.
-                tracing::warn!(%error, "feed: accept failed");
+                tracing::warn!(listener = name, %error, "accept failed");
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
@@ -376,7 +506,7 @@ async fn accept_loop(
                 Err(error) => {
                     let reason = refusal_reason(&error);
                     refused.get_or_create(&TlsRefusal { reason }).inc();
-                    tracing::warn!(%peer, reason, %error, "feed: TLS handshake refused");
+                    tracing::warn!(listener = name, %peer, reason, %error, "TLS handshake refused");
                 }
             }
         });
