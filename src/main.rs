@@ -114,10 +114,10 @@ fn serve(command: &ServeCommand) -> anyhow::Result<()> {
         })?
     };
     let settings = llmgw::config::Settings::resolve(&command.serve)?;
-    if settings.replicas.is_empty() && settings.discovery.services.is_empty() {
+    if !settings.has_replica_source() {
         anyhow::bail!(
-            "no replicas: pass --replica MODEL=IP:PORT, --config FILE or \
-             --k8s-service MODEL=NAMESPACE/SERVICE:PORT"
+            "no replicas: pass --replica MODEL=IP:PORT, --config FILE, \
+             --k8s-service MODEL=NAMESPACE/SERVICE:PORT or --pool-name NAME"
         );
     }
     let uds = settings

@@ -277,6 +277,15 @@ pub struct Settings {
 }
 
 impl Settings {
+    /// Whether anything can give the router replicas: the configuration, a Kubernetes
+    /// Service, or the InferencePool.
+    pub fn has_replica_source(&self) -> bool {
+        !self.replicas.is_empty()
+            || self.config_path.is_some()
+            || !self.discovery.services.is_empty()
+            || self.pool.is_some()
+    }
+
     /// Flags over file over defaults.
     pub fn resolve(args: &ServeArgs) -> Result<Settings, ConfigError> {
         let file = match &args.config {

@@ -458,3 +458,24 @@ fn the_unix_socket_comes_from_the_flag_or_the_file() {
     };
     assert_eq!(Settings::resolve(&neither).unwrap().grpc_uds, None);
 }
+
+#[test]
+fn an_inference_pool_alone_is_a_source_of_replicas() {
+    let nothing = Settings::resolve(&ServeArgs::default()).unwrap();
+    assert!(!nothing.has_replica_source());
+    let pool = Settings::resolve(&ServeArgs {
+        pool_name: Some("vllm".to_string()),
+        ..ServeArgs::default()
+    })
+    .unwrap();
+    assert!(pool.has_replica_source());
+    let service = Settings::resolve(&ServeArgs {
+        discovery: DiscoveryOptions {
+            k8s_services: vec!["m=llm/vllm:8000".parse().unwrap()],
+            ..DiscoveryOptions::default()
+        },
+        ..ServeArgs::default()
+    })
+    .unwrap();
+    assert!(service.has_replica_source());
+}
