@@ -177,6 +177,24 @@ impl ChildGuard {
     pub fn id(&self) -> u32 {
         self.child.id()
     }
+
+    /// Sends SIGTERM (as Kubernetes does to stop a pod) and waits at most `timeout` for the
+    /// process to exit; returns its status, or `None` if it is still running.
+    pub fn terminate(&mut self, timeout: std::time::Duration) -> Option<std::process::ExitStatus> {
+        let sent = std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(sent, "kill -TERM {} failed", self.name);
+        let deadline = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        None
+    }
 }
 
 impl Drop for ChildGuard {

@@ -15,7 +15,8 @@ mod router_support;
 use std::collections::HashSet;
 use std::path::Path;
 use std::process::Command;
-use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -485,6 +486,108 @@ async fn gie_config_over_tls_to_a_self_signed_router() {
         prom::sum(&metrics, "llmgw_extproc_tls_refused_total", &[]),
         None
     );
+}
+
+/// `envoy-gie.yaml` with a second router in the `llmgw` cluster, at `second`.
+fn with_second_router(text: String, second: u16) -> String {
+    const FIRST: &str = "              socket_address: {address: 127.0.0.1, port_value: 9002}\n";
+    assert_eq!(text.matches(FIRST).count(), 1, "one llmgw endpoint");
+    let second = format!(
+        "        - endpoint:\n            address:\n\
+         \x20             socket_address: {{address: 127.0.0.1, port_value: {second}}}\n"
+    );
+    text.replace(FIRST, &format!("{FIRST}{second}"))
+}
+
+/// How many routers Envoy's health checks of the `llmgw` cluster count as up.
+async fn routers_up(envoy: &EnvoyProcess) -> usize {
+    let clusters = reqwest::get(format!("http://{}/clusters", envoy.admin))
+        .await
+        .expect("GET /clusters")
+        .text()
+        .await
+        .expect("clusters text");
+    clusters
+        .lines()
+        .filter(|l| l.starts_with("llmgw::") && l.contains("::health_flags::"))
+        .filter(|l| l.ends_with("::healthy"))
+        .count()
+}
+
+/// A rolling restart of two routers behind one Envoy, each stopped with SIGTERM (as Kubernetes
+/// stops a pod) and started again on its port, fails no request: every answer is a 200 that a
+/// router routed (the conformance header says which replica served it; a request that failed
+/// open would lack it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_of_two_routers_fails_no_request() {
+    let a = sim("a", &["tiny"], 0, &[]);
+    let b = sim("b", &["tiny"], 0, &[]);
+    let replicas = [format!("tiny={}", a.addr), format!("tiny={}", b.addr)];
+    // The delay outlasts two of Envoy's 0.5 s health checks, so new streams move first.
+    let flags = [
+        "--allow-test-endpoint-selection",
+        "--drain-delay",
+        "1500ms",
+        "--drain-timeout",
+        "10s",
+    ];
+    let ports = [free_port(), free_port()];
+    let start = |port: u16| start_router(port, &replicas, &flags);
+    let mut routers = [start(ports[0]), start(ports[1])];
+    for router in &routers {
+        router.wait_healthy(&[a.addr, b.addr]).await;
+    }
+    let envoy = start_envoy_with("envoy-gie.yaml", ports[0], [a.addr, b.addr], |text| {
+        with_second_router(text, ports[1])
+    })
+    .await;
+    wait_for(|| async { routers_up(&envoy).await == 2 }).await;
+
+    // Closed-loop clients, each request a slow one (the sims decode at 2 ms per token), so
+    // some are in flight whenever a router is told to stop.
+    let stop = Arc::new(AtomicBool::new(false));
+    let url = envoy.url("/v1/completions");
+    let clients: Vec<_> = (0..4)
+        .map(|i| {
+            let (stop, url) = (Arc::clone(&stop), url.clone());
+            tokio::spawn(async move {
+                let (mut sent, mut failed) = (0usize, Vec::new());
+                while !stop.load(Ordering::SeqCst) {
+                    let body = serde_json::json!({"model": "tiny", "prompt": format!("client {i} request {sent}"), "max_tokens": 50});
+                    let outcome = client().post(&url).json(&body).send().await;
+                    sent += 1;
+                    match outcome {
+                        Ok(r) if r.status() == 200
+                            && r.headers().contains_key("x-conformance-test-served-endpoint") => {}
+                        Ok(r) => failed.push(format!("{} {:?}", r.status(), r.headers())),
+                        Err(e) => failed.push(e.to_string()),
+                    }
+                }
+                (sent, failed)
+            })
+        })
+        .collect();
+
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    for (i, port) in ports.into_iter().enumerate() {
+        let status = routers[i]
+            .guard
+            .terminate(Duration::from_secs(20))
+            .expect("the router exits after draining");
+        assert!(status.success(), "router {i} exited with {status}");
+        routers[i] = start(port);
+        routers[i].wait_healthy(&[a.addr, b.addr]).await;
+        wait_for(|| async { routers_up(&envoy).await == 2 }).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    let mut sent = 0;
+    for client in clients {
+        let (n, failed) = client.await.unwrap();
+        assert!(failed.is_empty(), "failed requests: {failed:?}");
+        sent += n;
+    }
+    assert!(sent >= 20, "only {sent} requests sent");
 }
 
 /// Polls `check` until it holds, failing after 10 s.

@@ -266,7 +266,12 @@ pub async fn serve(
     health_reporter
         .set_service_status("liveness", ServingStatus::Serving)
         .await;
-    background.spawn(report_readiness(Arc::clone(&pool), health_reporter));
+    let (draining_tx, draining_rx) = tokio::sync::watch::channel(false);
+    background.spawn(report_readiness(
+        Arc::clone(&pool),
+        health_reporter,
+        draining_rx,
+    ));
 
     let grpc_listener = bind(settings.grpc_addr).await?;
     let health_listener = match settings.grpc_health_addr {
@@ -296,18 +301,32 @@ pub async fn serve(
         "llmgw-router serving"
     );
 
+    // The drain: not ready first (proxies' health checks and Kubernetes move new streams away),
+    // then, after the delay, the listeners stop and open streams get `drain.timeout` to end.
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let drain = settings.drain;
     tokio::spawn(async move {
         shutdown.await;
+        tracing::info!(delay = ?drain.delay, timeout = ?drain.timeout, "draining: not ready, then closing the listeners");
+        let _ = draining_tx.send(true);
+        tokio::time::sleep(drain.delay).await;
         let _ = stop_tx.send(true);
     });
+    // Completes `drain.timeout` after the listeners close.
+    let drain_deadline = || {
+        let mut stop = stop_rx.clone();
+        async move {
+            let _ = stop.wait_for(|stop| *stop).await;
+            tokio::time::sleep(drain.timeout).await;
+        }
+    };
     let mut grpc_stop = stop_rx.clone();
     let mut admin_stop = stop_rx.clone();
     let mut uds_stop = stop_rx.clone();
 
     // Kubernetes gRPC probes on their own port: the same health services, nothing else.
     let health_only = health_listener.map(|(listener, _)| {
-        let mut stop = stop_rx;
+        let mut stop = stop_rx.clone();
         tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(health_service.clone())
@@ -333,6 +352,13 @@ pub async fn serve(
                 let _ = uds_stop.wait_for(|stop| *stop).await;
             },
         );
+        let deadline = drain_deadline();
+        let server = async move {
+            tokio::select! {
+                result = server => result,
+                () = deadline => Ok(()),
+            }
+        };
         (tokio::spawn(server), path)
     });
     // TCP_NODELAY must be set on the accepted sockets here: tonic ignores `Server::tcp_nodelay`
@@ -366,6 +392,16 @@ pub async fn serve(
         },
     );
     let feed_task = tokio::spawn(feed.clone().serve_with_listener(feed_listener));
+    // Open ext_proc streams (requests in flight) may finish until the drain deadline.
+    let grpc = async move {
+        tokio::select! {
+            result = grpc => result,
+            () = drain_deadline() => {
+                tracing::warn!(timeout = ?drain.timeout, "drain timeout: ext_proc streams still open are cut");
+                Ok(())
+            }
+        }
+    };
     let (grpc_result, admin_result) = tokio::join!(grpc, admin);
     feed.shutdown();
     feed_task.abort();
@@ -420,12 +456,25 @@ fn local_addr(listener: &TcpListener, addr: SocketAddr) -> Result<SocketAddr, Se
         .map_err(|source| ServeError::Bind { addr, source })
 }
 
-/// Keeps `readiness` and the ext_proc health service in step with the pool: serving while at
-/// least one replica is healthy. Woken by the pool's health announcements, not polled.
-async fn report_readiness(pool: Arc<Pool>, reporter: tonic_health::server::HealthReporter) {
+/// Keeps the readiness services in step with the pool: serving while at least one replica is
+/// healthy, until the router drains (then not serving for good). Woken by the pool's health
+/// announcements and the drain, not polled.
+async fn report_readiness(
+    pool: Arc<Pool>,
+    reporter: tonic_health::server::HealthReporter,
+    mut draining: tokio::sync::watch::Receiver<bool>,
+) {
     let mut changes = pool.health_changes();
     let mut ready = None;
     loop {
+        if *draining.borrow_and_update() {
+            for service in READINESS_SERVICES {
+                reporter
+                    .set_service_status(service, ServingStatus::NotServing)
+                    .await;
+            }
+            return;
+        }
         let now_ready = pool.snapshot().any_healthy();
         if ready != Some(now_ready) {
             ready = Some(now_ready);
@@ -438,9 +487,14 @@ async fn report_readiness(pool: Arc<Pool>, reporter: tonic_health::server::Healt
                 reporter.set_service_status(service, status).await;
             }
         }
-        // Fails only once the sender is gone, which cannot happen while this task holds the pool.
-        if changes.changed().await.is_err() {
-            return;
+        tokio::select! {
+            // Fails only once the sender is gone, which cannot happen while this task holds
+            // the pool.
+            changed = changes.changed() => if changed.is_err() {
+                return;
+            },
+            // A dropped sender (serve is returning) changes nothing here.
+            _ = draining.changed() => {}
         }
     }
 }

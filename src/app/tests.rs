@@ -579,3 +579,114 @@ fn tls_options_read_as_gies_endpoint_picker_flags() {
         Err(ServingOptionsError::ReloadWithoutFiles)
     );
 }
+
+/// Opens an ext_proc stream and sends the headers of `GET /v1/models` (routed at once, no
+/// body); the stream stays open, as a request in flight does, until the returned sender drops.
+async fn open_request(
+    grpc: SocketAddr,
+) -> (
+    tokio::sync::mpsc::Sender<envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest>,
+    tonic::Streaming<envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse>,
+) {
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{HttpHeaders, ProcessingRequest};
+    let header = |key: &str, value: &str| HeaderValue {
+        key: key.to_string(),
+        raw_value: value.as_bytes().to_vec(),
+        ..HeaderValue::default()
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(ProcessingRequest {
+        request: Some(Request::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![header(":method", "GET"), header(":path", "/v1/models")],
+            }),
+            end_of_stream: true,
+            ..HttpHeaders::default()
+        })),
+        ..ProcessingRequest::default()
+    })
+    .await
+    .unwrap();
+    let mut client = envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient::connect(format!("http://{grpc}")).await.unwrap();
+    let mut answers = client
+        .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let routed = answers.message().await.unwrap().expect("the header answer");
+    assert!(routed.response.is_some());
+    (tx, answers)
+}
+
+async fn draining_router(delay: Duration, timeout: Duration) -> (Running, Arc<AtomicBool>) {
+    let up = Arc::new(AtomicBool::new(true));
+    let replica = fake_replica(Arc::clone(&up)).await;
+    let settings = Settings::resolve(&ServeArgs {
+        replicas: vec![format!("tiny={replica}")],
+        probes: ProbeOptions {
+            health_interval: Some(Duration::from_millis(50)),
+            ..ProbeOptions::default()
+        },
+        drain_delay: Some(delay),
+        drain_timeout: Some(timeout),
+        ..on_loopback()
+    })
+    .unwrap();
+    (Running::start(settings).await, up)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_reports_not_ready_first_then_lets_open_requests_finish() {
+    let (running, _up) = draining_router(Duration::from_millis(400), Duration::from_secs(10)).await;
+    let grpc = running.bound.grpc;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    wait_for(&mut health, "readiness", Status::Serving).await;
+    let (in_flight, _answers) = open_request(grpc).await;
+
+    // SIGTERM: not ready at once, alive, and still accepting during the delay.
+    running.stop.send(()).unwrap();
+    for service in READINESS_SERVICES {
+        wait_for(&mut health, service, Status::NotServing).await;
+    }
+    assert_eq!(status_of(&mut health, "liveness").await, Status::Serving);
+    let (late, _late_answers) = open_request(grpc).await;
+    drop(late);
+
+    // After the delay the listener closes, but the open request keeps the router up.
+    let mut refused = false;
+    for _ in 0..300 {
+        if tokio::net::TcpStream::connect(grpc).await.is_err() {
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(refused, "the listener never closed");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!running.server.is_finished(), "exited with a request open");
+
+    // The request ends: the router exits cleanly.
+    drop(in_flight);
+    let served = tokio::time::timeout(Duration::from_secs(5), running.server)
+        .await
+        .expect("exits once the request ended");
+    served.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_open_past_the_drain_timeout_does_not_keep_the_router() {
+    let (running, _up) = draining_router(Duration::ZERO, Duration::from_millis(300)).await;
+    let (_in_flight, _answers) = open_request(running.bound.grpc).await;
+    running.stop.send(()).unwrap();
+    let served = tokio::time::timeout(Duration::from_secs(5), running.server)
+        .await
+        .expect("exits at the drain timeout");
+    served.unwrap().unwrap();
+}

@@ -152,6 +152,15 @@ pub struct ServeArgs {
     /// How often the configuration file is checked for changes (default 2s).
     #[arg(long, env = "LLMGW_CONFIG_POLL_INTERVAL", value_parser = crate::duration::parse)]
     pub config_poll_interval: Option<Duration>,
+    /// On SIGTERM, how long to report not ready (readiness, ext_proc and inference-extension
+    /// health) before closing the listeners, so that proxies and Kubernetes move new requests
+    /// away first (default 0s; the Kubernetes manifests use 5s).
+    #[arg(long, env = "LLMGW_DRAIN_DELAY", value_parser = crate::duration::parse)]
+    pub drain_delay: Option<Duration>,
+    /// Then how long open ext_proc streams (requests in flight) may take to finish before the
+    /// router exits anyway (default 30s).
+    #[arg(long, env = "LLMGW_DRAIN_TIMEOUT", value_parser = crate::duration::parse)]
+    pub drain_timeout: Option<Duration>,
     /// Request bodies above this many bytes get 413 (default 16 MiB).
     #[arg(long, env = "LLMGW_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
@@ -197,6 +206,10 @@ pub struct FileConfig {
     pub max_body_bytes: Option<usize>,
     pub destination_header: Option<String>,
     pub allow_test_endpoint_selection: Option<bool>,
+    #[serde(default, deserialize_with = "crate::duration::optional")]
+    pub drain_delay: Option<Duration>,
+    #[serde(default, deserialize_with = "crate::duration::optional")]
+    pub drain_timeout: Option<Duration>,
     #[serde(default)]
     pub replicas: Vec<FileReplica>,
     #[serde(default)]
@@ -274,6 +287,16 @@ pub struct Settings {
     pub feed: FeedSettings,
     /// TLS on the ext_proc port, or plaintext.
     pub ext_proc_tls: Option<ServingTls>,
+    /// How the router leaves on SIGTERM.
+    pub drain: DrainSettings,
+}
+
+/// How a router leaves on SIGTERM: `delay` reporting not ready while still serving, then the
+/// listeners close and open streams get `timeout` to finish.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DrainSettings {
+    pub delay: Duration,
+    pub timeout: Duration,
 }
 
 impl Settings {
@@ -359,6 +382,14 @@ impl Settings {
             index: args.index.resolve(&file.index),
             feed: args.feed.resolve(&file.feed)?,
             ext_proc_tls: args.serving.resolve(&file.serving)?,
+            drain: DrainSettings {
+                delay: (args.drain_delay)
+                    .or(file.drain_delay)
+                    .unwrap_or(Duration::ZERO),
+                timeout: (args.drain_timeout)
+                    .or(file.drain_timeout)
+                    .unwrap_or(Duration::from_secs(30)),
+            },
         };
         for (name, value) in [
             ("health_interval", settings.probes.health_interval),
