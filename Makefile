@@ -23,17 +23,25 @@ $(ENVOY):
 
 envoy: $(ENVOY)
 
+# Strict validation of Kubernetes objects (unknown fields are errors), into the same venv.
+KUBE_VALIDATE := $(VENV)/bin/kubernetes-validate
+export KUBE_VALIDATE
+$(KUBE_VALIDATE): $(ENVOY)
+	$(VENV)/bin/pip install --quiet "kubernetes-validate==1.37.0"
+
 test: $(ENVOY) validate-deploy
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace --all-targets
 	$(CARGO) test --workspace --doc
 
 # The deployment configs (envoy/istio, envoy/gie, deploy/, docker/): every Kubernetes, Istio,
-# Gateway API and InferencePool object against its schema, each EnvoyFilter patch with
-# `envoy --mode validate`, the Dockerfiles' syntax. npm ci runs only when node_modules is missing.
+# Gateway API and InferencePool object against its schema (built-in kinds strictly, with
+# kubernetes-validate, and every kustomization rendered with kubectl kustomize), selectors
+# against pod templates, each EnvoyFilter patch with `envoy --mode validate`, the Dockerfiles'
+# syntax, and a self-test with planted errors. npm ci runs only when node_modules is missing.
 VALIDATE := deploy/validate
 .PHONY: validate-deploy
-validate-deploy: $(ENVOY)
+validate-deploy: $(ENVOY) $(KUBE_VALIDATE)
 	@test -d $(VALIDATE)/node_modules || npm ci --prefix $(VALIDATE) --no-audit --no-fund
 	node $(VALIDATE)/validate.mjs
 

@@ -6,7 +6,14 @@
 //     in an HCM listener, the cluster with the patch merged in, `envoy --mode validate`;
 //  3. docker/*.Dockerfile syntax (known instructions, stages, COPY --from, cargo -p packages)
 //     and that .dockerignore exists;
-//  4. kustomization resources exist.
+//  4. kustomization resources exist;
+//  5. every Kustomization rendered with `kubectl kustomize`, and the rendered objects and every
+//     file's built-in kinds validated strictly (unknown fields are errors) by kubernetes-validate
+//     (KUBE_VALIDATE, default .venv/bin/kubernetes-validate);
+//  6. selectors: a workload's selector matches its own pod template, and every Service,
+//     PodDisruptionBudget and NetworkPolicy selects some pod template rendered beside it;
+//  7. a self-test: misspelled fields and a selector matching nothing, planted in copies of the
+//     rendered objects, must each fail 5 or 6 (a validator that cannot fail proves nothing).
 // Usage: node validate.mjs [EXTRA.yaml ...]   (extra files are checked too, e.g. a broken one).
 // ENVOY_BIN selects Envoy (default .venv/bin/envoy). Exits 1 on any failure.
 import { readFileSync, readdirSync, statSync, existsSync, mkdtempSync, writeFileSync, rmSync } from "node:fs";
@@ -19,6 +26,7 @@ import Ajv from "ajv";
 
 const ROOT = join(dirname(fileURLToPath(import.meta.url)), "..", "..");
 const ENVOY = process.env.ENVOY_BIN || join(ROOT, ".venv", "bin", "envoy");
+const KUBE_VALIDATE = process.env.KUBE_VALIDATE || join(ROOT, ".venv", "bin", "kubernetes-validate");
 const failures = [];
 const fail = (where, msg) => failures.push(`${where}: ${msg}`);
 
@@ -241,6 +249,118 @@ function checkDockerfile(path) {
   if (!sawFrom) fail(where, "no FROM");
 }
 
+// ---- strict validation of built-in kinds, kustomize rendering, selectors --------------------
+// kubernetes-validate --strict on `path`; the ERROR lines, empty when it passed.
+function strictErrors(path) {
+  try {
+    execFileSync(KUBE_VALIDATE, ["--strict", "--quiet", "--no-warn", path], { stdio: "pipe" });
+    return [];
+  } catch (e) {
+    if (e.code === "ENOENT") return [`${KUBE_VALIDATE} not found (make validate-deploy installs it)`];
+    const out = `${e.stdout ?? ""}${e.stderr ?? ""}`;
+    const errors = out.split("\n").filter((l) => l.startsWith("ERROR"));
+    return errors.length ? errors : [out.trim() || `exit ${e.status}`];
+  }
+}
+
+// The directories under deploy/ with a kustomization.yaml.
+function kustomizationDirs(dir) {
+  const out = [];
+  if (!existsSync(dir)) return out;
+  if (existsSync(join(dir, "kustomization.yaml"))) out.push(dir);
+  for (const name of readdirSync(dir).sort()) {
+    const p = join(dir, name);
+    if (name !== "node_modules" && name !== "validate" && statSync(p).isDirectory()) out.push(...kustomizationDirs(p));
+  }
+  return out;
+}
+
+const WORKLOADS = new Set(["Deployment", "DaemonSet", "StatefulSet", "ReplicaSet", "Job"]);
+const matches = (selector, labels) => Object.entries(selector || {}).every(([k, v]) => (labels || {})[k] === v);
+
+// Selector problems in one set of objects rendered together.
+function selectorErrors(objs) {
+  const errors = [];
+  const templates = [];
+  for (const o of objs) {
+    if (!WORKLOADS.has(o.kind)) continue;
+    const name = `${o.kind} ${o.metadata?.name}`;
+    const labels = o.spec?.template?.metadata?.labels;
+    const selector = o.spec?.selector?.matchLabels;
+    if (!selector || !Object.keys(selector).length) errors.push(`${name}: no spec.selector.matchLabels`);
+    else if (!matches(selector, labels)) errors.push(`${name}: spec.selector ${JSON.stringify(selector)} does not match its pod template's labels ${JSON.stringify(labels)}`);
+    templates.push({ namespace: o.metadata?.namespace, labels });
+  }
+  const selects = (o, selector) =>
+    templates.some((t) => t.namespace === o.metadata?.namespace && matches(selector, t.labels));
+  for (const o of objs) {
+    const name = `${o.kind} ${o.metadata?.name}`;
+    let selector = null;
+    if (o.kind === "Service") selector = o.spec?.selector;
+    if (o.kind === "PodDisruptionBudget") selector = o.spec?.selector?.matchLabels;
+    if (o.kind === "NetworkPolicy") selector = o.spec?.podSelector?.matchLabels;
+    if (selector && Object.keys(selector).length && !selects(o, selector))
+      errors.push(`${name}: selector ${JSON.stringify(selector)} matches no pod template beside it`);
+  }
+  return errors;
+}
+
+function parseObjects(text) {
+  return parseAllDocuments(text).map((d) => d.toJSON()).filter((o) => o != null);
+}
+
+let rendered = 0;
+const renderedSets = [];
+function checkKustomization(dir) {
+  const where = `kubectl kustomize ${relative(ROOT, dir) || "."}`;
+  let text;
+  try {
+    text = execFileSync("kubectl", ["kustomize", dir], { encoding: "utf8", stdio: ["ignore", "pipe", "pipe"] });
+  } catch (e) {
+    return fail(where, `${e.stderr || e.message}`.trim());
+  }
+  rendered++;
+  const path = join(tmp, `rendered-${rendered}.yaml`);
+  writeFileSync(path, text);
+  for (const e of strictErrors(path)) fail(where, e);
+  const objs = parseObjects(text);
+  for (const e of selectorErrors(objs)) fail(where, e);
+  renderedSets.push({ where, text });
+}
+
+// Each mutation of a rendered set must be caught; returns what was not.
+function selfTest() {
+  const missed = [];
+  const base = renderedSets.find((r) => r.text.includes("readinessProbe") && r.text.includes("targetPort"));
+  if (!base) return ["no rendered set with a readinessProbe and a Service targetPort to mutate"];
+  const mutations = [
+    ["readinessProbe → readinesProbe", (t) => t.replace("readinessProbe:", "readinesProbe:")],
+    ["Service targetPort → targetPrt", (t) => t.replace("targetPort:", "targetPrt:")],
+    ["spec.replicas → spec.replica", (t) => t.replace(/\n  replicas: /, "\n  replica: ")],
+    ["containerPort → containerPrt", (t) => t.replace("containerPort:", "containerPrt:")],
+  ];
+  mutations.forEach(([name, mutate], i) => {
+    const text = mutate(base.text);
+    if (text === base.text) return missed.push(`${name}: nothing to mutate`);
+    const path = join(tmp, `mutated-${i}.yaml`);
+    writeFileSync(path, text);
+    if (strictErrors(path).length === 0) missed.push(`${name}: passed strict validation`);
+  });
+  // A workload whose pod template lost its labels: its selector and its Service's match nothing.
+  const objs = parseObjects(base.text);
+  const workload = objs.find((o) => WORKLOADS.has(o.kind));
+  if (workload) {
+    workload.spec.template.metadata.labels = { "app.kubernetes.io/name": "renamed" };
+    if (selectorErrors(objs).length === 0) missed.push("pod template relabelled: selectors still pass");
+  } else missed.push("no workload to relabel");
+  // Our own CRD schemas are strict too.
+  const pool = { apiVersion: "inference.networking.k8s.io/v1", kind: "InferencePool", metadata: { name: "p" },
+    spec: { selector: { matchLabels: { app: "v" } }, targetPort: [{ number: 8000 }], endpointPickerRef: { name: "e" } } };
+  const check = ajv.compile(JSON.parse(readFileSync(join(here, ownSchemas["inference.networking.k8s.io/v1/InferencePool"]), "utf8")));
+  if (check(pool)) missed.push("InferencePool targetPorts → targetPort: passed its schema");
+  return missed;
+}
+
 // ---- run -------------------------------------------------------------------------------------
 let documents = 0;
 const kinds = new Map();
@@ -283,6 +403,15 @@ for (const file of files) {
       for (const r of obj.resources || []) if (!existsSync(join(dirname(file), r))) fail(at, `resource ${r} does not exist`);
   }
 }
+// Built-in kinds of every file, strictly (CRDs are left to the schemas above).
+for (const file of files) for (const e of strictErrors(file)) fail(relative(ROOT, file), e);
+for (const dir of kustomizationDirs(join(ROOT, "deploy"))) checkKustomization(dir);
+// The GIE picker's manifest stands alone: its Service must select its Deployment.
+for (const file of files.filter((f) => f.includes(`${join("envoy", "gie")}`)))
+  for (const e of selectorErrors(parseObjects(readFileSync(file, "utf8")))) fail(relative(ROOT, file), e);
+const missed = selfTest();
+for (const m of missed) fail("self-test", `a planted error was not caught: ${m}`);
+
 const dockerDir = join(ROOT, "docker");
 if (existsSync(dockerDir))
   for (const f of readdirSync(dockerDir).sort()) if (f.endsWith("Dockerfile")) checkDockerfile(join(dockerDir, f));
@@ -293,6 +422,7 @@ console.log(`validate-deploy: ${documents} documents in ${files.length} files:`)
 for (const [k, n] of [...kinds].sort()) console.log(`  ${n} × ${k}`);
 console.log(`validate-deploy: ${bootstraps} Envoy bootstraps from EnvoyFilter patches checked with ${ENVOY} --mode validate`);
 console.log(`validate-deploy: ${dockerfiles} Dockerfiles checked`);
+console.log(`validate-deploy: ${rendered} kustomizations rendered and validated strictly with ${KUBE_VALIDATE}; self-test: ${missed.length ? "FAILED" : "every planted error caught"}`);
 if (failures.length) {
   console.error(`validate-deploy: ${failures.length} FAILED:`);
   for (const f of failures) console.error(`  ${f}`);
