@@ -8,8 +8,8 @@ WORKDIR /src
 COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p llmgw-agent --bin llmgw-agent && \
-    cp target/release/llmgw-agent /llmgw-agent
+    cargo build --profile dist --locked -p llmgw-agent --bin llmgw-agent && \
+    cp target/dist/llmgw-agent /llmgw-agent
 
 FROM gcr.io/distroless/cc-debian12:nonroot AS runtime
 COPY --from=builder /llmgw-agent /usr/local/bin/llmgw-agent

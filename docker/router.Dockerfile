@@ -7,8 +7,8 @@ WORKDIR /src
 COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p llmgw --bin llmgw-router && \
-    cp target/release/llmgw-router /llmgw-router
+    cargo build --profile dist --locked -p llmgw --bin llmgw-router && \
+    cp target/dist/llmgw-router /llmgw-router
 
 # glibc + libgcc only (no shell); runs as the distroless nonroot user (65532).
 FROM gcr.io/distroless/cc-debian12:nonroot AS runtime

@@ -17,18 +17,29 @@ use llmgw_integration::{bin_path, repo_root};
 use serde::Deserialize;
 use serde_yaml::Value;
 
+/// The YAML files under `dir`, recursively (the validator's node_modules aside), sorted.
+fn yaml_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).expect("manifest directory") {
+        let path = entry.expect("entry").path();
+        if path.is_dir() {
+            if path.file_name().is_some_and(|n| n != "node_modules") {
+                files.extend(yaml_files(&path));
+            }
+        } else if path.extension().is_some_and(|x| x == "yaml") {
+            files.push(path);
+        }
+    }
+    files.sort();
+    files
+}
+
 /// Every YAML document in the manifests directories.
 fn documents() -> Vec<(String, Value)> {
     let root = repo_root();
     let mut docs = Vec::new();
     for dir in ["deploy", "envoy/gie"] {
-        let mut files: Vec<_> = std::fs::read_dir(root.join(dir))
-            .expect("manifest directory")
-            .map(|e| e.expect("entry").path())
-            .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
-            .collect();
-        files.sort();
-        for file in files {
+        for file in yaml_files(&root.join(dir)) {
             let text = std::fs::read_to_string(&file).expect("read manifest");
             let name = file
                 .strip_prefix(&root)
