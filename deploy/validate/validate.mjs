@@ -1,7 +1,8 @@
 // Validates the deployment configs (`make validate-deploy`, part of `make test`):
 //  1. every YAML document under envoy/istio, envoy/gie and deploy/ against its schema, chosen by
 //     apiVersion/kind (kubernetes-models, @kubernetes-models/istio, @kubernetes-models/gateway-api,
-//     and our JSON schemas for InferencePool and Kustomization); an unknown kind is an error;
+//     and our JSON schemas for InferencePool, Kustomization, ServiceMonitor, PodMonitor and
+//     PrometheusRule, which reject unknown fields); an unknown kind is an error;
 //  2. the Envoy configuration inside every EnvoyFilter patch, with the real Envoy: the HTTP filter
 //     in an HCM listener, the cluster with the patch merged in, `envoy --mode validate`;
 //  3. docker/*.Dockerfile syntax (known instructions, stages, COPY --from, cargo -p packages)
@@ -52,6 +53,9 @@ const ajv = new Ajv({ allErrors: true, strict: false });
 const ownSchemas = {
   "inference.networking.k8s.io/v1/InferencePool": "inferencepool.schema.json",
   "kustomize.config.k8s.io/v1beta1/Kustomization": "kustomization.schema.json",
+  "monitoring.coreos.com/v1/ServiceMonitor": "servicemonitor.schema.json",
+  "monitoring.coreos.com/v1/PodMonitor": "podmonitor.schema.json",
+  "monitoring.coreos.com/v1/PrometheusRule": "prometheusrule.schema.json",
 };
 const here = dirname(fileURLToPath(import.meta.url));
 const ISTIO_GROUPS = ["networking.istio.io", "security.istio.io", "extensions.istio.io", "telemetry.istio.io"];

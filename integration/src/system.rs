@@ -73,6 +73,8 @@ pub struct System {
     // stopped (a fault injected with `kill_*`) until its `restart_*`.
     _envoy: ChildGuard,
     agent: Option<ChildGuard>,
+    /// The agent's admin address (`/metrics`), while one runs.
+    pub agent_admin: Option<SocketAddr>,
     /// Every router's process, the one Envoy asks first.
     router_guards: Vec<Option<ChildGuard>>,
     pub sims: Vec<SimHandle>,
@@ -119,12 +121,15 @@ impl System {
     /// Stops the agent at once.
     pub fn kill_agent(&mut self) {
         self.agent = None;
+        self.agent_admin = None;
     }
 
     /// Starts the agent again, streaming to every router.
     pub fn restart_agent(&mut self) {
         let feeds: Vec<SocketAddr> = self.routers().iter().map(|r| r.feed).collect();
-        self.agent = Some(start_agent(&self.config, &self.sims, &feeds));
+        let (agent, admin) = start_agent(&self.config, &self.sims, &feeds);
+        self.agent = Some(agent);
+        self.agent_admin = Some(admin);
     }
 
     /// Kills replica `i` and starts it again on the same HTTP port and KV-events endpoint (an
@@ -191,7 +196,10 @@ pub async fn start(config: SystemConfig) -> System {
     let feeds: Vec<SocketAddr> = std::iter::once(router.feed)
         .chain(other_routers.iter().map(|r| r.feed))
         .collect();
-    let agent = config.agent.then(|| start_agent(&config, &sims, &feeds));
+    let (agent, agent_admin) = match config.agent.then(|| start_agent(&config, &sims, &feeds)) {
+        Some((agent, admin)) => (Some(agent), Some(admin)),
+        None => (None, None),
+    };
     let (envoy, envoy_admin, envoy_guard) = start_envoy(&config, router.grpc, &sims).await;
     let system = System {
         config,
@@ -202,6 +210,7 @@ pub async fn start(config: SystemConfig) -> System {
         envoy_admin,
         _envoy: envoy_guard,
         agent,
+        agent_admin,
         router_guards: std::iter::once(Some(router_guard))
             .chain(other_guards.into_iter().map(Some))
             .collect(),
@@ -233,10 +242,16 @@ fn start_router(
     (process.addrs, process.guard)
 }
 
-fn start_agent(config: &SystemConfig, sims: &[SimHandle], feeds: &[SocketAddr]) -> ChildGuard {
+/// Starts the agent; returns it and its admin address.
+fn start_agent(
+    config: &SystemConfig,
+    sims: &[SimHandle],
+    feeds: &[SocketAddr],
+) -> (ChildGuard, SocketAddr) {
+    let admin = crate::free_addr();
     let mut agent = AgentCommand::serve(&config.node)
         .hash_settings(&config.model, &config.seed, config.block_size)
-        .args(["--admin-addr", "127.0.0.1:0"]);
+        .args(["--admin-addr", &admin.to_string()]);
     for feed in feeds {
         agent = agent.router(*feed);
     }
@@ -244,7 +259,7 @@ fn start_agent(config: &SystemConfig, sims: &[SimHandle], feeds: &[SocketAddr]) 
         let events = sim.events.as_deref().expect("sim publishes events");
         agent = agent.engine(sim.addr, events, sim.replay.as_deref());
     }
-    agent.spawn().unwrap_or_else(|e| panic!("{e}"))
+    (agent.spawn().unwrap_or_else(|e| panic!("{e}")), admin)
 }
 
 /// The default Envoy config (`envoy/envoy.yaml`) pointed at these ports and replicas.

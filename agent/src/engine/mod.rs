@@ -207,6 +207,13 @@ pub struct MirrorTask {
 impl MirrorTask {
     /// Runs until the input channel closes, then flushes what is pending.
     pub async fn run(self, mut inputs: mpsc::Receiver<Input>) {
+        if self.check.is_some() {
+            // Exported as 0 from the start, so that an alert on its increase sees the first one.
+            let _zero = self
+                .metrics
+                .hash_mismatches
+                .get_or_create(&Metrics::engine(&self.engine.id.0));
+        }
         let mut deadline: Option<Instant> = None;
         loop {
             tokio::select! {
