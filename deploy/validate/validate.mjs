@@ -2,7 +2,8 @@
 //  1. every YAML document under envoy/istio, envoy/gie and deploy/ against its schema, chosen by
 //     apiVersion/kind (kubernetes-models, @kubernetes-models/istio, @kubernetes-models/gateway-api,
 //     and our JSON schemas for InferencePool, Kustomization, ServiceMonitor, PodMonitor and
-//     PrometheusRule, which reject unknown fields); an unknown kind is an error;
+//     PrometheusRule, which reject unknown fields; the Istio and Gateway API kinds' field names
+//     against *.strict.schema.json too); an unknown kind is an error;
 //  2. the Envoy configuration inside every EnvoyFilter patch, with the real Envoy: the HTTP filter
 //     in an HCM listener, the cluster with the patch merged in, `envoy --mode validate`;
 //  3. docker/*.Dockerfile syntax (known instructions, stages, COPY --from, cargo -p packages)
@@ -59,6 +60,23 @@ const ownSchemas = {
 };
 const here = dirname(fileURLToPath(import.meta.url));
 const ISTIO_GROUPS = ["networking.istio.io", "security.istio.io", "extensions.istio.io", "telemetry.istio.io"];
+
+// Field-name checks for the Istio and Gateway API kinds, on top of kubernetes-models (whose
+// validators allow unknown fields).
+const strictSchemas = {
+  "networking.istio.io/v1alpha3/EnvoyFilter": "envoyfilter.strict.schema.json",
+  "networking.istio.io/v1/DestinationRule": "destinationrule.strict.schema.json",
+  "networking.istio.io/v1/ServiceEntry": "serviceentry.strict.schema.json",
+  "gateway.networking.k8s.io/v1/HTTPRoute": "httproute.strict.schema.json",
+};
+const strictChecks = new Map();
+function strictFieldErrors(obj) {
+  const file = strictSchemas[`${obj.apiVersion}/${obj.kind}`];
+  if (!file) return null;
+  if (!strictChecks.has(file)) strictChecks.set(file, ajv.compile(JSON.parse(readFileSync(join(here, file), "utf8"))));
+  const check = strictChecks.get(file);
+  return check(obj) ? [] : [ajv.errorsText(check.errors, { dataVar: "" })];
+}
 
 async function modelFor(apiVersion, kind) {
   const own = ownSchemas[`${apiVersion}/${kind}`];
@@ -357,6 +375,18 @@ function selfTest() {
     workload.spec.template.metadata.labels = { "app.kubernetes.io/name": "renamed" };
     if (selectorErrors(objs).length === 0) missed.push("pod template relabelled: selectors still pass");
   } else missed.push("no workload to relabel");
+  // The Istio and Gateway API kinds' field names are checked.
+  const gatewayKinds = [
+    ["EnvoyFilter configPatches → configPatchs", "envoy/istio/gateway-envoyfilter.yaml", "configPatches:", "configPatchs:"],
+    ["HTTPRoute backendRefs → backendRef", "envoy/gie/httproute.yaml", "backendRefs:", "backendRef:"],
+    ["DestinationRule trafficPolicy → trafficPolcy", "envoy/istio/destinationrule.yaml", "trafficPolicy:", "trafficPolcy:"],
+  ];
+  for (const [name, file, from, to] of gatewayKinds) {
+    const path = join(ROOT, file);
+    if (!existsSync(path)) { missed.push(`${name}: ${file} is missing`); continue; }
+    const mutated = parseObjects(readFileSync(path, "utf8").replace(from, to));
+    if (mutated.every((o) => (strictFieldErrors(o) ?? []).length === 0)) missed.push(`${name}: passed`);
+  }
   // Our own CRD schemas are strict too.
   const pool = { apiVersion: "inference.networking.k8s.io/v1", kind: "InferencePool", metadata: { name: "p" },
     spec: { selector: { matchLabels: { app: "v" } }, targetPort: [{ number: 8000 }], endpointPickerRef: { name: "e" } } };
@@ -402,6 +432,7 @@ for (const file of files) {
     } catch (e) {
       fail(`${at} ${kind} ${obj.metadata?.name ?? ""}`, e.message);
     }
+    for (const e of strictFieldErrors(obj) ?? []) fail(`${at} ${kind} ${obj.metadata?.name ?? ""}`, e);
     if (kind === "EnvoyFilter") checkEnvoyFilter(`${at} EnvoyFilter ${obj.metadata?.name}`, obj);
     if (kind === "Kustomization")
       for (const r of obj.resources || []) if (!existsSync(join(dirname(file), r))) fail(at, `resource ${r} does not exist`);
