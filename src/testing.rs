@@ -22,3 +22,13 @@ pub(crate) async fn wait_until(mut check: impl FnMut() -> bool) {
     }
     panic!("condition not met within 20 s");
 }
+
+/// Each replica's `ip:port` and node, as tests compare them.
+pub(crate) fn addresses_and_nodes(
+    replicas: &[crate::pool::ReplicaSpec],
+) -> Vec<(String, Option<&str>)> {
+    replicas
+        .iter()
+        .map(|r| (r.address.to_string(), r.node.as_deref()))
+        .collect()
+}

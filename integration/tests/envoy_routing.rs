@@ -333,15 +333,8 @@ async fn post_for_conformance(
 /// served in `x-conformance-test-served-endpoint`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gie_conformance_hooks_behind_envoy_with_a_subset_hint() {
-    let a = sim("a", &["tiny"], 0, &[]);
-    let b = sim("b", &["tiny"], 0, &[]);
-    let grpc = free_port();
-    let router = start_router(
-        grpc,
-        &[format!("tiny={}", a.addr), format!("tiny={}", b.addr)],
-        &["--allow-test-endpoint-selection"],
-    );
-    router.wait_healthy(&[a.addr, b.addr]).await;
+    let (a, b, grpc, router) =
+        two_replicas_and_a_router(&["--allow-test-endpoint-selection"]).await;
     let envoy = start_envoy_with("envoy-gie.yaml", grpc, [a.addr, b.addr], |text| {
         with_subset_hint(text, b.addr)
     })
@@ -446,15 +439,8 @@ fn with_upstream_tls_to_llmgw(text: String) -> String {
 /// cluster speaks TLS (its health checks too) routes through it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gie_config_over_tls_to_a_self_signed_router() {
-    let a = sim("a", &["tiny"], 0, &[]);
-    let b = sim("b", &["tiny"], 0, &[]);
-    let grpc = free_port();
-    let router = start_router(
-        grpc,
-        &[format!("tiny={}", a.addr), format!("tiny={}", b.addr)],
-        &["--secure-serving", "--allow-test-endpoint-selection"],
-    );
-    router.wait_healthy(&[a.addr, b.addr]).await;
+    let (a, b, grpc, router) =
+        two_replicas_and_a_router(&["--secure-serving", "--allow-test-endpoint-selection"]).await;
     let envoy = start_envoy_with(
         "envoy-gie.yaml",
         grpc,
@@ -947,19 +933,26 @@ async fn streamed_ahead_passes_a_large_body_unchanged() {
     assert_eq!((status, replica.as_deref()), (200, Some("a")), "{text}");
 }
 
-/// A body over the router's `--max-body-bytes` (16 MiB by default) through each shipped Envoy
-/// configuration: llmgw's own 413 with an OpenAI-style JSON error, never a reset or Envoy's
-/// plain-text answer, and the next request is routed as usual.
-async fn over_limit_body_gets_llmgws_413(config: &str, router_flags: &[&str], wiring: Wiring<'_>) {
+/// Replicas `a` and `b` serving `tiny`, and a router for both on a free gRPC port with `flags`,
+/// once it has seen both healthy.
+async fn two_replicas_and_a_router(flags: &[&str]) -> (SimHandle, SimHandle, u16, RouterProcess) {
     let a = sim("a", &["tiny"], 0, &[]);
     let b = sim("b", &["tiny"], 0, &[]);
     let grpc = free_port();
     let router = start_router(
         grpc,
         &[format!("tiny={}", a.addr), format!("tiny={}", b.addr)],
-        router_flags,
+        flags,
     );
     router.wait_healthy(&[a.addr, b.addr]).await;
+    (a, b, grpc, router)
+}
+
+/// A body over the router's `--max-body-bytes` (16 MiB by default) through each shipped Envoy
+/// configuration: llmgw's own 413 with an OpenAI-style JSON error, never a reset or Envoy's
+/// plain-text answer, and the next request is routed as usual.
+async fn over_limit_body_gets_llmgws_413(config: &str, router_flags: &[&str], wiring: Wiring<'_>) {
+    let (a, b, grpc, _router) = two_replicas_and_a_router(router_flags).await;
     let envoy = start_envoy_with(config, grpc, [a.addr, b.addr], |text| match wiring {
         Wiring::StreamedAhead => envoy_config_streamed_ahead(&text),
         _ => text,

@@ -150,6 +150,17 @@ fn body_msg(body: &[u8], end_of_stream: bool) -> ProcessingRequest {
     }
 }
 
+fn response_body_msg(body: &[u8], end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(Message::ResponseBody(HttpBody {
+            body: body.to_vec(),
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
 fn common(answer: &ProcessingResponse) -> &CommonResponse {
     match answer.response.as_ref().unwrap() {
         Answer::RequestHeaders(h) => h.response.as_ref().unwrap(),
@@ -581,14 +592,7 @@ async fn response_messages_pass_through_and_echo_in_full_duplex() {
         BodySendMode::FullDuplexStreamed as i32;
     stream.on_message(message).await.unwrap();
     let answers = stream
-        .on_message(ProcessingRequest {
-            request: Some(Message::ResponseBody(HttpBody {
-                body: b"data: x\n\n".to_vec(),
-                end_of_stream: true,
-                ..Default::default()
-            })),
-            ..Default::default()
-        })
+        .on_message(response_body_msg(b"data: x\n\n", true))
         .await
         .unwrap();
     let Some(Answer::ResponseBody(body)) = &answers[0].response else {
@@ -836,14 +840,7 @@ async fn the_exchange_is_reported_with_the_hold_when_the_stream_ends() {
     let big = vec![b'x'; RESPONSE_TAIL + 10];
     for (chunk, end_of_stream) in [(&big[..], false), (&b"{\"usage\":1}"[..], true)] {
         stream
-            .on_message(ProcessingRequest {
-                request: Some(Message::ResponseBody(HttpBody {
-                    body: chunk.to_vec(),
-                    end_of_stream,
-                    ..Default::default()
-                })),
-                ..Default::default()
-            })
+            .on_message(response_body_msg(chunk, end_of_stream))
             .await
             .unwrap();
     }
@@ -870,17 +867,7 @@ async fn the_exchange_is_reported_with_the_hold_when_the_stream_ends() {
         .on_message(headers_msg(BodySendMode::Buffered, false, &[]))
         .await
         .unwrap();
-    stream
-        .on_message(ProcessingRequest {
-            request: Some(Message::RequestBody(HttpBody {
-                body: b"reject".to_vec(),
-                end_of_stream: true,
-                ..Default::default()
-            })),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    stream.on_message(body_msg(b"reject", true)).await.unwrap();
     drop(stream);
     assert!(picker.finished.lock().is_empty());
 }

@@ -6,7 +6,7 @@ use serde_json::{Value, json};
 use super::*;
 use crate::discovery::fake_api::FakeApi;
 use crate::pool::{CONFIG_SOURCE, Pool};
-use crate::testing::wait_until;
+use crate::testing::{addresses_and_nodes, wait_until};
 
 fn source() -> K8sService {
     "tiny=llm/vllm:8000".parse().unwrap()
@@ -64,12 +64,8 @@ fn ready_endpoints_become_replicas_with_their_nodes() {
         },
     ]));
     let replicas = replicas_from_slices(&source(), &slices);
-    let seen: Vec<(String, Option<&str>)> = replicas
-        .iter()
-        .map(|r| (r.address.to_string(), r.node.as_deref()))
-        .collect();
     assert_eq!(
-        seen,
+        addresses_and_nodes(&replicas),
         [
             ("10.0.0.1:8000".to_string(), Some("node-a")),
             ("10.0.0.2:8000".to_string(), Some("node-b")),

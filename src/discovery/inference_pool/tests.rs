@@ -6,10 +6,15 @@ use serde_json::{Value, json};
 use super::*;
 use crate::discovery::fake_api::FakeApi;
 use crate::pool::{CONFIG_SOURCE, Pool};
-use crate::testing::wait_until;
+use crate::testing::{addresses_and_nodes, wait_until};
 
 const POOLS: &str = "/apis/inference.networking.k8s.io/v1/namespaces/llm/inferencepools";
 const PODS: &str = "/api/v1/namespaces/llm/pods";
+
+/// The replicas of pods a, b and c at the pool's two target ports (data-parallel ranks).
+const POD_A: [(&str, &str); 2] = [("10.0.0.1:8000", "node-a"), ("10.0.0.1:8001", "node-a")];
+const POD_B: [(&str, &str); 2] = [("10.0.0.2:8000", "node-b"), ("10.0.0.2:8001", "node-b")];
+const POD_C: [(&str, &str); 2] = [("10.0.0.3:8000", "node-a"), ("10.0.0.3:8001", "node-a")];
 
 fn pool_object(spec: Value) -> Value {
     json!({
@@ -129,12 +134,8 @@ fn ready_pods_times_ports_are_the_replicas() {
     }])
     .collect();
     let (replicas, without_ip) = replicas_of(&pods, &[8000, 8001], &["tiny".to_string()]);
-    let seen: Vec<(String, Option<&str>)> = replicas
-        .iter()
-        .map(|r| (r.address.to_string(), r.node.as_deref()))
-        .collect();
     assert_eq!(
-        seen,
+        addresses_and_nodes(&replicas),
         [
             ("10.0.0.1:8000".to_string(), Some("node-a")),
             ("10.0.0.1:8001".to_string(), Some("node-a")),
@@ -231,26 +232,12 @@ async fn the_pools_ready_pods_are_watched_through_changes_gaps_and_bad_specs() {
     let watched = Watched::start(addr).await;
 
     // Each Ready pod at each target port (data-parallel ranks), on its node.
-    watched
-        .until_replicas(&[
-            ("10.0.0.1:8000", "node-a"),
-            ("10.0.0.1:8001", "node-a"),
-            ("10.0.0.2:8000", "node-b"),
-            ("10.0.0.2:8001", "node-b"),
-        ])
-        .await;
+    watched.until_replicas(&[POD_A, POD_B].concat()).await;
 
     // A pod leaving Ready leaves at once; one becoming Ready joins.
     api.apply(PODS, pod("b", "vllm", "node-b", Some("10.0.0.2"), false));
     api.apply(PODS, pod("c", "vllm", "node-a", Some("10.0.0.3"), true));
-    watched
-        .until_replicas(&[
-            ("10.0.0.1:8000", "node-a"),
-            ("10.0.0.1:8001", "node-a"),
-            ("10.0.0.3:8000", "node-a"),
-            ("10.0.0.3:8001", "node-a"),
-        ])
-        .await;
+    watched.until_replicas(&[POD_A, POD_C].concat()).await;
     assert_eq!(api.requests(PODS).0, 1, "one list of pods, then watch");
 
     // A bookmark moves the quiet pod watch's resourceVersion past changes it does not see (a
@@ -262,14 +249,7 @@ async fn the_pools_ready_pods_are_watched_through_changes_gaps_and_bad_specs() {
     api.drop_watches();
     api.apply(PODS, pod("b", "vllm", "node-b", Some("10.0.0.2"), true));
     watched
-        .until_replicas(&[
-            ("10.0.0.1:8000", "node-a"),
-            ("10.0.0.1:8001", "node-a"),
-            ("10.0.0.2:8000", "node-b"),
-            ("10.0.0.2:8001", "node-b"),
-            ("10.0.0.3:8000", "node-a"),
-            ("10.0.0.3:8001", "node-a"),
-        ])
+        .until_replicas(&[POD_A, POD_B, POD_C].concat())
         .await;
     assert_eq!(api.requests(PODS).0, 1, "resumed from the bookmark");
 
@@ -279,14 +259,7 @@ async fn the_pools_ready_pods_are_watched_through_changes_gaps_and_bad_specs() {
     api.drop_watches();
     api.delete(PODS, "c");
     api.compact();
-    watched
-        .until_replicas(&[
-            ("10.0.0.1:8000", "node-a"),
-            ("10.0.0.1:8001", "node-a"),
-            ("10.0.0.2:8000", "node-b"),
-            ("10.0.0.2:8001", "node-b"),
-        ])
-        .await;
+    watched.until_replicas(&[POD_A, POD_B].concat()).await;
     assert!(api.requests(PODS).0 >= 2, "relisted after 410");
 
     // A Ready pod without an IP is skipped, logged and counted.
