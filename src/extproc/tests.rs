@@ -139,24 +139,27 @@ fn headers_msg(
     }
 }
 
+/// A request-body message.
 fn body_msg(body: &[u8], end_of_stream: bool) -> ProcessingRequest {
-    ProcessingRequest {
-        request: Some(Message::RequestBody(HttpBody {
-            body: body.to_vec(),
-            end_of_stream,
-            ..Default::default()
-        })),
+    message(Message::RequestBody(http_body(body, end_of_stream)))
+}
+
+/// A response-body message.
+fn response_body_msg(body: &[u8], end_of_stream: bool) -> ProcessingRequest {
+    message(Message::ResponseBody(http_body(body, end_of_stream)))
+}
+
+fn http_body(body: &[u8], end_of_stream: bool) -> HttpBody {
+    HttpBody {
+        body: body.to_vec(),
+        end_of_stream,
         ..Default::default()
     }
 }
 
-fn response_body_msg(body: &[u8], end_of_stream: bool) -> ProcessingRequest {
+fn message(part: Message) -> ProcessingRequest {
     ProcessingRequest {
-        request: Some(Message::ResponseBody(HttpBody {
-            body: body.to_vec(),
-            end_of_stream,
-            ..Default::default()
-        })),
+        request: Some(part),
         ..Default::default()
     }
 }
