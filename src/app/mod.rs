@@ -3,10 +3,13 @@
 //!
 //! # Concurrency model
 //! Background tasks: the health checker, the scraper, the configuration watcher (with a file;
-//! it updates the pool's replicas and the feed's node map)
-//! and the readiness reporter; each owns nothing but `Arc`s to shared immutable or lock-free
-//! state. The gRPC server (ext_proc + health) and the admin server run side by side and stop
-//! together on the shutdown signal; the background tasks are aborted when [`serve`] returns.
+//! it updates the pool's replicas and the feed's node map), the Kubernetes watchers (with
+//! `--k8s-service` or `--pool-name`; they update the same) and the readiness reporter; each
+//! owns nothing but `Arc`s to shared immutable or lock-free state. The gRPC server (ext_proc +
+//! health, plaintext or TLS) and the admin server run side by side. On the shutdown signal the
+//! router drains: the readiness reporter turns not-serving, after `--drain-delay` the servers
+//! stop accepting, open ext_proc streams get `--drain-timeout` to end; the background tasks are
+//! aborted when [`serve`] returns.
 
 use std::net::SocketAddr;
 use std::os::unix::fs::FileTypeExt;

@@ -320,7 +320,7 @@ fn publish(
 struct Reported {
     pool_missing: bool,
     no_pods: bool,
-    /// Pod name → logged; cleared when the pod is seen with an IP (or gone).
+    /// The pods logged as Ready without an IP; one leaves when it has an IP (or is gone).
     without_ip: BTreeSet<String>,
 }
 
