@@ -145,6 +145,7 @@ impl Router {
                 (503, "service_unavailable_error", Outcome::NoReadyReplica)
             }
             DecideError::AllSaturated => (429, "rate_limit_error", Outcome::Saturated),
+            DecideError::BadRequest(_) => (400, "invalid_request_error", Outcome::BadRequest),
         };
         self.metrics.record(outcome);
         Rejection {

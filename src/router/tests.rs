@@ -397,3 +397,47 @@ async fn gies_request_metrics_follow_each_request_by_model() {
     drop(routed);
     assert_eq!(sample(&metrics, running), Some(0.0));
 }
+
+#[tokio::test]
+async fn a_session_key_over_its_limit_is_a_400_naming_the_header() {
+    let pool = pool();
+    let mut metrics = Metrics::new(Arc::clone(&pool));
+    let config: crate::scheduler::SchedulerConfig = serde_yaml::from_str(
+        "profile:\n  scorers:\n    - {type: session_affinity, weight: 1, parameters: {max_key_bytes: 8}}\n    - {type: in_flight, weight: 1}\n",
+    )
+    .unwrap();
+    let scheduler = Scheduler::build(
+        Arc::clone(&pool),
+        &config,
+        &crate::scheduler::PluginResources::standalone(),
+        metrics.registry_mut(),
+    )
+    .unwrap();
+    let metrics = Arc::new(metrics);
+    let router = Router::new(scheduler, Arc::clone(&metrics), false);
+    let with_session = |key: &str| RoutingRequest {
+        headers: vec![("x-session-id".to_string(), key.to_string())],
+        ..post("/v1/completions", r#"{"model":"tiny","prompt":"hi"}"#)
+    };
+    assert!(router.pick(with_session("short")).await.is_ok());
+    let Err(refused) = router.pick(with_session("far-too-long-a-key")).await else {
+        panic!("an 18-byte key over an 8-byte limit was routed");
+    };
+    assert_eq!(
+        (refused.status, refused.error_type),
+        (400, "invalid_request_error")
+    );
+    assert_eq!(
+        refused.message,
+        "the session header x-session-id is 18 bytes; the limit is 8"
+    );
+    let text = metrics.encode().unwrap();
+    assert!(
+        text.contains(r#"llmgw_decisions_total{outcome="bad_request"} 1"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"llmgw_session_affinity_total{outcome="too_long"} 1"#),
+        "{text}"
+    );
+}

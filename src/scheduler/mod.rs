@@ -114,6 +114,9 @@ pub enum DecideError {
     EmptySubset,
     #[error("every replica serving the model is saturated")]
     AllSaturated,
+    /// A scorer refused the request ([`plugin::Scorer::check`]).
+    #[error("{0}")]
+    BadRequest(String),
 }
 
 /// A scorer of the profile with its weight and optional fallback.
@@ -316,8 +319,14 @@ impl Scheduler {
         if serving.is_empty() {
             return Err(DecideError::UnknownModel(request.model.clone()));
         }
-        let candidates = self.candidates(serving, Some(request), scope)?;
         let context = ScoringContext { request, headers };
+        for entry in &self.scorers {
+            entry
+                .scorer
+                .check(&context)
+                .map_err(DecideError::BadRequest)?;
+        }
+        let candidates = self.candidates(serving, Some(request), scope)?;
 
         // Fields of the router's `route` span are recorded on the current span.
         let route = tracing::Span::current();

@@ -175,6 +175,12 @@ pub trait Scorer: Send + Sync + 'static {
         candidates: &'a [Candidate],
     ) -> Scoring<'a>;
 
+    /// Refuses a request this scorer cannot accept (a session key over its limit), before any
+    /// scoring: the client gets 400 with the reason. Most scorers accept everything.
+    fn check(&self, _context: &ScoringContext<'_>) -> Result<(), String> {
+        Ok(())
+    }
+
     /// Called once per successful decision. Must not block: it runs on the request path.
     fn after_pick(&self, _context: &ScoringContext<'_>, _pick: Pick<'_>, _role: Role<'_>) {}
 

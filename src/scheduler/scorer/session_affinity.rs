@@ -6,7 +6,8 @@
 //!
 //! Parameters: `header` (default `x-session-id`), `cookie` (a cookie name to read instead of a
 //! header), `max_sessions` (sessions remembered, least recently used forgotten first; default
-//! 100,000), `max_key_bytes` (longer keys are ignored, logged and counted; default 256).
+//! 100,000), `max_key_bytes` (a longer key is refused with 400, logged and counted; default
+//! 256).
 //!
 //! Metrics: `llmgw_session_affinity_total{outcome}`: `sticky` (sent where it went last), `moved`
 //! (sent elsewhere), `new`, and `too_long`.
@@ -86,7 +87,7 @@ impl SessionMetrics {
         let metrics = SessionMetrics::default();
         registry.register(
             "llmgw_session_affinity",
-            "Requests with a session key: sticky, moved, new, or too_long (ignored)",
+            "Requests with a session key: sticky, moved, new, or too_long (refused with 400)",
             metrics.outcomes.clone(),
         );
         metrics
@@ -122,15 +123,17 @@ impl SessionAffinity {
             return None;
         }
         if key.len() > self.max_key_bytes {
-            tracing::warn!(
-                bytes = key.len(),
-                limit = self.max_key_bytes,
-                "session key too long; ignored"
-            );
-            self.metrics.count("too_long");
             return None;
         }
         Some(xxhash_rust::xxh3::xxh3_64(key.as_bytes()))
+    }
+
+    /// Where the key comes from, as a client would name it.
+    fn source_name(&self) -> String {
+        match &self.source {
+            Source::Header(name) => format!("session header {name}"),
+            Source::Cookie(name) => format!("session cookie {name}"),
+        }
     }
 }
 
@@ -145,6 +148,25 @@ fn cookie<'h>(header: &'h str, name: &str) -> Option<&'h str> {
 impl Scorer for SessionAffinity {
     fn category(&self) -> Category {
         Category::Affinity
+    }
+
+    /// A key over `max_key_bytes` is the client's mistake: 400, logged and counted.
+    fn check(&self, context: &ScoringContext<'_>) -> Result<(), String> {
+        let key = match &self.source {
+            Source::Header(name) => context.header(name),
+            Source::Cookie(name) => context.header("cookie").and_then(|c| cookie(c, name)),
+        };
+        let Some(key) = key.filter(|k| k.len() > self.max_key_bytes) else {
+            return Ok(());
+        };
+        let source = self.source_name();
+        tracing::warn!(%source, bytes = key.len(), limit = self.max_key_bytes, "session key too long; refused");
+        self.metrics.count("too_long");
+        Err(format!(
+            "the {source} is {} bytes; the limit is {}",
+            key.len(),
+            self.max_key_bytes
+        ))
     }
 
     fn score<'a>(&'a self, context: &'a ScoringContext<'a>, candidates: &'a [Candidate]) -> Scoring<'a> {

@@ -18,7 +18,7 @@ use crate::metrics::state::StateCollector;
 use crate::models::HashersByModel;
 use crate::openai::{EndpointKind, ParsedRequest, parse_request};
 use crate::pool::{Health, Pool, ReplicaSpec};
-use crate::scheduler::{PluginResources, Scheduler, SchedulerConfig, Scope};
+use crate::scheduler::{DecideError, PluginResources, Scheduler, SchedulerConfig, Scope};
 use crate::tokenize::{Tokenizer, TokenizerConfig};
 
 const BLOCK: usize = 4;
@@ -341,9 +341,22 @@ async fn a_session_sticks_to_its_replica_until_load_moves_it() {
     );
     drop((held, more));
     assert_eq!(f.pick_with(&request, &session("alice")).await, new_home);
-    // A key over max_key_bytes is ignored and counted.
-    f.pick_with(&request, &session("a-very-long-session-key"))
-        .await;
+    // A key over max_key_bytes is refused, naming the header and the limit, and counted.
+    let refused = f
+        .scheduler
+        .decide(
+            &request,
+            &session("a-very-long-session-key"),
+            Scope::default(),
+        )
+        .await
+        .err();
+    assert_eq!(
+        refused,
+        Some(DecideError::BadRequest(
+            "the session header x-session-id is 23 bytes; the limit is 16".to_owned()
+        ))
+    );
     assert_eq!(
         f.metric("llmgw_session_affinity_total{outcome=\"too_long\"}"),
         1.0
