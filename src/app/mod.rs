@@ -24,7 +24,7 @@ use tonic_health::ServingStatus;
 
 use crate::admin::{self, AdminState};
 use crate::config::{self, Settings};
-use crate::discovery::{self, DiscoveryError, DiscoveryMetrics, PoolRef};
+use crate::discovery::{self, DiscoveryError, DiscoveryMetrics, ModelSource, PoolRef};
 use crate::extproc::{ExtProcService, ExtProcSettings};
 use crate::feed::{FeedConfig, FeedService};
 use crate::kvindex::{KvEventSink, KvIndex};
@@ -194,10 +194,18 @@ pub async fn serve(
             ));
         }
         if let Some(identity) = &settings.pool {
-            let models: Vec<String> = settings.models.iter().map(|m| m.model.clone()).collect();
-            if models.is_empty() {
-                return Err(DiscoveryError::PoolWithoutModels.into());
-            }
+            // The configured models, else each replica's own /v1/models.
+            let configured: Vec<String> = settings.models.iter().map(|m| m.model.clone()).collect();
+            let models = if configured.is_empty() {
+                ModelSource::Discovered(
+                    reqwest::Client::builder()
+                        .timeout(settings.probes.timeout)
+                        .build()
+                        .map_err(ProbeError::from)?,
+                )
+            } else {
+                ModelSource::Configured(configured)
+            };
             let namespace = match identity.namespace.as_str() {
                 "" => client.default_namespace().to_string(),
                 given => given.to_string(),

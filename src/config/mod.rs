@@ -137,8 +137,8 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub discovery: DiscoveryOptions,
     /// The InferencePool this router is the endpoint picker of: its Ready pods at its
-    /// targetPorts are replicas (watched; needs --model), and it labels the metrics
-    /// (`llmgw_pool_info`), /debug and logs.
+    /// targetPorts are replicas (watched; serving the --models, else what each one's /v1/models
+    /// lists), and it labels the metrics (`llmgw_pool_info`), /debug and logs.
     #[arg(long, env = "LLMGW_POOL_NAME")]
     pub pool_name: Option<String>,
     /// The InferencePool's namespace (see --pool-name; default the Kubernetes client's).

@@ -1,7 +1,8 @@
 //! Replicas from a Gateway API Inference Extension InferencePool
 //! (`inference.networking.k8s.io/v1`): the pool's `selector` picks pods in its namespace, and
 //! each Ready pod's IP at each of its `targetPorts` (one per data-parallel rank) is a replica,
-//! on the pod's `spec.nodeName`, serving the configured models.
+//! on the pod's `spec.nodeName`, serving the configured models or, with none configured, the
+//! models its `/v1/models` lists (LoRA adapters included), asked once per replica address.
 //!
 //! One task watches the pool (by name) and the pods its selector matches; a changed selector
 //! or port list restarts the pod watch. A pod leaving Ready, or being deleted, leaves the
@@ -40,6 +41,126 @@ pub struct PoolRef {
 impl fmt::Display for PoolRef {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// Where a pool replica's models come from.
+#[derive(Debug, Clone)]
+pub enum ModelSource {
+    /// The configured models (`--model`, the file): every replica serves them.
+    Configured(Vec<String>),
+    /// Each replica's own `GET /v1/models`, asked with this client.
+    Discovered(reqwest::Client),
+}
+
+/// At most this much of a `/v1/models` answer is read, and at most this many models kept.
+const MAX_MODELS_BODY: usize = 1024 * 1024;
+const MAX_MODELS: usize = 1024;
+
+/// A replica whose `/v1/models` could not be read is asked again after this long.
+const MODELS_RETRY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The model ids a vLLM `/v1/models` answer lists, bounded.
+pub fn models_in(body: &[u8]) -> Result<Vec<String>, String> {
+    #[derive(Deserialize)]
+    struct Listing {
+        data: Vec<Card>,
+    }
+    #[derive(Deserialize)]
+    struct Card {
+        id: String,
+    }
+    if body.len() > MAX_MODELS_BODY {
+        return Err(format!("the answer is over {MAX_MODELS_BODY} bytes"));
+    }
+    let listing: Listing =
+        serde_json::from_slice(body).map_err(|e| format!("not a model list: {e}"))?;
+    if listing.data.len() > MAX_MODELS {
+        return Err(format!("it lists over {MAX_MODELS} models"));
+    }
+    let models: Vec<String> = listing
+        .data
+        .into_iter()
+        .map(|c| c.id)
+        .filter(|id| !id.is_empty())
+        .collect();
+    if models.is_empty() {
+        return Err("it lists no model".to_owned());
+    }
+    Ok(models)
+}
+
+/// Asks `address` for its models.
+async fn fetch_models(
+    client: &reqwest::Client,
+    address: SocketAddr,
+) -> Result<Vec<String>, String> {
+    let response = client
+        .get(format!("http://{address}/v1/models"))
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    if !response.status().is_success() {
+        return Err(format!("status {}", response.status()));
+    }
+    if response
+        .content_length()
+        .is_some_and(|n| n > MAX_MODELS_BODY as u64)
+    {
+        return Err(format!("the answer is over {MAX_MODELS_BODY} bytes"));
+    }
+    let body = response.bytes().await.map_err(|e| e.to_string())?;
+    models_in(&body)
+}
+
+/// Each replica's discovered models, kept while its address stays in the pool.
+#[derive(Default)]
+struct DiscoveredModels {
+    by_address: std::collections::HashMap<SocketAddr, Vec<String>>,
+    /// Addresses whose last ask failed, logged once each.
+    failing: BTreeSet<SocketAddr>,
+}
+
+impl DiscoveredModels {
+    /// Fills in `replicas`' models from the cache, asking the replicas not in it. Returns the
+    /// replicas with models, and whether some could not be asked (to try again later).
+    async fn apply(
+        &mut self,
+        client: &reqwest::Client,
+        replicas: Vec<ReplicaSpec>,
+        pool: &PoolRef,
+        metrics: &DiscoveryMetrics,
+    ) -> (Vec<ReplicaSpec>, bool) {
+        let current: HashSet<SocketAddr> = replicas.iter().map(|r| r.address).collect();
+        self.by_address
+            .retain(|address, _| current.contains(address));
+        self.failing.retain(|address| current.contains(address));
+        let mut known = Vec::with_capacity(replicas.len());
+        let mut incomplete = false;
+        for mut replica in replicas {
+            if !self.by_address.contains_key(&replica.address) {
+                match fetch_models(client, replica.address).await {
+                    Ok(models) => {
+                        self.failing.remove(&replica.address);
+                        tracing::info!(%pool, replica = %replica.address, ?models, "models from the replica's /v1/models");
+                        self.by_address.insert(replica.address, models);
+                    }
+                    Err(problem) => {
+                        incomplete = true;
+                        metrics.count(SourceKind::inference_pool, Problem::models_unknown);
+                        if self.failing.insert(replica.address) {
+                            tracing::warn!(%pool, replica = %replica.address, %problem, "cannot read the replica's /v1/models; leaving it out until it answers");
+                        }
+                        continue;
+                    }
+                }
+            }
+            if let Some(models) = self.by_address.get(&replica.address) {
+                replica.models = models.clone();
+                known.push(replica);
+            }
+        }
+        (known, incomplete)
     }
 }
 
@@ -196,7 +317,7 @@ async fn next_pod_event(
 pub async fn run(
     client: kube::Client,
     pool: PoolRef,
-    models: Vec<String>,
+    models: ModelSource,
     sources: Arc<ReplicaSources>,
     source: usize,
     metrics: DiscoveryMetrics,
@@ -209,8 +330,25 @@ pub async fn run(
     // Whether this (re)list of the pool found it.
     let mut listed_pool = false;
     let mut reported = Reported::default();
+    let mut publisher = Publisher {
+        pool: &pool,
+        models: &models,
+        sources: &sources,
+        source,
+        metrics: &metrics,
+        discovered: DiscoveredModels::default(),
+    };
+    // When replicas whose models could not be read are asked again.
+    let mut retry: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
+            () = sleep_until(retry), if retry.is_some() => {
+                retry = None;
+                if let Some(watch) = &pods {
+                    let (store, spec) = (watch.store.clone(), watch.spec.clone());
+                    retry = publisher.publish(&store, &spec, &mut reported).await;
+                }
+            }
             event = pool_events.next() => {
                 let Some(event) = event else { return };
                 let found = match event {
@@ -260,7 +398,8 @@ pub async fn run(
                     Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => watch.failing.succeeded(),
                     Ok(_) => {
                         watch.failing.succeeded();
-                        publish(watch, &pool, &models, &sources, source, &metrics, &mut reported);
+                        let (store, spec) = (watch.store.clone(), watch.spec.clone());
+                        retry = publisher.publish(&store, &spec, &mut reported).await;
                     }
                 }
             }
@@ -291,27 +430,57 @@ fn backed_off<K: Send + 'static>(
     events.default_backoff().boxed()
 }
 
-/// Sends the pods' replicas to the pool, unless the selector matches nothing.
-fn publish(
-    watch: &PodWatch,
-    pool: &PoolRef,
-    models: &[String],
-    sources: &ReplicaSources,
-    source: usize,
-    metrics: &DiscoveryMetrics,
-    reported: &mut Reported,
-) {
-    let pods = watch.store.state();
-    if pods.is_empty() {
-        reported.no_pods(metrics, pool, &watch.spec.selector);
-        return;
+/// Sleeps until `at`; never when there is no `at`.
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
-    reported.pods_found();
-    let (replicas, without_ip) = replicas_of(&pods, &watch.spec.target_ports, models);
-    reported.pods_without_ip(metrics, pool, without_ip);
-    let count = replicas.len();
-    if sources.set(source, replicas) {
-        tracing::info!(%pool, replicas = count, "replicas from the InferencePool changed");
+}
+
+/// Turns the pods into the source's replicas and hands them to the pool.
+struct Publisher<'a> {
+    pool: &'a PoolRef,
+    models: &'a ModelSource,
+    sources: &'a ReplicaSources,
+    source: usize,
+    metrics: &'a DiscoveryMetrics,
+    discovered: DiscoveredModels,
+}
+
+impl Publisher<'_> {
+    /// Sends the pods' replicas to the pool, unless the selector matches nothing. Returns when
+    /// to try again, if some replica's models could not be read.
+    async fn publish(
+        &mut self,
+        store: &Store<Pod>,
+        spec: &PoolSpec,
+        reported: &mut Reported,
+    ) -> Option<tokio::time::Instant> {
+        let (pool, metrics) = (self.pool, self.metrics);
+        let pods = store.state();
+        if pods.is_empty() {
+            reported.no_pods(metrics, pool, &spec.selector);
+            return None;
+        }
+        reported.pods_found();
+        let configured: &[String] = match self.models {
+            ModelSource::Configured(models) => models,
+            ModelSource::Discovered(_) => &[],
+        };
+        let (replicas, without_ip) = replicas_of(&pods, &spec.target_ports, configured);
+        reported.pods_without_ip(metrics, pool, without_ip);
+        let (replicas, incomplete) = match self.models {
+            ModelSource::Configured(_) => (replicas, false),
+            ModelSource::Discovered(client) => {
+                self.discovered.apply(client, replicas, pool, metrics).await
+            }
+        };
+        let count = replicas.len();
+        if self.sources.set(self.source, replicas) {
+            tracing::info!(%pool, replicas = count, "replicas from the InferencePool changed");
+        }
+        incomplete.then(|| tokio::time::Instant::now() + MODELS_RETRY)
     }
 }
 

@@ -29,7 +29,7 @@ use prometheus_client::registry::Registry;
 use thiserror::Error;
 
 pub use endpoint_slices::K8sService;
-pub use inference_pool::PoolRef;
+pub use inference_pool::{ModelSource, PoolRef};
 
 #[derive(Debug, Error)]
 pub enum DiscoveryError {
@@ -45,10 +45,6 @@ pub enum DiscoveryError {
     },
     #[error("Kubernetes client: {0}")]
     Client(#[from] kube::Error),
-    #[error(
-        "the InferencePool's replicas need the models they serve: give --model (or models in the configuration file)"
-    )]
-    PoolWithoutModels,
 }
 
 /// Discovery's options: flags (and `LLMGW_*` variables) with the same names as the
@@ -135,6 +131,9 @@ pub enum Problem {
     no_pods,
     /// A Ready pod without a usable IP, skipped.
     pod_without_ip,
+    /// A pool replica's `/v1/models` could not be read (no models configured), so it is left
+    /// out until it answers.
+    models_unknown,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -153,7 +152,7 @@ impl DiscoveryMetrics {
     pub fn register(&self, registry: &mut Registry) {
         registry.sub_registry_with_prefix("llmgw_discovery").register(
             "problems",
-            "Problems met while discovering replicas in Kubernetes, by source and problem (api, pool_not_found, invalid_pool, no_pods, pod_without_ip); each keeps the last good replicas",
+            "Problems met while discovering replicas in Kubernetes, by source and problem (api, pool_not_found, invalid_pool, no_pods, pod_without_ip, models_unknown); each keeps the last good replicas",
             self.problems.clone(),
         );
     }

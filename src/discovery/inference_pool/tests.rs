@@ -157,6 +157,10 @@ struct Watched {
 
 impl Watched {
     async fn start(addr: std::net::SocketAddr) -> Watched {
+        Watched::with_models(addr, ModelSource::Configured(vec!["tiny".to_string()])).await
+    }
+
+    async fn with_models(addr: std::net::SocketAddr, models: ModelSource) -> Watched {
         let pool = Arc::new(Pool::new(Vec::new(), Duration::from_secs(5)));
         let published = Arc::new(Mutex::new(Vec::new()));
         let sink = Arc::clone(&published);
@@ -170,7 +174,7 @@ impl Watched {
                 namespace: "llm".to_string(),
                 name: "chat".to_string(),
             },
-            vec!["tiny".to_string()],
+            models,
             sources,
             CONFIG_SOURCE + 1,
             metrics.clone(),
@@ -181,6 +185,15 @@ impl Watched {
             metrics,
             task,
         }
+    }
+
+    /// The replicas published, with their models.
+    fn models(&self) -> Vec<(String, Vec<String>)> {
+        self.published
+            .lock()
+            .iter()
+            .map(|r| (r.address.to_string(), r.models.clone()))
+            .collect()
     }
 
     /// The replicas published, with their nodes.
@@ -330,4 +343,90 @@ async fn an_unreadable_service_account_token_is_a_clear_error() {
     std::fs::write(&missing, "secret").unwrap();
     let client = crate::discovery::client(Some(&kubeconfig)).await.unwrap();
     assert_eq!(client.default_namespace(), "llm");
+}
+
+#[test]
+fn a_model_listing_is_read_with_bounds() {
+    let listing = br#"{"object":"list","data":[
+        {"id":"base","object":"model","root":"meta/base","parent":null},
+        {"id":"lora-a","object":"model","root":"/adapters/a","parent":"base"}]}"#;
+    assert_eq!(models_in(listing).unwrap(), ["base", "lora-a"]);
+    for (bad, why) in [
+        (br#"{"data":[]}"#.to_vec(), "lists no model"),
+        (b"<html>".to_vec(), "not a model list"),
+        (
+            format!(r#"{{"data":[{}]}}"#, vec![r#"{"id":"m"}"#; 1025].join(",")).into_bytes(),
+            "over 1024 models",
+        ),
+        (vec![b' '; 1024 * 1024 + 1], "over 1048576 bytes"),
+    ] {
+        let err = models_in(&bad).expect_err(why);
+        assert!(err.contains(why), "{err}");
+    }
+}
+
+/// Serves `/v1/models` listing `models` on `listener`.
+fn serve_models(listener: tokio::net::TcpListener, models: &'static [&'static str]) {
+    let app = axum::Router::new().route(
+        "/v1/models",
+        axum::routing::get(move || async move {
+            let data: Vec<Value> = models
+                .iter()
+                .map(|m| json!({"id": m, "object": "model"}))
+                .collect();
+            axum::Json(json!({"object": "list", "data": data}))
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_configured_models_each_replica_says_its_own() {
+    let first = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let first_port = first.local_addr().unwrap().port();
+    serve_models(first, &["base", "lora-a"]);
+    // The second rank answers nothing yet.
+    let second_port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let (api, addr) = FakeApi::start().await;
+    api.apply(POOLS, pool_object(spec("vllm", &[first_port, second_port])));
+    api.apply(PODS, pod("a", "vllm", "node-a", Some("127.0.0.1"), true));
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let watched = Watched::with_models(addr, ModelSource::Discovered(client)).await;
+    let first_replica = format!("127.0.0.1:{first_port}");
+    wait_until(|| {
+        watched.models()
+            == [(
+                first_replica.clone(),
+                vec!["base".to_string(), "lora-a".to_string()],
+            )]
+    })
+    .await;
+    watched.until_problem(Problem::models_unknown, 1).await;
+
+    // The second rank starts answering: it joins at the next retry.
+    let second = tokio::net::TcpListener::bind(("127.0.0.1", second_port))
+        .await
+        .unwrap();
+    serve_models(second, &["base"]);
+    let second_replica = format!("127.0.0.1:{second_port}");
+    let mut want = vec![
+        (
+            first_replica,
+            vec!["base".to_string(), "lora-a".to_string()],
+        ),
+        (second_replica, vec!["base".to_string()]),
+    ];
+    want.sort();
+    wait_until(|| {
+        let mut got = watched.models();
+        got.sort();
+        got == want
+    })
+    .await;
 }
