@@ -509,11 +509,12 @@ async fn a_rolling_restart_of_two_routers_fails_no_request() {
     let a = sim("a", &["tiny"], 0, &[]);
     let b = sim("b", &["tiny"], 0, &[]);
     let replicas = [format!("tiny={}", a.addr), format!("tiny={}", b.addr)];
-    // The delay outlasts two of Envoy's 0.5 s health checks, so new streams move first.
+    // The delay outlasts several of Envoy's 0.5 s health checks, so new streams move first,
+    // even on a loaded machine.
     let flags = [
         "--allow-test-endpoint-selection",
         "--drain-delay",
-        "1500ms",
+        "2500ms",
         "--drain-timeout",
         "10s",
     ];

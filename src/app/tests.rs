@@ -512,12 +512,23 @@ async fn ext_proc_over_tls_from_a_certificate_directory_that_is_reloaded() {
             .await
             .is_err()
     );
+    // Counted once per attempt (the client may reconnect once), in the handshake's own task.
     let metrics_url = format!("http://{}/metrics", running.bound.admin);
-    let refused = text_of(&metrics_url).await;
-    assert!(
-        refused.contains(r#"llmgw_extproc_tls_refused_total{reason="not_tls"} 1"#),
-        "{refused}"
-    );
+    let not_tls = |text: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(r#"llmgw_extproc_tls_refused_total{reason="not_tls"} "#))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    let mut refused = 0.0;
+    for _ in 0..200 {
+        refused = not_tls(&text_of(&metrics_url).await);
+        if refused >= 1.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(refused >= 1.0, "no not_tls refusal counted");
 
     // The Secret is renewed under another CA: the next connection gets the new certificate,
     // and a client trusting only the old CA no longer connects.
