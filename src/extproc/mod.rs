@@ -160,8 +160,9 @@ pub struct Exchange {
     pub status: Option<u16>,
     /// Response body bytes seen (none when the proxy does not send the response body).
     pub response_bytes: u64,
-    /// The last [`RESPONSE_TAIL`] bytes of the response body.
-    pub response_tail: Vec<u8>,
+    /// The last [`RESPONSE_TAIL`] bytes of the response body ([`Exchange::response_tail`]): a
+    /// ring, so that a stream of small chunks costs each chunk's length, not the tail's.
+    tail: std::collections::VecDeque<u8>,
     /// Whether the response's end (its last body chunk or trailers) was seen.
     pub complete: bool,
 }
@@ -172,7 +173,7 @@ impl Exchange {
             received,
             status: None,
             response_bytes: 0,
-            response_tail: Vec::new(),
+            tail: std::collections::VecDeque::new(),
             complete: false,
         }
     }
@@ -180,16 +181,16 @@ impl Exchange {
     /// Counts a response body chunk and keeps the tail.
     pub fn response_chunk(&mut self, chunk: &[u8], end_of_stream: bool) {
         self.response_bytes += chunk.len() as u64;
-        if chunk.len() >= RESPONSE_TAIL {
-            self.response_tail.clear();
-            self.response_tail
-                .extend_from_slice(&chunk[chunk.len() - RESPONSE_TAIL..]);
-        } else {
-            let overflow = (self.response_tail.len() + chunk.len()).saturating_sub(RESPONSE_TAIL);
-            self.response_tail.drain(..overflow);
-            self.response_tail.extend_from_slice(chunk);
-        }
+        let kept = &chunk[chunk.len().saturating_sub(RESPONSE_TAIL)..];
+        let overflow = (self.tail.len() + kept.len()).saturating_sub(RESPONSE_TAIL);
+        self.tail.drain(..overflow);
+        self.tail.extend(kept);
         self.complete |= end_of_stream;
+    }
+
+    /// The last [`RESPONSE_TAIL`] bytes of the response body, in order.
+    pub fn response_tail(&mut self) -> &[u8] {
+        self.tail.make_contiguous()
     }
 }
 

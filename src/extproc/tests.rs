@@ -858,8 +858,10 @@ async fn the_exchange_is_reported_with_the_hold_when_the_stream_ends() {
     };
     assert_eq!(exchange.status, Some(503));
     assert_eq!(exchange.response_bytes, (RESPONSE_TAIL + 10 + 11) as u64);
-    assert_eq!(exchange.response_tail.len(), RESPONSE_TAIL);
-    assert!(exchange.response_tail.ends_with(b"x{\"usage\":1}"));
+    let mut exchange = exchange.clone();
+    let tail = exchange.response_tail();
+    assert_eq!(tail.len(), RESPONSE_TAIL);
+    assert!(tail.ends_with(b"x{\"usage\":1}"));
     assert!(exchange.complete);
     assert_eq!(picker.live_holds.load(Ordering::SeqCst), 0);
 
@@ -873,4 +875,28 @@ async fn the_exchange_is_reported_with_the_hold_when_the_stream_ends() {
     stream.on_message(body_msg(b"reject", true)).await.unwrap();
     drop(stream);
     assert!(picker.finished.lock().is_empty());
+}
+
+#[test]
+fn the_response_tail_is_the_bodys_last_bytes_whatever_the_chunking() {
+    let body: Vec<u8> = (0..40_000u32).map(|i| (i % 251) as u8).collect();
+    for chunk_size in [1, 7, 4096, RESPONSE_TAIL, RESPONSE_TAIL + 3, body.len()] {
+        let mut exchange = Exchange::new(tokio::time::Instant::now());
+        let chunks: Vec<&[u8]> = body.chunks(chunk_size).collect();
+        for (i, chunk) in chunks.iter().enumerate() {
+            exchange.response_chunk(chunk, i + 1 == chunks.len());
+        }
+        assert_eq!(exchange.response_bytes, body.len() as u64);
+        assert!(exchange.complete);
+        assert_eq!(
+            exchange.response_tail(),
+            &body[body.len() - RESPONSE_TAIL..],
+            "chunks of {chunk_size}"
+        );
+    }
+    let mut short = Exchange::new(tokio::time::Instant::now());
+    short.response_chunk(b"ab", false);
+    short.response_chunk(b"cd", false);
+    assert_eq!(short.response_tail(), b"abcd");
+    assert!(!short.complete);
 }

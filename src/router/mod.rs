@@ -260,13 +260,13 @@ impl Picker for Router {
 
     /// GIE's per-request metrics: duration, response size, the usage's token counts, and the
     /// upstream's error status.
-    fn finished(&self, hold: RoutedRequest, exchange: Exchange) {
+    fn finished(&self, hold: RoutedRequest, mut exchange: Exchange) {
         let Some(running) = hold.running else {
             return;
         };
         let usage = exchange
             .complete
-            .then(|| usage_in_tail(&exchange.response_tail))
+            .then(|| usage_in_tail(exchange.response_tail()))
             .flatten();
         self.metrics.objective().finish(
             running,
