@@ -122,7 +122,7 @@ impl ServingOptions {
             .unwrap_or(false);
         match (secure, cert_path) {
             (false, Some(_)) => Err(ServingOptionsError::CertPathWithoutTls),
-            (false, None) | (true, None) if reload => Err(ServingOptionsError::ReloadWithoutFiles),
+            (_, None) if reload => Err(ServingOptionsError::ReloadWithoutFiles),
             (false, None) => Ok(None),
             (true, None) => Ok(Some(ServingTls::SelfSigned)),
             (true, Some(dir)) => Ok(Some(ServingTls::Files {

@@ -135,31 +135,42 @@ impl DiscoveredModels {
         self.by_address
             .retain(|address, _| current.contains(address));
         self.failing.retain(|address| current.contains(address));
-        let mut known = Vec::with_capacity(replicas.len());
+        // Asked together, so that one slow replica does not hold up the others' answers.
+        let unknown: Vec<SocketAddr> = replicas
+            .iter()
+            .map(|r| r.address)
+            .filter(|address| !self.by_address.contains_key(address))
+            .collect();
+        let answers = futures::future::join_all(
+            unknown
+                .iter()
+                .map(|&address| async move { (address, fetch_models(client, address).await) }),
+        )
+        .await;
         let mut incomplete = false;
-        for mut replica in replicas {
-            if !self.by_address.contains_key(&replica.address) {
-                match fetch_models(client, replica.address).await {
-                    Ok(models) => {
-                        self.failing.remove(&replica.address);
-                        tracing::info!(%pool, replica = %replica.address, ?models, "models from the replica's /v1/models");
-                        self.by_address.insert(replica.address, models);
-                    }
-                    Err(problem) => {
-                        incomplete = true;
-                        metrics.count(SourceKind::inference_pool, Problem::models_unknown);
-                        if self.failing.insert(replica.address) {
-                            tracing::warn!(%pool, replica = %replica.address, %problem, "cannot read the replica's /v1/models; leaving it out until it answers");
-                        }
-                        continue;
+        for (address, answer) in answers {
+            match answer {
+                Ok(models) => {
+                    self.failing.remove(&address);
+                    tracing::info!(%pool, replica = %address, ?models, "models from the replica's /v1/models");
+                    self.by_address.insert(address, models);
+                }
+                Err(problem) => {
+                    incomplete = true;
+                    metrics.count(SourceKind::inference_pool, Problem::models_unknown);
+                    if self.failing.insert(address) {
+                        tracing::warn!(%pool, replica = %address, %problem, "cannot read the replica's /v1/models; leaving it out until it answers");
                     }
                 }
             }
-            if let Some(models) = self.by_address.get(&replica.address) {
-                replica.models = models.clone();
-                known.push(replica);
-            }
         }
+        let known = replicas
+            .into_iter()
+            .filter_map(|mut replica| {
+                replica.models = self.by_address.get(&replica.address)?.clone();
+                Some(replica)
+            })
+            .collect();
         (known, incomplete)
     }
 }
