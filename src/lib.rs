@@ -14,6 +14,7 @@ pub mod discovery;
 pub mod duration;
 pub mod extproc;
 pub mod feed;
+pub mod flowcontrol;
 pub mod kvindex;
 pub mod metrics;
 pub mod models;

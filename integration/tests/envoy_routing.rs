@@ -673,7 +673,14 @@ async fn bad_inputs_get_their_status_and_a_json_error() {
             format!("tiny={}", b.addr),
             ghost,
         ],
-        &["--max-body-bytes", "100000", "--max-in-flight", "1"],
+        &[
+            "--max-body-bytes",
+            "100000",
+            "--max-in-flight",
+            "1",
+            "--queue-timeout",
+            "300ms",
+        ],
     );
     router.wait_healthy(&[a.addr, b.addr]).await;
     let envoy = start_envoy("envoy.yaml", grpc, [a.addr, b.addr]).await;
@@ -754,7 +761,8 @@ async fn bad_inputs_get_their_status_and_a_json_error() {
         );
     }
 
-    // 429: both replicas hold one slow request each (--max-in-flight 1).
+    // 429: both replicas hold one slow request each (--max-in-flight 1), and none frees up
+    // within the queue timeout.
     let slow_body =
         serde_json::json!({"model": "tiny", "prompt": "busy", "max_tokens": 20, "stream": true});
     let mut held = Vec::new();

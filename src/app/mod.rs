@@ -5,7 +5,8 @@
 //! Background tasks: the health checker, the scraper, the configuration watcher (with a file;
 //! it updates the pool's replicas and the feed's node map), the Kubernetes watchers (with
 //! `--k8s-service` or `--pool-name`; they update the same) and the readiness reporter; each
-//! owns nothing but `Arc`s to shared immutable or lock-free state. The gRPC server (ext_proc +
+//! owns nothing but `Arc`s to shared immutable or lock-free state. Flow control's dispatcher is
+//! one more (see [`crate::flowcontrol`]). The gRPC server (ext_proc +
 //! health, plaintext or TLS) and the admin server run side by side. On the shutdown signal the
 //! router drains: the readiness reporter turns not-serving, after `--drain-delay` the servers
 //! stop accepting, open ext_proc streams get `--drain-timeout` to end; the background tasks are
@@ -27,6 +28,7 @@ use crate::config::{self, Settings};
 use crate::discovery::{self, DiscoveryError, DiscoveryMetrics, ModelSource, PoolRef};
 use crate::extproc::{ExtProcService, ExtProcSettings};
 use crate::feed::{FeedConfig, FeedService};
+use crate::flowcontrol::{FlowControl, FlowMetrics, Objectives};
 use crate::kvindex::{KvEventSink, KvIndex};
 use crate::metrics::Metrics;
 use crate::metrics::state::StateCollector;
@@ -40,6 +42,9 @@ use crate::tokenize::Tokenizer;
 
 /// HTTP/2 flow-control windows of the ext_proc server: a whole large prompt per stream, many
 /// streams per connection.
+/// How often flow control's dispatcher looks again without being woken: about as often as
+/// scrapes and health checks can change a replica's capacity.
+const FLOW_CONTROL_TICK: std::time::Duration = std::time::Duration::from_millis(50);
 const GRPC_STREAM_WINDOW: u32 = 16 * 1024 * 1024;
 const GRPC_CONNECTION_WINDOW: u32 = 64 * 1024 * 1024;
 
@@ -182,6 +187,7 @@ pub async fn serve(
         ));
     }
     let discovery_metrics = DiscoveryMetrics::default();
+    let objectives = Arc::new(Objectives::new(&settings.flow_control.objectives));
     if services > 0 || settings.pool.is_some() {
         let client = discovery::client(settings.discovery.kubeconfig.as_deref()).await?;
         if services > 0 {
@@ -256,13 +262,30 @@ pub async fn serve(
         &resources,
         metrics.registry_mut(),
     )?;
+    let flow_control = settings.flow_control.enabled.then(|| {
+        let flow_metrics = FlowMetrics::new(
+            metrics.registry_mut(),
+            settings.pool.as_ref().map_or("", |p| p.name.as_str()),
+        );
+        Arc::new(FlowControl::new(
+            settings.flow_control.clone(),
+            Arc::clone(&objectives),
+            scheduler.capacity(),
+            flow_metrics,
+        ))
+    });
     let metrics = Arc::new(metrics);
-    let request_headers = scheduler.request_headers().to_vec();
-    let router = Arc::new(Router::new(
+    let mut router = Router::new(
         scheduler,
         Arc::clone(&metrics),
         settings.allow_test_endpoint_selection,
-    ));
+    );
+    if let Some(flow) = &flow_control {
+        background.spawn(Arc::clone(flow).run(FLOW_CONTROL_TICK));
+        router = router.with_flow_control(Arc::clone(flow));
+    }
+    let request_headers = router.request_headers();
+    let router = Arc::new(router);
     let ext_proc = ExtProcService::new(
         router,
         ExtProcSettings {

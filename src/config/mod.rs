@@ -14,6 +14,9 @@
 //! scheduler:                   # the scheduling profile: see `scheduler::profile`
 //!   weights: {queue: 1, in_flight: 1, kv_utilization: 1, kv_cache: 2}
 //!   imbalance_threshold: 16
+//! flow_control:                # queueing while saturated: see `flowcontrol::options`
+//!   queue_timeout: 30s
+//!   objectives: [{name: interactive, priority: 100}, {name: batch, priority: -1}]
 //! models:                      # engine settings for precise prefix routing
 //!   - name: tiny
 //!     block_size: 16
@@ -56,6 +59,7 @@ use crate::discovery::{DiscoveryOptions, DiscoverySettings};
 use crate::duration::DurationError;
 use crate::extproc::DESTINATION_HEADER;
 use crate::feed::{FeedOptions, FeedOptionsError, FeedSettings};
+use crate::flowcontrol::{FlowControlOptions, FlowOptionsError, FlowSettings};
 use crate::kvindex::{IndexConfig, IndexOptions};
 use crate::models::{FileModel, ModelSettings};
 use crate::pool::monitor::{ProbeOptions, ProbeSettings};
@@ -98,6 +102,8 @@ pub enum ConfigError {
     Feed(#[from] FeedOptionsError),
     #[error(transparent)]
     Serving(#[from] ServingOptionsError),
+    #[error(transparent)]
+    FlowControl(#[from] FlowOptionsError),
     #[error("--pool-namespace needs --pool-name")]
     PoolNamespaceWithoutName,
 }
@@ -175,6 +181,8 @@ pub struct ServeArgs {
     /// The scheduling profile's common knobs.
     #[command(flatten)]
     pub scheduler: SchedulerArgs,
+    #[command(flatten)]
+    pub flow_control: FlowControlOptions,
     /// A model's engine settings for precise prefix routing, repeatable:
     /// MODEL=block_size=N[,algo=sha256_cbor|xxhash_cbor][,seed=PYTHONHASHSEED]
     /// [,salt=tagged|untagged][,tokenizer=PATH/tokenizer.json]. Models without one are routed by
@@ -214,6 +222,8 @@ pub struct FileConfig {
     pub replicas: Vec<FileReplica>,
     #[serde(default)]
     pub scheduler: Option<SchedulerConfig>,
+    #[serde(default)]
+    pub flow_control: FlowControlOptions,
     #[serde(default)]
     pub models: Vec<FileModel>,
     #[serde(flatten)]
@@ -276,6 +286,8 @@ pub struct Settings {
     pub allow_test_endpoint_selection: bool,
     /// The scheduling profile and its options, flags applied.
     pub scheduler: SchedulerConfig,
+    /// Admission: queueing, priorities, fairness.
+    pub flow_control: FlowSettings,
     /// The file, for reloads.
     pub config_path: Option<PathBuf>,
     /// The `--replica` flags, re-added on every reload.
@@ -375,6 +387,7 @@ impl Settings {
             allow_test_endpoint_selection: args.allow_test_endpoint_selection
                 || file.allow_test_endpoint_selection.unwrap_or(false),
             scheduler,
+            flow_control: args.flow_control.resolve(&file.flow_control)?,
             config_path: args.config.clone(),
             flag_replicas,
             models,

@@ -18,7 +18,7 @@ pub mod vllm_metrics;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -83,6 +83,9 @@ pub struct EngineLoad {
 struct Scrape {
     load: EngineLoad,
     at: Instant,
+    /// [`Replica::started`] and [`Replica::ended`] when the scrape was stored.
+    started: u64,
+    ended: u64,
 }
 
 /// A replica and its live state. Shared by `Arc` between snapshots, guards and tasks.
@@ -92,6 +95,10 @@ pub struct Replica {
     endpoint: String,
     health: AtomicU8,
     in_flight: AtomicU32,
+    /// Requests started and ended here, ever: their change since a scrape is what the engine
+    /// has not reported yet.
+    started: AtomicU64,
+    ended: AtomicU64,
     last_scrape: ArcSwapOption<Scrape>,
 }
 
@@ -102,6 +109,8 @@ impl Replica {
             spec,
             health: AtomicU8::new(Health::Unknown.to_u8()),
             in_flight: AtomicU32::new(0),
+            started: AtomicU64::new(0),
+            ended: AtomicU64::new(0),
             last_scrape: ArcSwapOption::empty(),
         }
     }
@@ -140,6 +149,7 @@ impl Replica {
     /// Counts one more request in flight until the guard is dropped.
     pub fn start_request(self: &Arc<Self>) -> InFlightGuard {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.started.fetch_add(1, Ordering::Relaxed);
         InFlightGuard {
             replica: Arc::clone(self),
         }
@@ -147,7 +157,12 @@ impl Replica {
 
     /// Stores a scrape taken at `at`.
     pub fn record_scrape(&self, load: EngineLoad, at: Instant) {
-        self.last_scrape.store(Some(Arc::new(Scrape { load, at })));
+        self.last_scrape.store(Some(Arc::new(Scrape {
+            load,
+            at,
+            started: self.started.load(Ordering::Relaxed),
+            ended: self.ended.load(Ordering::Relaxed),
+        })));
     }
 
     /// Forgets the last scrape (the replica stopped answering).
@@ -161,6 +176,28 @@ impl Replica {
         let guard = self.last_scrape.load();
         let scrape = guard.as_ref()?;
         (now.saturating_duration_since(scrape.at) <= staleness).then_some(scrape.load)
+    }
+
+    /// The engine's waiting queue now, estimated: the last fresh scrape's count, plus the
+    /// requests started here since (each may be waiting), minus those that ended since (each
+    /// let a waiting one run), never below 0. So a burst between two scrapes is counted
+    /// before the next scrape reports it. `None` when the load is unknown.
+    pub fn waiting_estimate(&self, now: Instant, staleness: Duration) -> Option<f64> {
+        let guard = self.last_scrape.load();
+        let scrape = guard.as_ref()?;
+        if now.saturating_duration_since(scrape.at) > staleness {
+            return None;
+        }
+        let waiting = scrape.load.waiting?;
+        let started = self
+            .started
+            .load(Ordering::Relaxed)
+            .saturating_sub(scrape.started);
+        let ended = self
+            .ended
+            .load(Ordering::Relaxed)
+            .saturating_sub(scrape.ended);
+        Some((waiting + started as f64 - ended as f64).max(0.0))
     }
 }
 
@@ -179,6 +216,7 @@ impl InFlightGuard {
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
         self.replica.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.replica.ended.fetch_add(1, Ordering::Relaxed);
     }
 }
 

@@ -82,6 +82,50 @@ async fn scrape_goes_stale_and_reads_as_unknown() {
     assert_eq!(replica.engine_load(Instant::now(), staleness), None);
 }
 
+#[tokio::test(start_paused = true)]
+async fn waiting_estimate_counts_what_started_and_ended_since_the_scrape() {
+    let replica = Arc::new(Replica::new(spec(1, &["m"])));
+    let staleness = Duration::from_secs(2);
+    let before = replica.start_request();
+    let running = replica.start_request();
+    assert_eq!(replica.waiting_estimate(Instant::now(), staleness), None);
+    let load = |waiting| EngineLoad {
+        waiting: Some(waiting),
+        running: Some(2.0),
+        kv_cache_usage: None,
+    };
+    replica.record_scrape(load(3.0), Instant::now());
+    // Requests counted by the scrape do not count again.
+    assert_eq!(
+        replica.waiting_estimate(Instant::now(), staleness),
+        Some(3.0)
+    );
+    let burst: Vec<_> = (0..4).map(|_| replica.start_request()).collect();
+    assert_eq!(
+        replica.waiting_estimate(Instant::now(), staleness),
+        Some(7.0)
+    );
+    drop(before);
+    drop(running);
+    assert_eq!(
+        replica.waiting_estimate(Instant::now(), staleness),
+        Some(5.0)
+    );
+    // A fresh scrape replaces the estimate with the engine's own count.
+    replica.record_scrape(load(1.0), Instant::now());
+    assert_eq!(
+        replica.waiting_estimate(Instant::now(), staleness),
+        Some(1.0)
+    );
+    drop(burst);
+    assert_eq!(
+        replica.waiting_estimate(Instant::now(), staleness),
+        Some(0.0)
+    );
+    tokio::time::advance(Duration::from_millis(2001)).await;
+    assert_eq!(replica.waiting_estimate(Instant::now(), staleness), None);
+}
+
 /// A prober whose answers the test sets: replicas in `down` fail, others succeed.
 #[derive(Default)]
 struct FakeProber {

@@ -1,5 +1,6 @@
-//! The routing policy behind the ext_proc protocol: parse the body ([`crate::openai`]), let the
-//! [`Scheduler`] choose, and turn every failure into the HTTP status a client should see.
+//! The routing policy behind the ext_proc protocol: parse the body ([`crate::openai`]), admit it
+//! ([`crate::flowcontrol`]: it may wait for capacity), let the [`Scheduler`] choose, and turn
+//! every failure into the HTTP status a client should see.
 //!
 //! # Tracing
 //! Each pick is one `route` span (DEBUG, so free when no OTLP endpoint is configured), a child of
@@ -20,6 +21,7 @@ use tracing::field::Empty;
 
 use crate::cputime::CpuTimed;
 use crate::extproc::{Exchange, Picker, Rejection, Routed, RoutingRequest};
+use crate::flowcontrol::{FlowControl, FlowError};
 use crate::metrics::{Finished, Metrics, Outcome, RunningRequest, Served, error_code};
 use crate::openai::{EndpointKind, parse_request, usage_in_tail};
 use crate::pool::InFlightGuard;
@@ -39,6 +41,8 @@ pub struct Router {
     scheduler: Scheduler,
     metrics: Arc<Metrics>,
     allow_test_selection: bool,
+    /// `None`: flow control is off, and a saturated pool answers 429 at once.
+    flow: Option<Arc<FlowControl>>,
 }
 
 impl Router {
@@ -50,11 +54,30 @@ impl Router {
             scheduler,
             metrics,
             allow_test_selection,
+            flow: None,
         }
+    }
+
+    /// Requests wait in `flow`'s queues while their model is saturated.
+    pub fn with_flow_control(mut self, flow: Arc<FlowControl>) -> Router {
+        self.flow = Some(flow);
+        self
     }
 
     pub fn scheduler(&self) -> &Scheduler {
         &self.scheduler
+    }
+
+    /// Request headers (lower-case) the scheduler's plugins and flow control read, for the
+    /// protocol layer to pass on.
+    pub fn request_headers(&self) -> Vec<String> {
+        let mut headers = self.scheduler.request_headers().to_vec();
+        if let Some(flow) = &self.flow {
+            headers.extend(flow.request_headers());
+        }
+        headers.sort();
+        headers.dedup();
+        headers
     }
 
     /// Decides, leaving the request's model in `model` once its body parsed.
@@ -94,11 +117,41 @@ impl Router {
             })?;
         span.record("model", parsed.model.as_str());
         *model = Some(parsed.model.clone());
-        let decision = self
-            .scheduler
-            .decide(&parsed, &request.headers, scope)
-            .await
-            .map_err(|e| self.refuse(e))?;
+        let mut admitted = match &self.flow {
+            Some(flow) => {
+                let ask = flow
+                    .classify(
+                        &parsed.model,
+                        self.metrics.model_label(&parsed.model),
+                        &request.headers,
+                    )
+                    .map_err(|e| self.refuse_flow(e))?;
+                let admission = flow
+                    .admit(&ask)
+                    .instrument(tracing::debug_span!("queue"))
+                    .await
+                    .map_err(|e| self.refuse_flow(e))?;
+                Some((flow, ask, admission))
+            }
+            None => None,
+        };
+        let decision = loop {
+            let decided = self
+                .scheduler
+                .decide(&parsed, &request.headers, scope)
+                .await;
+            match (decided, admitted.take()) {
+                // A concurrent decision took the capacity this one was admitted for.
+                (Err(DecideError::AllSaturated), Some((flow, ask, admission))) => {
+                    let again = flow
+                        .readmit(&ask, admission)
+                        .await
+                        .map_err(|e| self.refuse_flow(e))?;
+                    admitted = Some((flow, ask, again));
+                }
+                (decided, _) => break decided.map_err(|e| self.refuse(e))?,
+            }
+        };
         if decision.imbalance_guard_fired {
             self.metrics.imbalance_guard_fired();
         }
@@ -136,6 +189,33 @@ impl Router {
             prefix_unavailable: false,
         };
         Ok((decision, Outcome::RoutedTestSelection))
+    }
+
+    /// Flow control's answers: a malformed header or unknown objective is the client's error
+    /// (400); a queue that is full, a displaced request and a deadline passed are 429, or 503
+    /// when no replica was ready at the deadline.
+    fn refuse_flow(&self, error: FlowError) -> Rejection {
+        if let FlowError::Decide(error) = error {
+            return self.refuse(error);
+        }
+        let (status, error_type, outcome) = match &error {
+            // `Decide` was answered above.
+            FlowError::Decide(_)
+            | FlowError::UnknownObjective { .. }
+            | FlowError::BadHeader { .. } => (400, "invalid_request_error", Outcome::BadRequest),
+            FlowError::QueueFull { .. }
+            | FlowError::Displaced { .. }
+            | FlowError::Expired { .. } => (429, "rate_limit_error", Outcome::Saturated),
+            FlowError::ExpiredNoneReady { .. } => {
+                (503, "service_unavailable_error", Outcome::NoReadyReplica)
+            }
+        };
+        self.metrics.record(outcome);
+        Rejection {
+            status,
+            error_type,
+            message: error.to_string(),
+        }
     }
 
     fn refuse(&self, error: DecideError) -> Rejection {
@@ -261,7 +341,13 @@ impl Picker for Router {
     /// GIE's per-request metrics: duration, response size, the usage's token counts, and the
     /// upstream's error status.
     fn finished(&self, hold: RoutedRequest, mut exchange: Exchange) {
-        let Some(running) = hold.running else {
+        let RoutedRequest { in_flight, running } = hold;
+        // Its replica has room again: a queued request may go.
+        drop(in_flight);
+        if let Some(flow) = &self.flow {
+            flow.request_finished();
+        }
+        let Some(running) = running else {
             return;
         };
         let usage = exchange

@@ -441,3 +441,108 @@ async fn a_session_key_over_its_limit_is_a_400_naming_the_header() {
         "{text}"
     );
 }
+
+/// A router whose flow control knows the objective `batch` and waits at most 50ms.
+fn router_with_flow_control(pool: &Arc<Pool>) -> Router {
+    use crate::flowcontrol::{FlowMetrics, FlowSettings, ObjectiveSpec, Objectives};
+    let scheduler = Scheduler::load_only(Arc::clone(pool)).expect("builds");
+    let settings = FlowSettings {
+        queue_timeout: Duration::from_millis(50),
+        objectives: vec![ObjectiveSpec {
+            name: "batch".into(),
+            priority: -1,
+            queue_timeout: None,
+        }],
+        ..FlowSettings::default()
+    };
+    let flow = Arc::new(FlowControl::new(
+        settings.clone(),
+        Arc::new(Objectives::new(&settings.objectives)),
+        scheduler.capacity(),
+        FlowMetrics::unregistered(""),
+    ));
+    tokio::spawn(Arc::clone(&flow).run(Duration::from_millis(10)));
+    let metrics = Arc::new(Metrics::new(Arc::clone(pool)));
+    Router::new(scheduler, metrics, false).with_flow_control(flow)
+}
+
+fn with_headers(mut request: RoutingRequest, headers: &[(&str, &str)]) -> RoutingRequest {
+    request.headers = headers
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.to_string()))
+        .collect();
+    request
+}
+
+#[tokio::test(start_paused = true)]
+async fn flow_control_answers_map_to_statuses_and_a_freed_replica_serves_the_waiting() {
+    let pool = pool();
+    let router = router_with_flow_control(&pool);
+    let completion = || post("/v1/completions", r#"{"model":"tiny","prompt":"x"}"#);
+    assert!(
+        router
+            .request_headers()
+            .iter()
+            .any(|h| h == "x-gateway-inference-objective")
+    );
+    let unknown = with_headers(completion(), &[("x-gateway-inference-objective", "gold")]);
+    assert_eq!(status_of(&router, unknown).await, 400);
+    let negative = with_headers(completion(), &[("x-llmgw-queue-timeout", "-2s")]);
+    assert_eq!(status_of(&router, negative).await, 400);
+    assert_eq!(
+        status_of(
+            &router,
+            post("/v1/completions", r#"{"model":"big","prompt":"x"}"#)
+        )
+        .await,
+        404
+    );
+    // Saturated: a request waits for its deadline, then 429.
+    let saturate = |waiting| {
+        for replica in pool.snapshot().replicas() {
+            replica.record_scrape(
+                EngineLoad {
+                    waiting: Some(waiting),
+                    running: None,
+                    kv_cache_usage: None,
+                },
+                Instant::now(),
+            );
+        }
+    };
+    saturate(1000.0);
+    let started = Instant::now();
+    assert_eq!(status_of(&router, completion()).await, 429);
+    assert_eq!(started.elapsed(), Duration::from_millis(50));
+    // Capacity returns while one waits: it is routed.
+    let waiting = router.pick(with_headers(
+        completion(),
+        &[("x-gateway-inference-objective", "batch")],
+    ));
+    let free = async {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        saturate(0.0);
+    };
+    let (routed, ()) = tokio::join!(waiting, free);
+    assert!(routed.is_ok());
+    // The replicas fail while one waits: 503 at its deadline.
+    saturate(1000.0);
+    let waiting = router.pick(completion());
+    let fail = async {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        for replica in pool.snapshot().replicas() {
+            replica.set_health(Health::Unhealthy);
+        }
+    };
+    let (failed, ()) = tokio::join!(waiting, fail);
+    assert_eq!(failed.err().map(|r| r.status), Some(503));
+    let text = router.metrics.encode().unwrap();
+    assert!(
+        text.contains("llmgw_decisions_total{outcome=\"saturated\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("llmgw_decisions_total{outcome=\"bad_request\"} 2"),
+        "{text}"
+    );
+}

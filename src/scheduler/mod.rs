@@ -58,9 +58,22 @@ pub struct Candidate {
     pub in_flight: u32,
     /// The engine's scraped load; `None` when unknown (stale or failed scrape).
     pub engine: Option<EngineLoad>,
+    /// The engine's waiting queue with what llmgw started and saw end since the scrape
+    /// ([`Replica::waiting_estimate`]); `None` when unknown.
+    pub waiting_estimate: Option<f64>,
 }
 
 impl Candidate {
+    /// `replica` with its load as of `now`.
+    fn of(replica: &Arc<Replica>, now: Instant, staleness: std::time::Duration) -> Candidate {
+        Candidate {
+            in_flight: replica.in_flight(),
+            engine: replica.engine_load(now, staleness),
+            waiting_estimate: replica.waiting_estimate(now, staleness),
+            replica: Arc::clone(replica),
+        }
+    }
+
     /// Requests in flight plus requests the engine reports waiting (unknown counts as 0).
     fn pending(&self) -> f64 {
         f64::from(self.in_flight) + self.engine.and_then(|e| e.waiting).unwrap_or(0.0)
@@ -430,6 +443,20 @@ impl Scheduler {
         })
     }
 
+    /// What flow control asks before it dispatches: how many more requests for a model the
+    /// refusing filters (`saturation`) let through.
+    pub fn capacity(&self) -> Capacity {
+        Capacity {
+            pool: Arc::clone(&self.pool),
+            limits: self
+                .filters
+                .iter()
+                .filter(|(_, f)| f.when_none_pass() == WhenNonePass::RefuseSaturated)
+                .map(|(_, f)| Arc::clone(f))
+                .collect(),
+        }
+    }
+
     fn has_affinity(&self) -> bool {
         self.scorers
             .iter()
@@ -468,11 +495,7 @@ impl Scheduler {
         }
         let mut candidates: Vec<Candidate> = healthy
             .into_iter()
-            .map(|replica| Candidate {
-                in_flight: replica.in_flight(),
-                engine: replica.engine_load(now, staleness),
-                replica: Arc::clone(replica),
-            })
+            .map(|replica| Candidate::of(replica, now, staleness))
             .collect();
         for (name, filter) in &self.filters {
             let before =
@@ -489,6 +512,65 @@ impl Scheduler {
             }
         }
         Ok(candidates)
+    }
+}
+
+/// How many more requests a model's ready replicas can take before every one is saturated:
+/// the sum over them of the least headroom any refusing filter leaves. A replica under no
+/// limit (no refusing filter, or its load unknown) makes it unlimited.
+#[derive(Clone)]
+pub struct Capacity {
+    pool: Arc<Pool>,
+    limits: Vec<Arc<dyn Filter>>,
+}
+
+impl std::fmt::Debug for Capacity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Capacity")
+            .field("limits", &self.limits.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What [`Capacity::headroom`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Headroom {
+    /// This many more requests (0: every ready replica is saturated).
+    Requests(u64),
+    /// Some ready replica has no limit.
+    Unlimited,
+}
+
+impl Capacity {
+    /// The headroom of `model`'s ready replicas; an unknown model or none ready is an error,
+    /// as it would be for a decision.
+    pub fn headroom(&self, model: &str) -> Result<Headroom, DecideError> {
+        let snapshot = self.pool.snapshot();
+        let serving = snapshot.serving(model);
+        if serving.is_empty() {
+            return Err(DecideError::UnknownModel(model.to_owned()));
+        }
+        let now = Instant::now();
+        let staleness = self.pool.metrics_staleness();
+        let mut total = 0u64;
+        let mut any_ready = false;
+        for replica in serving.iter().filter(|r| r.is_healthy()) {
+            any_ready = true;
+            let candidate = Candidate::of(replica, now, staleness);
+            let Some(least) = self
+                .limits
+                .iter()
+                .filter_map(|f| f.headroom(&candidate))
+                .min()
+            else {
+                return Ok(Headroom::Unlimited);
+            };
+            total += u64::from(least);
+        }
+        if !any_ready {
+            return Err(DecideError::NoReadyReplica);
+        }
+        Ok(Headroom::Requests(total))
     }
 }
 

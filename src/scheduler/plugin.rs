@@ -207,4 +207,10 @@ pub trait Filter: Send + Sync + 'static {
     fn filter(&self, request: Option<&ParsedRequest>, candidates: &mut Vec<Candidate>);
 
     fn when_none_pass(&self) -> WhenNonePass;
+
+    /// How many more requests `candidate` can be sent before this filter removes it; `None`
+    /// when it sets no such limit. Flow control dispatches queued requests by it.
+    fn headroom(&self, _candidate: &Candidate) -> Option<u32> {
+        None
+    }
 }

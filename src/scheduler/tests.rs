@@ -599,3 +599,60 @@ fn rank_orders_by_score_descending() {
     let order = rank(&[0.2, 0.9, 0.5], &mut rand::rng());
     assert_eq!(order, vec![1, 2, 0]);
 }
+
+#[tokio::test]
+async fn capacity_counts_what_the_saturation_limits_leave() {
+    let pool = healthy_pool(2);
+    let mut config = SchedulerConfig::load_only();
+    config
+        .apply(&SchedulerArgs {
+            max_in_flight: Some(3),
+            max_waiting: Some(4.0),
+            ..SchedulerArgs::default()
+        })
+        .expect("flags apply");
+    let scheduler = build(&pool, &config);
+    let capacity = scheduler.capacity();
+    // Unknown load: only the in-flight limit applies.
+    assert_eq!(capacity.headroom("m"), Ok(Headroom::Requests(6)));
+    let held = replica(&pool, 1).start_request();
+    assert_eq!(capacity.headroom("m"), Ok(Headroom::Requests(5)));
+    // Replica 2's engine reports 2 waiting: 2 more before max_waiting.
+    replica(&pool, 2).record_scrape(load(2.0, 0.1), Instant::now());
+    assert_eq!(capacity.headroom("m"), Ok(Headroom::Requests(4)));
+    // What starts there before the next scrape counts as waiting at once.
+    let burst = [
+        replica(&pool, 2).start_request(),
+        replica(&pool, 2).start_request(),
+    ];
+    assert_eq!(capacity.headroom("m"), Ok(Headroom::Requests(2)));
+    assert_eq!(
+        scheduler
+            .decide(&request("m"), &[], Scope::default())
+            .await
+            .expect("replica 1 has room")
+            .primary()
+            .endpoint(),
+        "127.0.0.1:1"
+    );
+    // A full KV cache leaves no room.
+    replica(&pool, 1).record_scrape(load(0.0, 0.995), Instant::now());
+    assert_eq!(capacity.headroom("m"), Ok(Headroom::Requests(0)));
+    drop((held, burst));
+    assert_eq!(
+        capacity.headroom("other"),
+        Err(DecideError::UnknownModel("other".into()))
+    );
+    for port in [1, 2] {
+        replica(&pool, port).set_health(Health::Unhealthy);
+    }
+    assert_eq!(capacity.headroom("m"), Err(DecideError::NoReadyReplica));
+    // Without a refusing filter nothing limits.
+    let free = Scheduler::with_plugins(
+        healthy_pool(1),
+        SchedulerOptions::default(),
+        Vec::new(),
+        Vec::new(),
+    );
+    assert_eq!(free.capacity().headroom("m"), Ok(Headroom::Unlimited));
+}

@@ -1,7 +1,9 @@
 //! `saturation`: a replica whose engine queue, KV cache or llmgw in-flight count is at its
-//! limit leaves the candidates; when every one is, the request is refused with 429 rather than
-//! piled onto an engine that cannot start it. Unknown load (a stale or failed scrape) never
-//! saturates.
+//! limit leaves the candidates; when every one is, the request waits in flow control's queue
+//! ([`crate::flowcontrol`]) or, with flow control off, is refused with 429, rather than piled
+//! onto an engine that cannot start it. Unknown load (a stale or failed scrape) never
+//! saturates. The engine queue is the scrape's count with what llmgw started and saw end since
+//! ([`crate::pool::Replica::waiting_estimate`]), so a burst between scrapes is seen at once.
 //!
 //! Parameters: `max_waiting` (`vllm:num_requests_waiting`, default 128), `max_kv_cache_usage`
 //! (`vllm:kv_cache_usage_perc`, default 0.99), `max_in_flight` (0 = no limit, the default).
@@ -64,13 +66,29 @@ pub struct Saturation {
 
 impl Saturation {
     fn saturated(&self, candidate: &Candidate) -> bool {
+        self.headroom_of(candidate) == Some(0)
+    }
+
+    /// Requests the candidate can take before a limit is reached; `None`: no limit applies.
+    fn headroom_of(&self, candidate: &Candidate) -> Option<u32> {
         let limits = &self.limits;
-        candidate.engine.is_some_and(|engine| {
-            engine.waiting.is_some_and(|w| w >= limits.max_waiting)
-                || engine
-                    .kv_cache_usage
-                    .is_some_and(|u| u >= limits.max_kv_cache_usage)
-        }) || (limits.max_in_flight > 0 && candidate.in_flight >= limits.max_in_flight)
+        let kv_full = candidate
+            .engine
+            .and_then(|e| e.kv_cache_usage)
+            .is_some_and(|u| u >= limits.max_kv_cache_usage);
+        if kv_full {
+            return Some(0);
+        }
+        // Saturating float → int conversion: a huge limit is simply no practical limit.
+        let queue = candidate
+            .waiting_estimate
+            .map(|w| (limits.max_waiting - w).ceil().max(0.0) as u32);
+        let in_flight =
+            (limits.max_in_flight > 0).then(|| limits.max_in_flight.saturating_sub(candidate.in_flight));
+        match (queue, in_flight) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 }
 
@@ -81,5 +99,9 @@ impl Filter for Saturation {
 
     fn when_none_pass(&self) -> WhenNonePass {
         WhenNonePass::RefuseSaturated
+    }
+
+    fn headroom(&self, candidate: &Candidate) -> Option<u32> {
+        self.headroom_of(candidate)
     }
 }
