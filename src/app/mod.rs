@@ -216,12 +216,19 @@ pub async fn serve(
                 "" => client.default_namespace().to_string(),
                 given => given.to_string(),
             };
+            let pool_ref = PoolRef {
+                namespace,
+                name: identity.name.clone(),
+            };
+            background.spawn(discovery::inference_objective::run(
+                client.clone(),
+                pool_ref.clone(),
+                Arc::clone(&objectives),
+                discovery_metrics.clone(),
+            ));
             background.spawn(discovery::inference_pool::run(
                 client,
-                PoolRef {
-                    namespace,
-                    name: identity.name.clone(),
-                },
+                pool_ref,
                 models,
                 Arc::clone(&sources),
                 CONFIG_SOURCE + 1 + services,

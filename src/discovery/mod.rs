@@ -4,6 +4,8 @@
 //!   each of the pool's `targetPorts` is a replica, on the pod's node.
 //! - [`endpoint_slices`]: `--k8s-service MODEL=NAMESPACE/SERVICE:PORT`, the ready endpoints of a
 //!   Service's EndpointSlices (the Istio and standalone path).
+//! - [`inference_objective`]: with `--pool-name`, the pool's InferenceObjectives, as flow
+//!   control's priorities (not replicas).
 //!
 //! Each replica carries its node, so the agent feed's ownership check follows pods as they move.
 //!
@@ -15,6 +17,7 @@
 //! unreachable must not empty the pool) and is retried with kube's default backoff.
 
 pub mod endpoint_slices;
+pub mod inference_objective;
 pub mod inference_pool;
 
 #[cfg(test)]
@@ -115,6 +118,7 @@ pub async fn client(kubeconfig: Option<&std::path::Path>) -> Result<kube::Client
 pub enum SourceKind {
     inference_pool,
     endpoint_slices,
+    inference_objective,
 }
 
 /// What went wrong. Each keeps the source's last replicas.
@@ -134,6 +138,9 @@ pub enum Problem {
     /// A pool replica's `/v1/models` could not be read (no models configured), so it is left
     /// out until it answers.
     models_unknown,
+    /// An InferenceObjective's spec is unusable (a priority that is not a 32-bit integer, no
+    /// poolRef); it keeps its last good priority.
+    invalid_objective,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -152,7 +159,7 @@ impl DiscoveryMetrics {
     pub fn register(&self, registry: &mut Registry) {
         registry.sub_registry_with_prefix("llmgw_discovery").register(
             "problems",
-            "Problems met while discovering replicas in Kubernetes, by source and problem (api, pool_not_found, invalid_pool, no_pods, pod_without_ip, models_unknown); each keeps the last good replicas",
+            "Problems met while discovering replicas in Kubernetes, by source and problem (api, pool_not_found, invalid_pool, no_pods, pod_without_ip, models_unknown, invalid_objective); each keeps the last good replicas",
             self.problems.clone(),
         );
     }
