@@ -146,6 +146,17 @@ bench-routing: $(ENVOY)
 	target/release/llmgw-bench-routing --out-dir target/bench-routing $(BENCH_ROUTING_ARGS)
 	$(PYTHON) bench/plot_routing.py target/bench-routing/ttft.json target/bench-routing/ttft.png
 
+# Flow control at 150 % of capacity: simulated replicas with their latency model (a batch limit
+# and a decode time per step) behind a real Envoy and llmgw-router; the interactive objective
+# alone, then with a sheddable batch objective from a noisy and a quiet tenant. TTFT p50/p99 and
+# shed counts per class, and the two checks of docs/benchmarks.md; a Markdown report on stdout
+# and in target/bench-overload/report.md, the numbers in target/bench-overload.json.
+# `make bench-overload BENCH_OVERLOAD_ARGS="--engine-queue 0"` (llmgw-bench-overload --help).
+.PHONY: bench-overload
+bench-overload: $(ENVOY)
+	$(CARGO) build --release -p llmgw -p llmgw-sim -p llmgw-bench --bins
+	target/release/llmgw-bench-overload --json target/bench-overload.json $(BENCH_OVERLOAD_ARGS)
+
 # llmgw against two real vLLM engines (vLLM's CPU build serving a tiny random-weight model, each
 # under `llmgw-agent run`), llmgw-router and Envoy: the checks of docs/e2e-vllm.md. Opt-in, never
 # part of `make test` or CI: it installs about 6 GB into .venv-vllm/ (once) and runs for minutes.

@@ -1,7 +1,8 @@
 //! llmgw's system benchmarks, each a binary in `src/bin/` started by a `make bench-*` target:
 //! `llmgw-bench-routing` (policies side by side, [`routing`]), `llmgw-bench-overhead` (latency
 //! and CPU llmgw adds, beside `llmgw-extproc-floor`, an ext_proc server that routes without
-//! reading requests), `llmgw-bench-scale` (resources as replicas grow, [`scale`]). Processes are
+//! reading requests), `llmgw-bench-scale` (resources as replicas grow, [`scale`]), `llmgw-bench-overload` (flow
+//! control at 150 % of capacity, [`overload`]). Processes are
 //! started with `llmgw-integration`'s harness; the criterion benches live beside the code they
 //! measure. `docs/benchmarks.md` says what each measures and lists the latest figures.
 
@@ -11,6 +12,7 @@
     reason = "a test and bench harness: a panic is a failed run, never a crashed router"
 )]
 
+pub mod overload;
 pub mod routing;
 pub mod scale;
 
