@@ -16,6 +16,7 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 use crate::config::PoolIdentity;
+use crate::flowcontrol::{FlowControl, FlowView};
 use crate::kvindex::KvIndex;
 use crate::metrics::Metrics;
 use crate::pool::{Pool, ReplicaView};
@@ -30,6 +31,8 @@ pub struct AdminState {
     pub index: Arc<KvIndex>,
     /// The InferencePool this router picks for, if named.
     pub inference_pool: Option<PoolIdentity>,
+    /// `None` when flow control is off.
+    pub flow_control: Option<Arc<FlowControl>>,
 }
 
 /// The admin routes.
@@ -70,6 +73,8 @@ struct DebugView<'a> {
     inference_pool: Option<&'a PoolIdentity>,
     replicas: Vec<ReplicaView>,
     scheduler: &'a SchedulerConfig,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    flow_control: Option<FlowView>,
 }
 
 async fn debug(State(state): State<Arc<AdminState>>) -> Response {
@@ -80,6 +85,7 @@ async fn debug(State(state): State<Arc<AdminState>>) -> Response {
             .snapshot()
             .views(Instant::now(), state.pool.metrics_staleness()),
         scheduler: &state.scheduler,
+        flow_control: state.flow_control.as_ref().map(|f| f.view()),
     };
     axum::Json(view).into_response()
 }
@@ -126,7 +132,7 @@ mod tests {
     use crate::pool::ReplicaSpec;
 
     #[tokio::test]
-    async fn replica_blocks_lists_what_the_index_believes() {
+    async fn replica_blocks_and_debug_show_what_the_router_believes() {
         let pool = Arc::new(Pool::new(
             vec![ReplicaSpec {
                 address: "127.0.0.1:8001".parse().expect("addr"),
@@ -141,12 +147,29 @@ mod tests {
             &[ExternalHash(9), ExternalHash(3)],
             Medium::Gpu,
         );
+        let settings = crate::flowcontrol::FlowSettings {
+            objectives: vec![crate::flowcontrol::ObjectiveSpec {
+                name: "chat".into(),
+                priority: 5,
+                queue_timeout: None,
+            }],
+            ..crate::flowcontrol::FlowSettings::default()
+        };
+        let flow_control = Arc::new(FlowControl::new(
+            settings.clone(),
+            Arc::new(crate::flowcontrol::Objectives::new(&settings.objectives)),
+            crate::scheduler::Scheduler::load_only(Arc::clone(&pool))
+                .expect("builds")
+                .capacity(),
+            crate::flowcontrol::FlowMetrics::unregistered(""),
+        ));
         let state = Arc::new(AdminState {
             metrics: Arc::new(Metrics::new(Arc::clone(&pool))),
             pool,
             scheduler: SchedulerConfig::default(),
             index,
             inference_pool: None,
+            flow_control: Some(flow_control),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -169,5 +192,17 @@ mod tests {
             .await
             .expect("get");
         assert_eq!(missing.status(), 404);
+
+        // /debug shows flow control's settings and objectives.
+        let debug: serde_json::Value = reqwest::get(format!("http://{addr}/debug"))
+            .await
+            .expect("get")
+            .json()
+            .await
+            .expect("json");
+        let flow = &debug["flow_control"];
+        assert_eq!(flow["objectives"], serde_json::json!({"chat": 5}));
+        assert_eq!(flow["queue_timeout_ms"], 30000);
+        assert_eq!(flow["queued"], serde_json::json!({}));
     }
 }

@@ -426,6 +426,7 @@ pub async fn serve(
         scheduler: settings.scheduler.clone(),
         index,
         inference_pool: settings.pool.clone(),
+        flow_control,
     });
     let admin = axum::serve(admin_listener, admin::routes(admin_state)).with_graceful_shutdown(
         async move {

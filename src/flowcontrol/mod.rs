@@ -477,10 +477,59 @@ impl FlowControl {
         drop(undelivered);
     }
 
+    /// What `/debug` shows: the settings, the objectives in force and what waits per model.
+    pub fn view(&self) -> FlowView {
+        let objectives = self.objectives.current();
+        FlowView {
+            queue_timeout_ms: self.settings.queue_timeout.as_millis(),
+            max_queued: self.settings.max_queued,
+            default_priority: self.settings.default_priority,
+            objectives: objectives
+                .names()
+                .filter_map(|name| Some((name.to_owned(), objectives.get(name)?.priority)))
+                .collect(),
+            queued: self
+                .models
+                .lock()
+                .iter()
+                .filter(|(_, s)| !s.queue.is_empty() || s.admitted > 0)
+                .map(|(model, s)| {
+                    (
+                        model.clone(),
+                        ModelView {
+                            queued: s.queue.len(),
+                            deciding: s.admitted,
+                        },
+                    )
+                })
+                .collect(),
+        }
+    }
+
     /// Requests waiting for `model` now.
     pub fn queued(&self, model: &str) -> usize {
         self.models.lock().get(model).map_or(0, |s| s.queue.len())
     }
+}
+
+/// Flow control as `/debug` shows it.
+#[derive(Debug, serde::Serialize)]
+pub struct FlowView {
+    pub queue_timeout_ms: u128,
+    pub max_queued: usize,
+    pub default_priority: i32,
+    /// Objective name → priority.
+    pub objectives: std::collections::BTreeMap<String, i32>,
+    /// Models with requests waiting or being decided.
+    pub queued: std::collections::BTreeMap<String, ModelView>,
+}
+
+/// One model's queue in [`FlowView`].
+#[derive(Debug, serde::Serialize)]
+pub struct ModelView {
+    pub queued: usize,
+    /// Admitted requests whose decision has not ended.
+    pub deciding: u64,
 }
 
 /// A request in a queue; dropped before it is answered (its client left), it takes itself out.
