@@ -310,6 +310,10 @@ pub async fn serve(
     let (draining_tx, draining_rx) = tokio::sync::watch::channel(false);
     background.spawn(report_readiness(
         Arc::clone(&pool),
+        FeedSync {
+            feed: feed.clone(),
+            timeout: settings.feed.sync_timeout,
+        },
         health_reporter,
         draining_rx,
     ));
@@ -498,16 +502,33 @@ fn local_addr(listener: &TcpListener, addr: SocketAddr) -> Result<SocketAddr, Se
         .map_err(|source| ServeError::Bind { addr, source })
 }
 
+/// The start-up wait for the agents' blocks.
+struct FeedSync {
+    feed: FeedService,
+    /// Ready without them after this long.
+    timeout: std::time::Duration,
+}
+
+/// How often readiness looks at the feed while it waits for the agents' blocks.
+const FEED_SYNC_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Keeps the readiness services in step with the pool: serving while at least one replica is
-/// healthy, until the router drains (then not serving for good). Woken by the pool's health
-/// announcements and the drain, not polled.
+/// healthy, until the router drains (then not serving for good). At start it also waits until
+/// every node its replicas run on has had its agent send all its blocks, or `sync.timeout`
+/// passed, so that a new router does not take traffic with an empty index; once passed, that
+/// wait never comes back (a lost agent is the feed's grace period's business). Woken by the
+/// pool's health announcements and the drain, and polls the feed only while it waits for it.
 async fn report_readiness(
     pool: Arc<Pool>,
+    sync: FeedSync,
     reporter: tonic_health::server::HealthReporter,
     mut draining: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut changes = pool.health_changes();
     let mut ready = None;
+    let sync_deadline = tokio::time::Instant::now() + sync.timeout;
+    let mut synced = false;
+    let mut waiting_logged = false;
     loop {
         if *draining.borrow_and_update() {
             for service in READINESS_SERVICES {
@@ -517,7 +538,25 @@ async fn report_readiness(
             }
             return;
         }
-        let now_ready = pool.snapshot().any_healthy();
+        let healthy = pool.snapshot().any_healthy();
+        // Asked only once some replica is healthy: by then discovery has told the feed which
+        // nodes the replicas run on.
+        if !synced && healthy {
+            let unsynced = sync.feed.unsynced_nodes();
+            if unsynced.is_empty() {
+                synced = true;
+                if waiting_logged {
+                    tracing::info!("every node's agent has sent its blocks");
+                }
+            } else if tokio::time::Instant::now() >= sync_deadline {
+                synced = true;
+                tracing::warn!(nodes = ?unsynced, timeout = ?sync.timeout, "ready without these nodes' blocks: their agents did not send them within --feed-sync-timeout");
+            } else if !waiting_logged {
+                waiting_logged = true;
+                tracing::info!(nodes = ?unsynced, timeout = ?sync.timeout, "not ready until these nodes' agents have sent their blocks");
+            }
+        }
+        let now_ready = synced && healthy;
         if ready != Some(now_ready) {
             ready = Some(now_ready);
             let status = if now_ready {
@@ -537,6 +576,7 @@ async fn report_readiness(
             },
             // A dropped sender (serve is returning) changes nothing here.
             _ = draining.changed() => {}
+            () = tokio::time::sleep(FEED_SYNC_POLL), if !synced => {}
         }
     }
 }

@@ -352,6 +352,12 @@ async fn a_health_only_port_and_the_inference_pools_replicas() {
         },
         pool_name: Some("chat-pool".to_string()),
         pool_namespace: Some("llm".to_string()),
+        feed: FeedOptions {
+            feed_addr: Some("127.0.0.1:0".parse().unwrap()),
+            // The pods run on nodes, but no agent feeds this router: ready without waiting.
+            feed_sync_timeout: Some(Duration::ZERO),
+            ..FeedOptions::default()
+        },
         ..on_loopback()
     })
     .unwrap();
@@ -700,4 +706,98 @@ async fn a_request_open_past_the_drain_timeout_does_not_keep_the_router() {
         .await
         .expect("exits at the drain timeout");
     served.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_waits_for_every_node_s_agent_to_send_its_blocks() {
+    use llmgw_feed_proto::v1 as pb;
+    let up = Arc::new(AtomicBool::new(true));
+    let replica = fake_replica(Arc::clone(&up)).await;
+    let start = |timeout| {
+        let args = ServeArgs {
+            replicas: vec![format!("tiny={replica}@node-a")],
+            probes: ProbeOptions {
+                health_interval: Some(Duration::from_millis(50)),
+                ..ProbeOptions::default()
+            },
+            ..on_loopback()
+        };
+        let mut args = args;
+        args.feed.feed_sync_timeout = Some(timeout);
+        Running::start(Settings::resolve(&args).unwrap())
+    };
+    let running = start(Duration::from_secs(3600)).await;
+    let bound = running.bound;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", bound.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    // The replica is healthy, but node-a's agent has not sent its blocks: not ready.
+    let admin = format!("http://{}", bound.admin);
+    for _ in 0..200 {
+        let debug: serde_json::Value =
+            serde_json::from_str(&text_of(&format!("{admin}/debug")).await).unwrap();
+        if debug["replicas"][0]["health"] == "healthy" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        status_of(&mut health, "readiness").await,
+        Status::NotServing
+    );
+    assert_eq!(
+        status_of(&mut health, "inference-extension").await,
+        Status::NotServing
+    );
+    assert_eq!(status_of(&mut health, "liveness").await, Status::Serving);
+
+    // node-a's agent says Hello and sends its engine's snapshot: ready.
+    let feed = tonic::transport::Endpoint::from_shared(format!("http://{}", bound.feed))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let engine = pb::EngineInfo::serving("e1", &replica.to_string());
+    for (id, body) in [
+        pb::agent_message::Body::hello("node-a", "test", vec![engine]),
+        pb::agent_message::Body::snapshot("e1", vec![pb::Block::copies(7, 1)]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        tx.send(pb::AgentMessage::numbered(id as u64 + 1, body))
+            .await
+            .unwrap();
+    }
+    let mut replies = pb::feed_client::FeedClient::new(feed)
+        .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    wait_for(&mut health, "readiness", Status::Serving).await;
+    wait_for(&mut health, "inference-extension", Status::Serving).await;
+    // The agent leaving later does not take readiness away (the feed's grace handles it).
+    drop(tx);
+    while replies.message().await.ok().flatten().is_some() {}
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(status_of(&mut health, "readiness").await, Status::Serving);
+    drop(health);
+    running.stop().await;
+
+    // With no agent at all, the router is ready once --feed-sync-timeout has passed.
+    let running = start(Duration::from_millis(300)).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", running.bound.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    wait_for(&mut health, "readiness", Status::Serving).await;
+    drop(health);
+    running.stop().await;
 }

@@ -399,6 +399,11 @@ impl FeedService {
         expired.len()
     }
 
+    /// Configured nodes whose agent has not sent all its blocks yet ([`FeedState::unsynced_nodes`]).
+    pub fn unsynced_nodes(&self) -> Vec<String> {
+        self.state.lock().unsynced_nodes()
+    }
+
     /// Block hashes the feed holds per replica (for `/debug` and tests).
     pub fn replica_blocks(&self) -> HashMap<String, HashSet<ExternalHash>> {
         self.state.lock().replica_blocks()

@@ -43,6 +43,12 @@ pub struct FeedOptions {
     #[arg(long, env = "LLMGW_FEED_GRACE", value_parser = crate::duration::parse)]
     #[serde(deserialize_with = "crate::duration::optional")]
     pub feed_grace: Option<Duration>,
+    /// At start, how long the router waits for the agents of every node its replicas run on to
+    /// send their blocks before it reports ready anyway (default 30s; 0s: do not wait). Until
+    /// then gRPC readiness is not serving, so a new router takes no traffic with an empty index.
+    #[arg(long, env = "LLMGW_FEED_SYNC_TIMEOUT", value_parser = crate::duration::parse)]
+    #[serde(deserialize_with = "crate::duration::optional")]
+    pub feed_sync_timeout: Option<Duration>,
     /// Most block copies one engine may report over the feed (all tiers); an engine reporting
     /// more is refused, its blocks dropped (default 4000000, at most 4294967295).
     #[arg(long, env = "LLMGW_FEED_MAX_BLOCKS_PER_ENGINE")]
@@ -72,6 +78,8 @@ pub struct FeedSettings {
     pub token_file: Option<PathBuf>,
     /// How long a node's state survives after its last stream ended.
     pub grace: Duration,
+    /// How long readiness waits at start for every node's agent to send its blocks.
+    pub sync_timeout: Duration,
     /// Bounds on what one agent stream may claim.
     pub limits: FeedLimits,
     /// TLS on the feed port (`None`: plain text).
@@ -107,6 +115,9 @@ impl FeedOptions {
             token_file,
             grace: (self.feed_grace)
                 .or(file.feed_grace)
+                .unwrap_or(Duration::from_secs(30)),
+            sync_timeout: (self.feed_sync_timeout)
+                .or(file.feed_sync_timeout)
                 .unwrap_or(Duration::from_secs(30)),
             limits: FeedLimits {
                 max_blocks_per_engine: (self.feed_max_blocks_per_engine)

@@ -929,6 +929,31 @@ impl FeedState {
     }
 
     /// Block hashes the feed holds per replica (for `/debug` and tests).
+    /// Configured nodes whose blocks the index does not hold in full yet: no stream owns the
+    /// node, its agent named no engine it may report, or one of them has not finished its
+    /// snapshot. Sorted. Empty once every node's agent has sent everything it holds.
+    pub fn unsynced_nodes(&self) -> Vec<String> {
+        let mut unsynced: Vec<String> = self
+            .configured
+            .iter()
+            .filter(|(_, replicas)| !replicas.is_empty())
+            .filter(|(name, _)| {
+                let Some(node) = self.nodes.get(name.as_str()) else {
+                    return true;
+                };
+                node.owner.is_none()
+                    || node.engines.is_empty()
+                    || node
+                        .engines
+                        .values()
+                        .any(|e| !e.synced || e.pending.is_some())
+            })
+            .map(|(name, _)| name.clone())
+            .collect();
+        unsynced.sort();
+        unsynced
+    }
+
     pub fn replica_blocks(&self) -> HashMap<String, HashSet<ExternalHash>> {
         let mut out: HashMap<String, HashSet<ExternalHash>> = HashMap::new();
         for node in self.nodes.values() {

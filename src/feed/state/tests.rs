@@ -253,6 +253,43 @@ fn snapshots_and_deltas_reach_the_index_and_are_acknowledged() {
 }
 
 #[test]
+fn a_node_is_synced_once_its_owner_has_sent_every_engine_s_snapshot() {
+    let mut st = state(Duration::from_secs(30));
+    let rec = Recorder::default();
+    assert_eq!(st.unsynced_nodes(), ["n1", "n2"]);
+    let n1 = st.open();
+    let send = |st: &mut FeedState, stream, id, body| {
+        st.apply(&rec, stream, msg(id, body))
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    send(&mut st, n1, 1, hello("n1", &[("e1", "r1"), ("e2", "r2")]));
+    assert_eq!(st.unsynced_nodes(), ["n1", "n2"], "no snapshot yet");
+    send(&mut st, n1, 2, snapshot("e1", 0, 1, &[1, 2]));
+    // A snapshot in parts counts once its last part arrived.
+    send(
+        &mut st,
+        n1,
+        3,
+        snapshot_part("e2", 0, 1, vec![block(3, 1)], true),
+    );
+    assert_eq!(st.unsynced_nodes(), ["n1", "n2"]);
+    send(
+        &mut st,
+        n1,
+        4,
+        snapshot_part("e2", 0, 1, vec![block(4, 1)], false),
+    );
+    assert_eq!(st.unsynced_nodes(), ["n2"]);
+    let n2 = st.open();
+    send(&mut st, n2, 1, hello("n2", &[("e3", "r3")]));
+    send(&mut st, n2, 2, snapshot("e3", 0, 1, &[]));
+    assert!(st.unsynced_nodes().is_empty());
+    // The agent's stream ends: its node waits for the next stream's snapshots.
+    st.close(n2, Instant::now());
+    assert_eq!(st.unsynced_nodes(), ["n2"]);
+}
+
+#[test]
 fn a_stream_that_breaks_the_protocol_is_refused_and_nothing_of_the_message_applies() {
     // Before Hello.
     let mut st = state(Duration::from_secs(30));
