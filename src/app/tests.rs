@@ -103,6 +103,16 @@ async fn status_of(client: &mut HealthClient<tonic::transport::Channel>, service
     response.into_inner().status()
 }
 
+/// A gRPC health client of the plaintext server at `addr`.
+async fn health_client(addr: SocketAddr) -> HealthClient<tonic::transport::Channel> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    HealthClient::new(channel)
+}
+
 async fn wait_for(
     client: &mut HealthClient<tonic::transport::Channel>,
     service: &str,
@@ -134,12 +144,7 @@ async fn serves_grpc_health_admin_endpoints_and_stops_on_shutdown() {
     let running = Running::start(settings).await;
     let bound = running.bound;
 
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", bound.grpc))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut health = HealthClient::new(channel);
+    let mut health = health_client(bound.grpc).await;
     assert_eq!(status_of(&mut health, "liveness").await, Status::Serving);
     wait_for(&mut health, "readiness", Status::Serving).await;
     wait_for(&mut health, EXT_PROC_HEALTH_SERVICE, Status::Serving).await;
@@ -658,12 +663,7 @@ async fn draining_router(delay: Duration, timeout: Duration) -> (Running, Arc<At
 async fn a_drain_reports_not_ready_first_then_lets_open_requests_finish() {
     let (running, _up) = draining_router(Duration::from_millis(400), Duration::from_secs(10)).await;
     let grpc = running.bound.grpc;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut health = HealthClient::new(channel);
+    let mut health = health_client(grpc).await;
     wait_for(&mut health, "readiness", Status::Serving).await;
     let (in_flight, _answers) = open_request(grpc).await;
 
@@ -728,12 +728,7 @@ async fn readiness_waits_for_every_node_s_agent_to_send_its_blocks() {
     };
     let running = start(Duration::from_secs(3600)).await;
     let bound = running.bound;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", bound.grpc))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut health = HealthClient::new(channel);
+    let mut health = health_client(bound.grpc).await;
     // The replica is healthy, but node-a's agent has not sent its blocks: not ready.
     let admin = format!("http://{}", bound.admin);
     for _ in 0..200 {
@@ -791,12 +786,7 @@ async fn readiness_waits_for_every_node_s_agent_to_send_its_blocks() {
 
     // With no agent at all, the router is ready once --feed-sync-timeout has passed.
     let running = start(Duration::from_millis(300)).await;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", running.bound.grpc))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut health = HealthClient::new(channel);
+    let mut health = health_client(running.bound.grpc).await;
     wait_for(&mut health, "readiness", Status::Serving).await;
     drop(health);
     running.stop().await;

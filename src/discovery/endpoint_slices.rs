@@ -13,7 +13,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::Api;
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 
-use super::{DiscoveryError, DiscoveryMetrics, Failing, Problem, SourceKind};
+use super::{DiscoveryError, DiscoveryMetrics, Failing, Problem, SourceKind, store_changed};
 use crate::pool::{ReplicaSources, ReplicaSpec};
 
 /// The label Kubernetes puts on a Service's EndpointSlices.
@@ -128,25 +128,19 @@ async fn watch_service(
     let mut failing = Failing::new(SourceKind::endpoint_slices, service.to_string());
     let mut warned_empty = false;
     while let Some(event) = events.next().await {
-        match event {
-            Err(error) => failing.failed(&metrics, &error),
-            // The store changes only at the end of a (re)list, and with each watch event.
-            Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => failing.succeeded(),
-            Ok(_) => {
-                failing.succeeded();
-                let slices: Vec<EndpointSlice> =
-                    store.state().iter().map(|s| s.as_ref().clone()).collect();
-                let replicas = replicas_from_slices(&service, &slices);
-                if replicas.is_empty() && !warned_empty {
-                    tracing::warn!(%service, "the Service has no ready endpoints");
-                    metrics.count(SourceKind::endpoint_slices, Problem::no_pods);
-                }
-                warned_empty = replicas.is_empty();
-                let count = replicas.len();
-                if sources.set(source, replicas) {
-                    tracing::info!(%service, replicas = count, "replicas from Kubernetes changed");
-                }
-            }
+        if !store_changed(event, &mut failing, &metrics) {
+            continue;
+        }
+        let slices: Vec<EndpointSlice> = store.state().iter().map(|s| s.as_ref().clone()).collect();
+        let replicas = replicas_from_slices(&service, &slices);
+        if replicas.is_empty() && !warned_empty {
+            tracing::warn!(%service, "the Service has no ready endpoints");
+            metrics.count(SourceKind::endpoint_slices, Problem::no_pods);
+        }
+        warned_empty = replicas.is_empty();
+        let count = replicas.len();
+        if sources.set(source, replicas) {
+            tracing::info!(%service, replicas = count, "replicas from Kubernetes changed");
         }
     }
 }

@@ -19,7 +19,7 @@ use kube::api::Api;
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use serde::Deserialize;
 
-use super::{DiscoveryMetrics, Failing, PoolRef, Problem, SourceKind};
+use super::{DiscoveryMetrics, Failing, PoolRef, Problem, SourceKind, store_changed};
 use crate::flowcontrol::{Objective, Objectives};
 
 /// The InferencePool API group, the one `poolRef.group` must name when it names one.
@@ -123,54 +123,47 @@ pub async fn run(
     // (name, resourceVersion) of the invalid specs already logged.
     let mut logged: HashSet<(String, String)> = HashSet::new();
     while let Some(event) = events.next().await {
-        match event {
-            Err(error) => failing.failed(&metrics, &error),
-            Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => failing.succeeded(),
-            Ok(_) => {
-                failing.succeeded();
-                let mut current = BTreeMap::new();
-                for object in store.state() {
-                    let name = object.metadata.name.clone().unwrap_or_default();
-                    match parse_spec(&object.spec, &pool.name) {
-                        Ok(None) => {}
-                        Ok(Some(priority)) => {
-                            current.insert(name, priority);
-                        }
-                        Err(problem) => {
-                            let version = object.metadata.resource_version.clone();
-                            if logged.insert((name.clone(), version.unwrap_or_default())) {
-                                metrics.count(
-                                    SourceKind::inference_objective,
-                                    Problem::invalid_objective,
-                                );
-                                tracing::warn!(%pool, objective = %name, %problem, "cannot use the InferenceObjective; keeping its last priority");
-                            }
-                            if let Some(&priority) = last_good.get(&name) {
-                                current.insert(name, priority);
-                            }
-                        }
+        if !store_changed(event, &mut failing, &metrics) {
+            continue;
+        }
+        let mut current = BTreeMap::new();
+        for object in store.state() {
+            let name = object.metadata.name.clone().unwrap_or_default();
+            match parse_spec(&object.spec, &pool.name) {
+                Ok(None) => {}
+                Ok(Some(priority)) => {
+                    current.insert(name, priority);
+                }
+                Err(problem) => {
+                    let version = object.metadata.resource_version.clone();
+                    if logged.insert((name.clone(), version.unwrap_or_default())) {
+                        metrics.count(SourceKind::inference_objective, Problem::invalid_objective);
+                        tracing::warn!(%pool, objective = %name, %problem, "cannot use the InferenceObjective; keeping its last priority");
+                    }
+                    if let Some(&priority) = last_good.get(&name) {
+                        current.insert(name, priority);
                     }
                 }
-                if current != last_good {
-                    tracing::info!(%pool, objectives = ?current, "inference objectives from the cluster");
-                }
-                objectives.set_from_cluster(
-                    current
-                        .iter()
-                        .map(|(name, &priority)| {
-                            (
-                                name.clone(),
-                                Objective {
-                                    priority,
-                                    queue_timeout: None,
-                                },
-                            )
-                        })
-                        .collect(),
-                );
-                last_good = current;
             }
         }
+        if current != last_good {
+            tracing::info!(%pool, objectives = ?current, "inference objectives from the cluster");
+        }
+        objectives.set_from_cluster(
+            current
+                .iter()
+                .map(|(name, &priority)| {
+                    (
+                        name.clone(),
+                        Objective {
+                            priority,
+                            queue_timeout: None,
+                        },
+                    )
+                })
+                .collect(),
+        );
+        last_good = current;
     }
 }
 

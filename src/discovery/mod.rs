@@ -178,6 +178,27 @@ impl DiscoveryMetrics {
     }
 }
 
+/// Whether a reflected watch `event` left its store changed: at the end of a (re)list and with
+/// each watch event, not while a relist is under way. A failure is counted and logged once per
+/// streak ([`Failing`]); any success ends the streak.
+fn store_changed<K>(
+    event: Result<kube::runtime::watcher::Event<K>, kube::runtime::watcher::Error>,
+    failing: &mut Failing,
+    metrics: &DiscoveryMetrics,
+) -> bool {
+    use kube::runtime::watcher::Event;
+    match event {
+        Err(error) => {
+            failing.failed(metrics, &error);
+            false
+        }
+        Ok(event) => {
+            failing.succeeded();
+            !matches!(event, Event::Init | Event::InitApply(_))
+        }
+    }
+}
+
 /// Logs a watch stream's failures once per streak, counting each.
 struct Failing {
     source: SourceKind,
