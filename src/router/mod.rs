@@ -21,9 +21,9 @@ use tracing::field::Empty;
 
 use crate::cputime::CpuTimed;
 use crate::extproc::{Exchange, Picker, Rejection, Routed, RoutingRequest};
-use crate::flowcontrol::{FlowControl, FlowError};
+use crate::flowcontrol::{Admission, Ask, FlowControl, FlowError};
 use crate::metrics::{Finished, Metrics, Outcome, RunningRequest, Served, error_code};
-use crate::openai::{EndpointKind, parse_request, usage_in_tail};
+use crate::openai::{EndpointKind, ParsedRequest, parse_request, usage_in_tail};
 use crate::pool::InFlightGuard;
 use crate::scheduler::{DecideError, Decision, Scheduler, Scope};
 use crate::telemetry::{self, TraceHeaders};
@@ -117,24 +117,7 @@ impl Router {
             })?;
         span.record("model", parsed.model.as_str());
         *model = Some(parsed.model.clone());
-        let mut admitted = match &self.flow {
-            Some(flow) => {
-                let ask = flow
-                    .classify(
-                        &parsed.model,
-                        self.metrics.model_label(&parsed.model),
-                        &request.headers,
-                    )
-                    .map_err(|e| self.refuse_flow(e))?;
-                let admission = flow
-                    .admit(&ask)
-                    .instrument(tracing::debug_span!("queue"))
-                    .await
-                    .map_err(|e| self.refuse_flow(e))?;
-                Some((flow, ask, admission))
-            }
-            None => None,
-        };
+        let mut admitted = self.admit(&parsed, &request.headers).await?;
         let decision = loop {
             let decided = self
                 .scheduler
@@ -142,12 +125,8 @@ impl Router {
                 .await;
             match (decided, admitted.take()) {
                 // A concurrent decision took the capacity this one was admitted for.
-                (Err(DecideError::AllSaturated), Some((flow, ask, admission))) => {
-                    let again = flow
-                        .readmit(&ask, admission)
-                        .await
-                        .map_err(|e| self.refuse_flow(e))?;
-                    admitted = Some((flow, ask, again));
+                (Err(DecideError::AllSaturated), Some(lost)) => {
+                    admitted = Some(self.readmit(lost).await?);
                 }
                 (decided, _) => break decided.map_err(|e| self.refuse(e))?,
             }
@@ -189,6 +168,51 @@ impl Router {
             prefix_unavailable: false,
         };
         Ok((decision, Outcome::RoutedTestSelection))
+    }
+
+    /// Lets the request through flow control (it may wait there for capacity); `None` when
+    /// flow control is off.
+    async fn admit(
+        &self,
+        parsed: &ParsedRequest,
+        headers: &[(String, String)],
+    ) -> Result<Option<Admitted<'_>>, Rejection> {
+        let Some(flow) = &self.flow else {
+            return Ok(None);
+        };
+        let model_label = self.metrics.model_label(&parsed.model);
+        let ask = flow
+            .classify(&parsed.model, model_label, headers)
+            .map_err(|e| self.refuse_flow(e))?;
+        let admission = flow
+            .admit(&ask)
+            .instrument(tracing::debug_span!("queue"))
+            .await
+            .map_err(|e| self.refuse_flow(e))?;
+        Ok(Some(Admitted {
+            flow,
+            ask,
+            admission,
+        }))
+    }
+
+    /// Queues a request again whose decision found every replica taken after all.
+    async fn readmit<'a>(&self, lost: Admitted<'a>) -> Result<Admitted<'a>, Rejection> {
+        let Admitted {
+            flow,
+            ask,
+            admission,
+        } = lost;
+        let admission = flow
+            .readmit(&ask, admission)
+            .instrument(tracing::debug_span!("queue"))
+            .await
+            .map_err(|e| self.refuse_flow(e))?;
+        Ok(Admitted {
+            flow,
+            ask,
+            admission,
+        })
     }
 
     /// Flow control's answers: a malformed header or unknown objective is the client's error
@@ -234,6 +258,14 @@ impl Router {
             message: error.to_string(),
         }
     }
+}
+
+/// A request flow control let through, until its decision ends.
+struct Admitted<'a> {
+    flow: &'a Arc<FlowControl>,
+    ask: Ask,
+    /// Dropped when the decision ends, so the next request may go.
+    admission: Admission,
 }
 
 /// What a routed request holds until its ext_proc stream ends: its place in the replica's
