@@ -16,6 +16,12 @@
 //! Should the decision still find every replica saturated (a concurrent decision took the
 //! last slot), the request goes back to the front of its queue ([`FlowControl::readmit`]).
 //!
+//! It is the scheduling framework's admission stage: its saturation signal is the headroom the
+//! profile's refusing filters report ([`crate::scheduler::Filter::headroom`]), so a new
+//! saturation filter plugin gates dispatch too. Capacity is per model, not per proxy subset
+//! hint: a request whose subset stays saturated while other replicas have room is dispatched
+//! and readmitted until its deadline.
+//!
 //! # Concurrency model
 //! One mutex over every model's queue and count of admissions, held for a queue operation or
 //! one dispatch pass (never across an await). Each waiting request is its own task's future,
