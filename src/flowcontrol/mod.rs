@@ -23,8 +23,9 @@
 //! and readmitted until its deadline.
 //!
 //! # Concurrency model
-//! One mutex over every model's queue and count of admissions, held for a queue operation or
-//! one dispatch pass (never across an await). Each waiting request is its own task's future,
+//! One mutex over every model's queue and count of admissions, held for a queue operation (with
+//! the model's headroom, read lock-free from the pool and only as far as needed) or one
+//! dispatch pass, never across an await. Each waiting request is its own task's future,
 //! woken by a oneshot (dispatched or displaced) or its deadline; dropping it (the client left)
 //! takes it out of the queue. The dispatcher ([`FlowControl::run`]) is one task, woken when
 //! an admission ends or a routed request finishes, and every `tick` for what the scrapes and
@@ -182,10 +183,6 @@ impl FlowControl {
         &self.metrics
     }
 
-    pub fn objectives(&self) -> &Arc<Objectives> {
-        &self.objectives
-    }
-
     /// The request headers (lower-case) flow control reads.
     pub fn request_headers(&self) -> Vec<String> {
         let mut headers: Vec<String> = OBJECTIVE_HEADERS.iter().map(|h| h.to_string()).collect();
@@ -295,14 +292,16 @@ impl FlowControl {
     }
 
     async fn wait(self: &Arc<Self>, ask: &Ask, again: bool) -> Result<Admission, FlowError> {
-        let headroom = self
-            .capacity
-            .headroom(&ask.model)
-            .map_err(FlowError::Decide)?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (reply, mut answer) = oneshot::channel();
         let displaced = {
             let mut models = self.models.lock();
+            let admitted = models.get(&ask.model).map_or(0, |s| s.admitted);
+            // Before the model gets a state: a model no replica serves must not get one.
+            let headroom = self
+                .capacity
+                .headroom(&ask.model, admitted.saturating_add(1))
+                .map_err(FlowError::Decide)?;
             let state = match models.get_mut(&ask.model) {
                 Some(state) => state,
                 None => models.entry(ask.model.clone()).or_default(),
@@ -408,7 +407,7 @@ impl FlowControl {
     /// The error of a request out of time (already counted when it was queued).
     fn expire(&self, ask: &Ask) -> FlowError {
         let none_ready = matches!(
-            self.capacity.headroom(&ask.model),
+            self.capacity.headroom(&ask.model, 1),
             Err(DecideError::NoReadyReplica | DecideError::UnknownModel(_))
         );
         let (model, timeout) = (ask.model.clone(), ask.flow.timeout);
@@ -451,7 +450,8 @@ impl FlowControl {
                 continue;
             }
             // No ready replica: the requests wait for one, or for their deadline.
-            let Ok(headroom) = self.capacity.headroom(model) else {
+            let wanted = state.admitted.saturating_add(state.queue.len() as u64);
+            let Ok(headroom) = self.capacity.headroom(model, wanted) else {
                 continue;
             };
             while fits(headroom, state.admitted) {

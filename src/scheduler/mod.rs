@@ -542,9 +542,10 @@ pub enum Headroom {
 }
 
 impl Capacity {
-    /// The headroom of `model`'s ready replicas; an unknown model or none ready is an error,
-    /// as it would be for a decision.
-    pub fn headroom(&self, model: &str) -> Result<Headroom, DecideError> {
+    /// The headroom of `model`'s ready replicas, counted only until it reaches `enough` (the
+    /// caller needs no more, and a large pool is not walked whole for every request); an
+    /// unknown model or none ready is an error, as it would be for a decision.
+    pub fn headroom(&self, model: &str, enough: u64) -> Result<Headroom, DecideError> {
         let snapshot = self.pool.snapshot();
         let serving = snapshot.serving(model);
         if serving.is_empty() {
@@ -566,6 +567,9 @@ impl Capacity {
                 return Ok(Headroom::Unlimited);
             };
             total += u64::from(least);
+            if total >= enough {
+                break;
+            }
         }
         if !any_ready {
             return Err(DecideError::NoReadyReplica);

@@ -614,18 +614,20 @@ async fn capacity_counts_what_the_saturation_limits_leave() {
     let scheduler = build(&pool, &config);
     let capacity = scheduler.capacity();
     // Unknown load: only the in-flight limit applies.
-    assert_eq!(capacity.headroom("m"), Ok(Headroom::Requests(6)));
+    assert_eq!(capacity.headroom("m", u64::MAX), Ok(Headroom::Requests(6)));
+    // Counting stops once it has enough: the first replica's 3 suffice for 2.
+    assert_eq!(capacity.headroom("m", 2), Ok(Headroom::Requests(3)));
     let held = replica(&pool, 1).start_request();
-    assert_eq!(capacity.headroom("m"), Ok(Headroom::Requests(5)));
+    assert_eq!(capacity.headroom("m", u64::MAX), Ok(Headroom::Requests(5)));
     // Replica 2's engine reports 2 waiting: 2 more before max_waiting.
     replica(&pool, 2).record_scrape(load(2.0, 0.1), Instant::now());
-    assert_eq!(capacity.headroom("m"), Ok(Headroom::Requests(4)));
+    assert_eq!(capacity.headroom("m", u64::MAX), Ok(Headroom::Requests(4)));
     // What starts there before the next scrape counts as waiting at once.
     let burst = [
         replica(&pool, 2).start_request(),
         replica(&pool, 2).start_request(),
     ];
-    assert_eq!(capacity.headroom("m"), Ok(Headroom::Requests(2)));
+    assert_eq!(capacity.headroom("m", u64::MAX), Ok(Headroom::Requests(2)));
     assert_eq!(
         scheduler
             .decide(&request("m"), &[], Scope::default())
@@ -637,16 +639,19 @@ async fn capacity_counts_what_the_saturation_limits_leave() {
     );
     // A full KV cache leaves no room.
     replica(&pool, 1).record_scrape(load(0.0, 0.995), Instant::now());
-    assert_eq!(capacity.headroom("m"), Ok(Headroom::Requests(0)));
+    assert_eq!(capacity.headroom("m", u64::MAX), Ok(Headroom::Requests(0)));
     drop((held, burst));
     assert_eq!(
-        capacity.headroom("other"),
+        capacity.headroom("other", u64::MAX),
         Err(DecideError::UnknownModel("other".into()))
     );
     for port in [1, 2] {
         replica(&pool, port).set_health(Health::Unhealthy);
     }
-    assert_eq!(capacity.headroom("m"), Err(DecideError::NoReadyReplica));
+    assert_eq!(
+        capacity.headroom("m", u64::MAX),
+        Err(DecideError::NoReadyReplica)
+    );
     // Without a refusing filter nothing limits.
     let free = Scheduler::with_plugins(
         healthy_pool(1),
@@ -654,5 +659,8 @@ async fn capacity_counts_what_the_saturation_limits_leave() {
         Vec::new(),
         Vec::new(),
     );
-    assert_eq!(free.capacity().headroom("m"), Ok(Headroom::Unlimited));
+    assert_eq!(
+        free.capacity().headroom("m", u64::MAX),
+        Ok(Headroom::Unlimited)
+    );
 }
