@@ -205,6 +205,15 @@ impl KvIndex {
         }
     }
 
+    /// Blocks the index believes the replica in `slot` holds.
+    pub fn block_count(&self, slot: ReplicaSlot) -> u64 {
+        let table = self.replicas.read();
+        table
+            .books
+            .get(slot.index())
+            .map_or(0, |book| u64::from(book.lock().blocks))
+    }
+
     /// Distinct block hashes in the index (across replicas).
     pub fn distinct_blocks(&self) -> usize {
         self.shards.iter().map(|s| s.read().len()).sum()

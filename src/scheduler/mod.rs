@@ -14,9 +14,14 @@
 //!    each replica (so routers agree; at random for requests without a prompt); the next best
 //!    become the ordered fallback list. Every scorer then hears the pick ([`plugin::Role`]).
 //!
+//! **Placement scorers** (the default profile's `cache_footprint`) are asked last, and only
+//! for a request the profile's affinity scorers found nowhere (each abstained or scored every
+//! candidate 0; a profile without affinity scorers never asks them): they choose a home for a
+//! new prefix by what it would evict.
+//!
 //! The **imbalance guard** lets load outvote affinity: when the most loaded candidate has at
 //! least `imbalance_threshold` more requests (in flight + waiting) than the least loaded, the
-//! affinity scorers are not asked for that decision.
+//! affinity and placement scorers are not asked for that decision.
 //!
 //! Which plugins run with which weights is the scheduling profile ([`profile`]), built by name
 //! through the registry ([`registry`]).
@@ -174,6 +179,14 @@ struct Evaluated {
 }
 
 impl Evaluated {
+    fn not_asked() -> Evaluated {
+        Evaluated {
+            primary: None,
+            fallback: None,
+            counted: Counted::Neither,
+        }
+    }
+
     fn counted_scores(&self) -> Option<&Scores> {
         match self.counted {
             Counted::Primary => self.primary.as_ref().and_then(Answer::scores),
@@ -343,24 +356,39 @@ impl Scheduler {
 
         // Fields of the router's `route` span are recorded on the current span.
         let route = tracing::Span::current();
-        let imbalance_guard_fired = self.has_affinity() && self.imbalanced(&candidates);
+        let imbalance_guard_fired = self.has_cache_scorers() && self.imbalanced(&candidates);
+        // Load and affinity scorers first; placement scorers only for a request the affinity
+        // scorers looked for and found nowhere (without them, "new" would mean every request).
         let mut evaluated = Vec::with_capacity(self.scorers.len());
         for entry in &self.scorers {
+            let category = entry.scorer.category();
             evaluated.push(
-                if imbalance_guard_fired && entry.scorer.category() == Category::Affinity {
-                    Evaluated {
-                        primary: None,
-                        fallback: None,
-                        counted: Counted::Neither,
-                    }
+                if category == Category::Placement
+                    || (imbalance_guard_fired && category == Category::Affinity)
+                {
+                    Evaluated::not_asked()
                 } else {
                     evaluate(entry, &context, &candidates).await
                 },
             );
         }
-        let affinity_counted = self.scorers.iter().zip(&evaluated).any(|(e, ev)| {
-            e.scorer.category() == Category::Affinity && ev.counted != Counted::Neither
-        });
+        let is_affinity = |e: &ScorerEntry| e.scorer.category() == Category::Affinity;
+        let affinity_counted = self
+            .scorers
+            .iter()
+            .zip(&evaluated)
+            .any(|(e, ev)| is_affinity(e) && ev.counted != Counted::Neither);
+        let affinity_found =
+            self.scorers.iter().zip(&evaluated).any(|(e, ev)| {
+                is_affinity(e) && ev.counted_scores().is_some_and(Scores::any_positive)
+            });
+        if !imbalance_guard_fired && self.has_affinity() && !affinity_found {
+            for (entry, slot) in self.scorers.iter().zip(evaluated.iter_mut()) {
+                if entry.scorer.category() == Category::Placement {
+                    *slot = evaluate(entry, &context, &candidates).await;
+                }
+            }
+        }
         let prefix_unavailable = !imbalance_guard_fired && self.has_affinity() && !affinity_counted;
         if !affinity_counted {
             route.record("tier", "load");
@@ -461,6 +489,13 @@ impl Scheduler {
         self.scorers
             .iter()
             .any(|e| e.scorer.category() == Category::Affinity)
+    }
+
+    /// Whether any scorer is about caches (affinity or placement), which the guard can skip.
+    fn has_cache_scorers(&self) -> bool {
+        self.scorers
+            .iter()
+            .any(|e| e.scorer.category() != Category::Load)
     }
 
     /// Whether the load spread reaches the imbalance threshold.

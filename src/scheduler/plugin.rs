@@ -41,14 +41,17 @@ impl ScoringContext<'_> {
     }
 }
 
-/// What a scorer's numbers are about. The imbalance guard skips [`Category::Affinity`] scorers
-/// when load is lopsided, so that load can outvote affinity.
+/// What a scorer's numbers are about. The imbalance guard skips [`Category::Affinity`] and
+/// [`Category::Placement`] scorers when load is lopsided, so that load can outvote them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Category {
     /// Spreads load (queue, in-flight, KV utilization).
     Load,
     /// Keeps requests where their state is (cached prefixes, sessions, adapters).
     Affinity,
+    /// Chooses a home for a request whose state is nowhere yet (a new prefix): asked after the
+    /// affinity scorers, and only when they were asked and none counted a positive score.
+    Placement,
 }
 
 /// One score per candidate, aligned with the `candidates` slice the scorer was given.

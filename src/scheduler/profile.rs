@@ -14,6 +14,7 @@
 //!         parameters: {min_blocks: 1, speculative_ttl: 2s}
 //!         fallback:                  # asked when kv_cache abstains or matches nothing
 //!           type: prefix_tree
+//!       - {type: cache_footprint, weight: 2}  # a prompt found nowhere: the emptiest cache
 //!       - {type: queue, weight: 1}
 //!       - {type: in_flight, weight: 1}
 //!       - {type: kv_utilization, weight: 1}
@@ -100,8 +101,9 @@ pub struct Profile {
 }
 
 impl Default for Profile {
-    /// Saturation filter; precise KV affinity (approximate prefix tree as its fallback) weighed
-    /// against queue, in-flight and KV-utilization load.
+    /// Saturation filter; precise KV affinity (approximate prefix tree as its fallback), and
+    /// for a prompt neither finds the smallest cache footprint, weighed against queue,
+    /// in-flight and KV-utilization load.
     fn default() -> Self {
         Profile {
             filters: vec![PluginSpec::of("saturation")],
@@ -110,6 +112,7 @@ impl Default for Profile {
                     fallback: Some(Box::new(PluginSpec::of("prefix_tree"))),
                     ..PluginSpec::weighted("kv_cache", 2.0)
                 },
+                PluginSpec::weighted("cache_footprint", 2.0),
                 PluginSpec::weighted("queue", 1.0),
                 PluginSpec::weighted("in_flight", 1.0),
                 PluginSpec::weighted("kv_utilization", 1.0),
@@ -144,13 +147,15 @@ impl Default for SchedulerConfig {
 }
 
 impl SchedulerConfig {
-    /// The default profile without affinity: load scorers only.
+    /// The default profile without its cache scorers (affinity and placement): load only.
     pub fn load_only() -> SchedulerConfig {
         let mut config = SchedulerConfig::default();
-        config
-            .profile
-            .scorers
-            .retain(|s| !matches!(s.kind.as_str(), "kv_cache" | "prefix_tree"));
+        config.profile.scorers.retain(|s| {
+            !matches!(
+                s.kind.as_str(),
+                "kv_cache" | "prefix_tree" | "cache_footprint"
+            )
+        });
         config
     }
 

@@ -425,6 +425,62 @@ async fn a_fallback_answers_when_its_primary_abstains_or_matches_nothing() {
     assert!(pick(&scheduler).await.prefix_unavailable);
 }
 
+#[tokio::test]
+async fn a_placement_scorer_decides_only_what_no_affinity_scorer_found() {
+    let pool = healthy_pool(3);
+    let placement = |endpoint| {
+        let mut fixed = Fixed::preferring(endpoint);
+        Arc::get_mut(&mut fixed).expect("unshared").category = Category::Placement;
+        fixed
+    };
+    let entries = |affinity: &Arc<Fixed>, placement: &Arc<Fixed>| {
+        vec![
+            // Placement listed first: it is still asked after the affinity scorers.
+            ScorerEntry::new("place", 1.0, Arc::clone(placement) as Arc<dyn Scorer>),
+            ScorerEntry::new("affinity", 1.0, Arc::clone(affinity) as Arc<dyn Scorer>),
+        ]
+    };
+
+    // Affinity found the prompt: placement is not asked, and hears it.
+    let (affinity, place) = (Fixed::preferring("127.0.0.1:2"), placement("127.0.0.1:3"));
+    let scheduler = with_entries(&pool, 16.0, entries(&affinity, &place));
+    assert_eq!(pick(&scheduler).await.primary().endpoint(), "127.0.0.1:2");
+    assert_eq!(place.asked.load(Ordering::Relaxed), 0);
+    assert_eq!(place.heard(), [Heard::NotAsked("127.0.0.1:2".into())]);
+
+    // Affinity found nothing (zeros, or abstained): placement decides.
+    for affinity in [Fixed::zeros(), Fixed::abstaining("no_events")] {
+        let place = placement("127.0.0.1:3");
+        let scheduler = with_entries(&pool, 16.0, entries(&affinity, &place));
+        let decision = pick(&scheduler).await;
+        assert_eq!(decision.primary().endpoint(), "127.0.0.1:3");
+        assert_eq!(place.heard(), [Heard::Counted("127.0.0.1:3".into())]);
+    }
+
+    // Lopsided load: neither is asked, and load decides.
+    let (affinity, place) = (Fixed::zeros(), placement("127.0.0.1:3"));
+    let scheduler = with_entries(&pool, 4.0, entries(&affinity, &place));
+    let _held: Vec<_> = (0..4).map(|_| replica(&pool, 3).start_request()).collect();
+    let decision = pick(&scheduler).await;
+    assert!(decision.imbalance_guard_fired);
+    assert_eq!(place.asked.load(Ordering::Relaxed), 0);
+    assert_eq!(affinity.asked.load(Ordering::Relaxed), 0);
+
+    // Without affinity scorers nothing is looked for, so nothing is new: placement is idle.
+    let place = placement("127.0.0.1:1");
+    let scheduler = with_entries(
+        &pool,
+        16.0,
+        vec![ScorerEntry::new(
+            "place",
+            1.0,
+            Arc::clone(&place) as Arc<dyn Scorer>,
+        )],
+    );
+    pick(&scheduler).await;
+    assert_eq!(place.asked.load(Ordering::Relaxed), 0);
+}
+
 /// Keeps only replica 1, as a preference.
 struct PreferOne;
 
@@ -488,6 +544,7 @@ fn profiles_are_built_by_name_and_errors_name_the_key() {
         names("{}"),
         [
             ("kv_cache".into(), 2.0),
+            ("cache_footprint".into(), 2.0),
             ("queue".into(), 1.0),
             ("in_flight".into(), 1.0),
             ("kv_utilization".into(), 1.0)
@@ -496,6 +553,7 @@ fn profiles_are_built_by_name_and_errors_name_the_key() {
     assert_eq!(
         names("weights: {queue: 3, kv_cache: 0}"),
         [
+            ("cache_footprint".into(), 2.0),
             ("queue".into(), 3.0),
             ("in_flight".into(), 1.0),
             ("kv_utilization".into(), 1.0)
@@ -581,7 +639,8 @@ fn flags_set_weights_and_parameters_by_plugin() {
         kv.parameters["speculative_ttl"],
         serde_yaml::Value::from("1500ms")
     );
-    assert_eq!(profile.scorers[1].weight, Some(0.5));
+    let queue = profile.scorers.iter().find(|s| s.kind == "queue");
+    assert_eq!(queue.and_then(|s| s.weight), Some(0.5));
     assert_eq!(
         profile.filters[0].parameters["max_waiting"],
         serde_yaml::Value::from(7.0)

@@ -17,6 +17,9 @@
 //! decided; `index_miss` when it matched nothing and the fallback decided; else the reason it
 //! abstained.
 //!
+//! Each pick also records the blocks it adds to the chosen replica ([`Projections`]), which
+//! `cache_footprint` counts until the engine's events can have arrived.
+//!
 //! Concurrency: the index, tokenizer and speculative entries have their own short-held locks;
 //! the block-hash cache is one mutex held for a map lookup or insert, never across an `.await`.
 
@@ -33,6 +36,7 @@ use serde::Deserialize;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use super::cache_footprint::Projections;
 use super::{DecisionLabels, classify};
 use crate::blockhash::{BlockHasher, ExternalHash};
 use crate::kvindex::{KvIndex, PrefixMatch, ReplicaSlot, SpeculativeBlocks};
@@ -74,6 +78,8 @@ fn build(context: &mut BuildContext<'_>, value: serde_yaml::Value) -> Result<Arc
         index: resources.index,
         tokenizer: resources.tokenizer,
         speculative: SpeculativeBlocks::new(parameters.speculative_ttl),
+        speculative_ttl: parameters.speculative_ttl,
+        projections: context.shared(|_| Projections::default()),
         block_hashes: Mutex::new(LruCache::new(
             NonZeroUsize::new(HASH_CACHE_ENTRIES).unwrap_or(NonZeroUsize::MIN),
         )),
@@ -115,6 +121,9 @@ struct KvCacheScorer {
     index: Arc<KvIndex>,
     tokenizer: Arc<Tokenizer>,
     speculative: SpeculativeBlocks,
+    speculative_ttl: Duration,
+    /// What each pick is about to store on its replica, for `cache_footprint`.
+    projections: Arc<Projections>,
     /// Recent prompts' block hashes, keyed by their tokens, salt and model: a repeated prompt
     /// (every turn of a conversation re-sends the whole history) costs a 64-bit hash of its
     /// tokens instead of a SHA-256 per block.
@@ -218,10 +227,20 @@ impl KvCacheScorer {
     /// The chosen replica is about to cache the prompt's blocks: count them as its own until its
     /// engine's events arrive.
     fn credit(&self, memo: &Memo, pick: Pick<'_>) {
-        if let Ok(slot) = self.index.slot_or_insert(pick.chosen().replica.endpoint()) {
-            self.speculative
-                .insert(slot, Arc::clone(&memo.hashes), Instant::now());
-        }
+        let Ok(slot) = self.index.slot_or_insert(pick.chosen().replica.endpoint()) else {
+            return;
+        };
+        let now = Instant::now();
+        let held = memo.held.get(pick.chosen).copied().unwrap_or(0);
+        let new_blocks = (memo.hashes.len() as u64).saturating_sub(u64::from(held));
+        self.projections.record(
+            slot,
+            self.index.block_count(slot),
+            new_blocks,
+            now,
+            self.speculative_ttl,
+        );
+        self.speculative.insert(slot, Arc::clone(&memo.hashes), now);
     }
 }
 

@@ -376,3 +376,91 @@ async fn a_session_cookie_works_like_a_header() {
         assert_eq!(f.pick_with(&request, &cookie("s1")).await, home);
     }
 }
+
+/// The default profile's cache scorers: precise affinity, its tree fallback, and placement by
+/// cache footprint, with llmgw's in-flight count as the load.
+const PLACEMENT: &str = "
+profile:
+  scorers:
+    - type: kv_cache
+      weight: 2
+      parameters: {speculative_ttl: 2s}
+      fallback: {type: prefix_tree, parameters: {chunk_bytes: 4}}
+    - {type: cache_footprint, weight: 2}
+    - {type: in_flight, weight: 1}
+";
+
+/// `n` blocks of nobody's prompt reported by replica `i`'s engine.
+fn fill(f: &Fixture, i: usize, n: u64) {
+    let hashes: Vec<ExternalHash> = (0..n)
+        .map(|k| ExternalHash(((i as u64) << 32) | k))
+        .collect();
+    f.index.stored(f.endpoint(i), &hashes, Medium::Gpu);
+}
+
+fn placements(f: &Fixture, decision: &str) -> f64 {
+    f.metric(&format!(
+        "llmgw_cold_placements_total{{decision=\"{decision}\"}}"
+    ))
+}
+
+#[tokio::test]
+async fn a_prompt_found_nowhere_goes_to_the_emptiest_cache_unless_load_outvotes_it() {
+    let f = fixture(PLACEMENT, 2000).await;
+    fill(&f, 0, 50);
+    fill(&f, 1, 10);
+    fill(&f, 2, 30);
+    assert_eq!(
+        f.pick(&completion("m", "abcdefgh", None)).await,
+        f.endpoint(1)
+    );
+    assert_eq!((f.kv("miss"), placements(&f, "emptiest")), (1.0, 1.0));
+
+    // The next turn of that prompt follows it there, by affinity, not placement.
+    assert_eq!(
+        f.pick(&completion("m", "abcdefghijkl", None)).await,
+        f.endpoint(1)
+    );
+    assert_eq!((f.kv("hit"), placements(&f, "emptiest")), (1.0, 1.0));
+
+    // Replica 1 busy: a fuller idle cache beats it (footprints 1.0 / 0.8 / 0.4 of the fullest,
+    // weight 2; in flight 0 / 8 / 0 of 8, weight 1).
+    let _held = f.hold(1, 8);
+    assert_eq!(
+        f.pick(&completion("m", "qrstuvwx", None)).await,
+        f.endpoint(2)
+    );
+    assert_eq!(placements(&f, "load_override"), 1.0);
+}
+
+#[tokio::test]
+async fn new_prompts_spread_over_equal_caches_before_their_events_arrive() {
+    let f = fixture(PLACEMENT, 2000).await;
+    for i in 0..3 {
+        fill(&f, i, 20);
+    }
+    // Nine new 4-block prompts, no event coming back: each pick counts against its replica.
+    let mut per_replica = [0; 3];
+    let mut first_home = None;
+    for prompt in [
+        "aaaa", "bbbb", "cccc", "dddd", "eeee", "ffff", "gggg", "hhhh", "iiii",
+    ] {
+        let picked = f.pick(&completion("m", &prompt.repeat(4), None)).await;
+        first_home.get_or_insert_with(|| picked.clone());
+        let i = f
+            .endpoints
+            .iter()
+            .position(|e| *e == picked)
+            .expect("a candidate");
+        per_replica[i] += 1;
+    }
+    assert_eq!(per_replica, [3, 3, 3]);
+    assert_eq!(placements(&f, "emptiest"), 9.0);
+    // A first prompt sent again still goes home. (When picks stop counting is tested beside
+    // `Projections`, in paused time: here /tokenize is a real socket.)
+    let home = first_home.expect("picked");
+    assert_eq!(
+        f.pick(&completion("m", &"aaaa".repeat(5), None)).await,
+        home
+    );
+}

@@ -1,0 +1,304 @@
+//! `cache_footprint`: a home for a prompt no replica holds. A placement scorer: the scheduler
+//! asks it only when no affinity scorer found the request anywhere (a tenant's first turn, a
+//! new document). Left to the tie-break, such prompts pile onto whichever replica the hash
+//! favours while another sits nearly empty, and the crowded one evicts what its tenants come
+//! back for. So each candidate scores by its **cache footprint**, fewer blocks being better:
+//! the blocks its engine reports holding (the KV index's own count, from the engines' events)
+//! plus those recent picks are about to store there ([`Projections`], recorded by `kv_cache`
+//! for every pick until the engine's events can have arrived), relative to the fullest
+//! candidate, so a burst of new prompts spreads before any event comes back. It is weighed with
+//! the load scorers like any scorer, so a busy empty replica does not win by emptiness alone.
+//!
+//! Unlike a least-recently-picked rotation (llm-d's `no-hit-lru`), it sees blocks that reached
+//! a replica by any path: other routers, traffic sent straight to the replica, a restart that
+//! emptied it.
+//!
+//! It abstains (`no_events`) when no candidate ever reported events: there is nothing to weigh.
+//!
+//! Metrics: `llmgw_cold_placements_total{decision}`: `emptiest` (the pick had the smallest
+//! footprint), `load_override` (load chose a fuller one).
+//!
+//! Concurrency: the projections are one `parking_lot::Mutex` over a vector by index slot, held
+//! for a few additions per candidate; the index's counts have their own locks.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use tokio::time::Instant;
+
+use super::{DecisionLabels, relative_lower_is_better};
+use crate::kvindex::{KvIndex, ReplicaSlot};
+use crate::scheduler::Candidate;
+use crate::scheduler::plugin::{
+    Answer, Category, Pick, Role, Scorer, Scores, Scoring, ScoringContext,
+};
+use crate::scheduler::registry::{BuildContext, PluginError, ScorerPlugin, parameters};
+
+pub(super) static PLUGIN: ScorerPlugin = ScorerPlugin {
+    kind: "cache_footprint",
+    build,
+};
+
+fn build(
+    context: &mut BuildContext<'_>,
+    value: serde_yaml::Value,
+) -> Result<Arc<dyn Scorer>, PluginError> {
+    let super::NoParameters {} = parameters(value)?;
+    Ok(Arc::new(CacheFootprint {
+        index: Arc::clone(&context.resources.index),
+        projections: context.shared(|_| Projections::default()),
+        metrics: context.shared(PlacementMetrics::register),
+    }))
+}
+
+/// Shared by every `cache_footprint` of a scheduler.
+#[derive(Debug, Default)]
+struct PlacementMetrics {
+    decisions: Family<DecisionLabels, Counter>,
+}
+
+impl PlacementMetrics {
+    fn register(registry: &mut Registry) -> PlacementMetrics {
+        let metrics = PlacementMetrics::default();
+        registry.register(
+            "llmgw_cold_placements",
+            "Placements of prompts no replica held: emptiest (the smallest cache footprint was \
+             chosen) or load_override",
+            metrics.decisions.clone(),
+        );
+        metrics
+    }
+}
+
+/// The footprints a decision scored, for its metric.
+struct Footprints(Vec<f64>);
+
+struct CacheFootprint {
+    index: Arc<KvIndex>,
+    projections: Arc<Projections>,
+    metrics: Arc<PlacementMetrics>,
+}
+
+impl CacheFootprint {
+    /// Each candidate's footprint in blocks; `None` when no candidate is in the index.
+    fn footprints(&self, candidates: &[Candidate], now: Instant) -> Option<Vec<f64>> {
+        let slots: Vec<Option<ReplicaSlot>> = candidates
+            .iter()
+            .map(|c| self.index.slot(c.replica.endpoint()))
+            .collect();
+        if slots.iter().all(Option::is_none) {
+            return None;
+        }
+        let reported: Vec<u64> = slots
+            .iter()
+            .map(|slot| slot.map_or(0, |s| self.index.block_count(s)))
+            .collect();
+        Some(self.projections.footprints(&slots, &reported, now))
+    }
+}
+
+impl Scorer for CacheFootprint {
+    fn category(&self) -> Category {
+        Category::Placement
+    }
+
+    fn score<'a>(&'a self, _: &'a ScoringContext<'a>, candidates: &'a [Candidate]) -> Scoring<'a> {
+        let Some(footprints) = self.footprints(candidates, Instant::now()) else {
+            return Scoring::Ready(Answer::Abstain("no_events"));
+        };
+        let scores = relative_lower_is_better(footprints.iter().map(|&f| Some(f)), 1.0);
+        Scoring::Ready(Answer::Scored(Scores::with_memo(scores, Footprints(footprints))))
+    }
+
+    fn after_pick(&self, _: &ScoringContext<'_>, pick: Pick<'_>, role: Role<'_>) {
+        if let Role::Counted(scores) = role
+            && let Some(Footprints(footprints)) = scores.memo::<Footprints>()
+        {
+            let smallest = footprints.iter().copied().fold(f64::INFINITY, f64::min);
+            let decision = if footprints.get(pick.chosen) <= Some(&smallest) {
+                "emptiest"
+            } else {
+                "load_override"
+            };
+            self.metrics
+                .decisions
+                .get_or_create(&DecisionLabels { decision })
+                .inc();
+            tracing::Span::current().record("tier", "placement");
+        }
+    }
+}
+
+/// Most recent picks remembered per replica: beyond it the oldest is forgotten early (so the
+/// footprint is underestimated, never unbounded).
+const MAX_PENDING_PER_REPLICA: usize = 4096;
+
+/// What recent picks are about to store on each replica, until its engine can have reported
+/// them. Written by `kv_cache` after every pick, read by `cache_footprint`.
+#[derive(Debug, Default)]
+pub(super) struct Projections {
+    by_slot: Mutex<Vec<Pending>>,
+}
+
+/// One replica's recent picks, oldest first.
+#[derive(Debug, Default)]
+struct Pending {
+    picks: VecDeque<PendingPick>,
+    /// Sum of `picks[..].new_blocks`.
+    blocks: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct PendingPick {
+    expires: Instant,
+    /// Blocks the prompt adds beyond what the replica held.
+    new_blocks: u64,
+    /// The replica's reported count when the pick was made.
+    reported_then: u64,
+}
+
+impl Pending {
+    fn sweep(&mut self, now: Instant) {
+        while let Some(front) = self.picks.front() {
+            if front.expires > now {
+                break;
+            }
+            self.blocks -= front.new_blocks;
+            self.picks.pop_front();
+        }
+    }
+
+    /// The reported count as of the oldest live pick, plus everything picked since: what the
+    /// engine will report once those picks are stored (more, if it evicts meanwhile).
+    fn footprint(&self, reported: u64) -> u64 {
+        match self.picks.front() {
+            Some(oldest) => reported.max(oldest.reported_then + self.blocks),
+            None => reported,
+        }
+    }
+}
+
+impl Projections {
+    /// A pick sent a prompt to `slot`, whose engine will store `new_blocks` more than the
+    /// `reported` it holds now; it counts for `ttl`.
+    pub(super) fn record(
+        &self,
+        slot: ReplicaSlot,
+        reported: u64,
+        new_blocks: u64,
+        now: Instant,
+        ttl: Duration,
+    ) {
+        if new_blocks == 0 || ttl.is_zero() {
+            return;
+        }
+        let mut by_slot = self.by_slot.lock();
+        if by_slot.len() <= slot.index() {
+            by_slot.resize_with(slot.index() + 1, Pending::default);
+        }
+        let pending = &mut by_slot[slot.index()];
+        pending.sweep(now);
+        if pending.picks.len() >= MAX_PENDING_PER_REPLICA
+            && let Some(oldest) = pending.picks.pop_front()
+        {
+            pending.blocks -= oldest.new_blocks;
+        }
+        pending.picks.push_back(PendingPick {
+            expires: now + ttl,
+            new_blocks,
+            reported_then: reported,
+        });
+        pending.blocks += new_blocks;
+    }
+
+    /// Each slot's footprint given its `reported` count (aligned; no slot: the report alone).
+    fn footprints(&self, slots: &[Option<ReplicaSlot>], reported: &[u64], now: Instant) -> Vec<f64> {
+        let mut by_slot = self.by_slot.lock();
+        slots
+            .iter()
+            .zip(reported)
+            .map(|(slot, &reported)| {
+                let footprint = match slot.and_then(|s| by_slot.get_mut(s.index())) {
+                    Some(pending) => {
+                        pending.sweep(now);
+                        pending.footprint(reported)
+                    }
+                    None => reported,
+                };
+                footprint as f64
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two slots of one index.
+    fn slots() -> (ReplicaSlot, ReplicaSlot) {
+        let index = KvIndex::new(crate::kvindex::IndexConfig::default());
+        let slot = |name| index.slot_or_insert(name).expect("slot");
+        (slot("a"), slot("b"))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn picks_count_until_they_expire_and_reports_catch_up() {
+        let projections = Projections::default();
+        let (a, b) = slots();
+        let ttl = Duration::from_secs(2);
+        let t0 = Instant::now();
+        projections.record(a, 10, 5, t0, ttl);
+        projections.record(a, 10, 3, t0 + Duration::from_secs(1), ttl);
+        let slots = [Some(a), Some(b), None];
+        // Nothing reported yet: 10 + 5 + 3 for a; b and the unknown one as reported.
+        assert_eq!(
+            projections.footprints(&slots, &[10, 7, 4], t0 + Duration::from_millis(1500)),
+            [18.0, 7.0, 4.0]
+        );
+        // The engine reported the first pick's blocks: still 18, not 23.
+        assert_eq!(
+            projections.footprints(&slots, &[15, 7, 4], t0 + Duration::from_millis(1500)),
+            [18.0, 7.0, 4.0]
+        );
+        // The first pick expired: the second counts over what was reported when it was made
+        // (10 + 3), which the 15 reported now already covers.
+        assert_eq!(
+            projections.footprints(&slots, &[15, 7, 4], t0 + Duration::from_millis(2500)),
+            [15.0, 7.0, 4.0]
+        );
+        projections.record(b, 7, 4, t0 + Duration::from_millis(2500), ttl);
+        assert_eq!(
+            projections.footprints(&slots, &[15, 7, 4], t0 + Duration::from_millis(2600)),
+            [15.0, 11.0, 4.0]
+        );
+        // Everything expired: the reports alone.
+        assert_eq!(
+            projections.footprints(&slots, &[1, 2, 3], t0 + Duration::from_secs(10)),
+            [1.0, 2.0, 3.0]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_replica_remembers_a_bounded_number_of_picks() {
+        let projections = Projections::default();
+        let (a, b) = slots();
+        let now = Instant::now();
+        for _ in 0..MAX_PENDING_PER_REPLICA + 10 {
+            projections.record(a, 0, 1, now, Duration::from_secs(60));
+        }
+        assert_eq!(
+            projections.footprints(&[Some(a)], &[0], now),
+            [MAX_PENDING_PER_REPLICA as f64]
+        );
+        // Nothing counts without a time to live or new blocks.
+        projections.record(b, 0, 5, now, Duration::ZERO);
+        projections.record(b, 0, 0, now, Duration::from_secs(1));
+        assert_eq!(projections.footprints(&[Some(b)], &[0], now), [0.0]);
+    }
+}
