@@ -20,6 +20,8 @@ use llmgw::kvindex::{IndexConfig, KvEventSink, KvIndex};
 use llmgw::metrics::Metrics;
 use llmgw::models::HashersByModel;
 use llmgw::openai::{EndpointKind, parse_request};
+use llmgw::pool::drift::DRIFT_ALERT;
+use llmgw::pool::monitor::{HttpProber, ProbeSettings, run_scrapes};
 use llmgw::pool::{Health, InFlightGuard, Pool, ReplicaSpec};
 use llmgw::scheduler::{Decision, PluginResources, Scheduler, SchedulerConfig, Scope};
 use llmgw::tokenize::{Tokenizer, TokenizerConfig};
@@ -93,6 +95,8 @@ async fn feed_index(sim: &SimHandle, index: Arc<KvIndex>, removed: Arc<AtomicUsi
 struct Fleet {
     sims: Vec<SimHandle>,
     index: Arc<KvIndex>,
+    /// The router's hasher for the model.
+    hasher: Arc<BlockHasher>,
     scheduler: Scheduler,
     /// Where the scheduler's plugins registered their metrics (decisions by tier).
     metrics: Metrics,
@@ -108,10 +112,51 @@ async fn fleet(n: usize, blocks: usize, tokenize_deadline: Duration) -> Fleet {
 }
 
 async fn fleet_with(n: usize, blocks: usize, tokenize_deadline: Duration, extra: &[&str]) -> Fleet {
+    let mut spec = FleetSpec::new(n, blocks);
+    spec.tokenize_deadline = tokenize_deadline;
+    for args in &mut spec.sim_args {
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+    }
+    fleet_from(spec).await
+}
+
+/// How a fleet is built: its sims, and the router's settings.
+struct FleetSpec {
+    blocks: usize,
+    tokenize_deadline: Duration,
+    /// Extra flags per sim (one entry per sim).
+    sim_args: Vec<Vec<String>>,
+    /// The router's hash settings for the model (the sims': `BLOCK`, `SEED`).
+    hash_block: usize,
+    hash_seed: String,
+    /// Whether the router scrapes the sims' `/metrics`, as `serve` does.
+    scrape: bool,
+}
+
+impl FleetSpec {
+    fn new(sims: usize, blocks: usize) -> FleetSpec {
+        FleetSpec {
+            blocks,
+            tokenize_deadline: Duration::from_secs(2),
+            sim_args: vec![Vec::new(); sims],
+            hash_block: BLOCK,
+            hash_seed: SEED.to_owned(),
+            scrape: false,
+        }
+    }
+}
+
+async fn fleet_from(spec: FleetSpec) -> Fleet {
     // The engine must fit one max-length sequence in its cache, as vLLM requires.
+    let blocks = spec.blocks;
     let max_model_len = (blocks - 1) * BLOCK;
-    let sims: Vec<SimHandle> = (0..n)
-        .map(|_| spawn(blocks, max_model_len, extra))
+    let sims: Vec<SimHandle> = spec
+        .sim_args
+        .iter()
+        .map(|extra| {
+            let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+            spawn(blocks, max_model_len, &extra)
+        })
         .collect();
     let index = Arc::new(KvIndex::new(IndexConfig::default()));
     let removed = Arc::new(AtomicUsize::new(0));
@@ -133,19 +178,31 @@ async fn fleet_with(n: usize, blocks: usize, tokenize_deadline: Duration, extra:
     for replica in pool.snapshot().replicas() {
         replica.set_health(Health::Healthy);
     }
+    if spec.scrape {
+        let settings = ProbeSettings {
+            scrape_interval: Duration::from_millis(100),
+            ..ProbeSettings::default()
+        };
+        let prober = Arc::new(HttpProber::new(settings.timeout).expect("prober"));
+        tokio::spawn(run_scrapes(Arc::clone(&pool), prober, settings));
+    }
     let hasher = BlockHasher::new(&HashSettings::sha256_cbor(
-        NonZeroUsize::new(BLOCK).expect("nonzero"),
-        Some(SEED),
+        NonZeroUsize::new(spec.hash_block).expect("nonzero"),
+        Some(&spec.hash_seed),
     ))
     .expect("hasher");
     let tokenizer = Arc::new(Tokenizer::new(TokenizerConfig {
-        deadline: tokenize_deadline,
+        deadline: spec.tokenize_deadline,
         ..TokenizerConfig::default()
     }));
+    let hasher = Arc::new(hasher);
     let resources = PluginResources {
         index: Arc::clone(&index),
         tokenizer: Arc::clone(&tokenizer),
-        hashers: Arc::new(HashersByModel::from([(MODEL.to_owned(), Arc::new(hasher))])),
+        hashers: Arc::new(HashersByModel::from([(
+            MODEL.to_owned(),
+            Arc::clone(&hasher),
+        )])),
     };
     let mut metrics = Metrics::new(Arc::clone(&pool));
     let scheduler = Scheduler::build(
@@ -158,6 +215,7 @@ async fn fleet_with(n: usize, blocks: usize, tokenize_deadline: Duration, extra:
     Fleet {
         sims,
         index,
+        hasher,
         scheduler,
         metrics,
         tokenizer,
@@ -465,4 +523,171 @@ async fn a_local_tokenizer_gives_the_same_tokens_as_the_replicas_tokenize() {
             "{prompt:?}"
         );
     }
+}
+
+/// A document of about 400 tokens, distinct per `i`.
+fn document(i: usize) -> String {
+    let words: Vec<String> = (0..64).map(|w| format!("subject{i} remark{w}")).collect();
+    format!("Report {i}: {}", words.join("; "))
+}
+
+impl Fleet {
+    fn replica(&self, sim: usize) -> Arc<llmgw::pool::Replica> {
+        self.pool
+            .snapshot()
+            .find(&self.sims[sim].addr.to_string())
+            .cloned()
+            .expect("replica")
+    }
+
+    /// Waits (bounded) until every sim has been scraped once: the engines' counters before
+    /// that are not the router's doing.
+    async fn scraped(&self) {
+        for _ in 0..200 {
+            let now = tokio::time::Instant::now();
+            if (0..self.sims.len()).all(|s| {
+                self.replica(s)
+                    .engine_load(now, Duration::from_secs(5))
+                    .is_some()
+            }) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("the sims were never scraped");
+    }
+
+    /// `documents` routed in turn, twice: the second round after the index has the sims'
+    /// blocks and the first round's speculative entries expired, so what the router expects
+    /// to hit comes from the index alone. Returns once a scrape followed the last request.
+    async fn two_rounds(&self, documents: usize) {
+        self.scraped().await;
+        for round in 0..2 {
+            if round > 0 {
+                self.converge().await;
+                tokio::time::sleep(Duration::from_millis(2500)).await;
+            }
+            for i in 0..documents {
+                self.route("/v1/completions", &completion(&document(i), None))
+                    .await;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(400)).await;
+    }
+
+    fn drift(&self, sim: usize) -> llmgw::pool::drift::DriftView {
+        self.replica(sim).drift().view()
+    }
+}
+
+fn drift_fleet(sims: usize) -> FleetSpec {
+    FleetSpec {
+        scrape: true,
+        ..FleetSpec::new(sims, 600)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engine_s_own_hits_agree_with_what_the_router_expected() {
+    let f = fleet_from(drift_fleet(1)).await;
+    f.two_rounds(6).await;
+    let view = f.drift(0);
+    assert!(view.expected_hits > 0, "{view:?}");
+    assert_eq!(view.expected_hits, view.observed_hits, "{view:?}");
+    assert!(view.drift.expect("judged") < 0.1, "{view:?}");
+    assert_eq!(f.decisions("llmgw_kv_decisions_total", "hit"), 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_seed_or_block_size_shows_up_as_drift() {
+    let wrong_seed = FleetSpec {
+        hash_seed: "1".to_owned(),
+        ..drift_fleet(1)
+    };
+    let wrong_block = FleetSpec {
+        hash_block: 2 * BLOCK,
+        ..drift_fleet(1)
+    };
+    for spec in [wrong_seed, wrong_block] {
+        let f = fleet_from(spec).await;
+        f.two_rounds(6).await;
+        let view = f.drift(0);
+        // The router's hashes match nothing the engine reported, while the engine hits.
+        assert_eq!(view.expected_hits, 0, "{view:?}");
+        assert!(view.observed_hits > 0, "{view:?}");
+        assert!(view.drift.expect("judged") >= DRIFT_ALERT, "{view:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_index_shows_up_as_drift() {
+    let f = fleet_from(drift_fleet(1)).await;
+    f.scraped().await;
+    // The index still credits the replica with blocks its engine evicted (the removals lost).
+    for i in 0..6 {
+        let answer = f
+            .send_to(
+                0,
+                "/tokenize",
+                &json!({"model": MODEL, "prompt": document(i)}),
+            )
+            .await;
+        let tokens: Vec<u32> = serde_json::from_value(answer["tokens"].clone()).expect("ids");
+        let mut hashes = Vec::new();
+        f.hasher.external_hashes_into(&tokens, None, &mut hashes);
+        f.index.stored(
+            &f.sims[0].addr.to_string(),
+            &hashes,
+            llmgw::kvindex::Medium::Gpu,
+        );
+    }
+    for i in 0..6 {
+        f.route("/v1/completions", &completion(&document(i), None))
+            .await;
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let view = f.drift(0);
+    assert_eq!(view.observed_hits, 0, "{view:?}");
+    assert!(view.expected_hits > 0, "{view:?}");
+    assert!(view.drift.expect("judged") >= DRIFT_ALERT, "{view:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_with_another_tokenizer_shows_up_as_drift() {
+    // A rolling upgrade half done: sim 1 serves the model with a tokenizer whose ids differ
+    // (the same vocabulary, renumbered), while /tokenize is asked of the least loaded replica,
+    // sim 0 when both are idle. The router's own tokenizer check cannot see this: every
+    // /tokenize answer is some replica's truth.
+    let shipped: Value = serde_json::from_str(
+        &std::fs::read_to_string(llmgw_integration::repo_root().join("sim/assets/tokenizer.json"))
+            .expect("shipped tokenizer"),
+    )
+    .expect("json");
+    let mut renumbered = shipped.clone();
+    let vocab = renumbered["model"]["vocab"]
+        .as_object_mut()
+        .expect("a BPE vocabulary");
+    let specials = shipped["added_tokens"].as_array().map_or(0, Vec::len) as u64;
+    let size = vocab.len() as u64;
+    for id in vocab.values_mut() {
+        let old = id.as_u64().expect("an id");
+        if old >= specials {
+            *id = json!(specials + (old - specials + 1) % (size - specials));
+        }
+    }
+    let path = std::env::temp_dir().join(format!("llmgw-renumbered-{}.json", std::process::id()));
+    std::fs::write(&path, renumbered.to_string()).expect("write tokenizer");
+    let mut spec = drift_fleet(2);
+    spec.sim_args[1] = vec!["--tokenizer".to_owned(), path.display().to_string()];
+    let f = fleet_from(spec).await;
+    f.two_rounds(10).await;
+    let _ = std::fs::remove_file(&path);
+    let (consistent, upgraded) = (f.drift(0), f.drift(1));
+    assert!(consistent.drift.expect("judged") < 0.1, "{consistent:?}");
+    assert_eq!(upgraded.expected_hits, 0, "{upgraded:?}");
+    assert!(upgraded.observed_hits > 0, "{upgraded:?}");
+    assert!(
+        upgraded.drift.expect("judged") >= DRIFT_ALERT,
+        "{upgraded:?}"
+    );
 }

@@ -12,7 +12,10 @@
 //!   `llmgw_prefix_decisions_total`, `llmgw_prefix_tree_nodes`, ...).
 //! * Per replica, read from the pool at scrape time: `llmgw_replica_in_flight`,
 //!   `llmgw_replica_healthy`, and, while the last scrape is fresh, `llmgw_replica_waiting`,
-//!   `llmgw_replica_running`, `llmgw_replica_kv_cache_usage`.
+//!   `llmgw_replica_running`, `llmgw_replica_kv_cache_usage`; the self-check of the precise
+//!   tier ([`crate::pool::drift`]): `llmgw_expected_cached_tokens_total` of
+//!   `llmgw_routed_prompt_tokens_total` against the engine's `llmgw_observed_cached_tokens_total`
+//!   of `llmgw_observed_prompt_tokens_total`, and `llmgw_cache_drift_ratio` once judged.
 //! * With a named InferencePool, GIE's standard pool gauges (`inference_pool_*`, see [`gie`]).
 //! * GIE's request metrics (`inference_objective_*`, see [`ObjectiveMetrics`]): requests, errors
 //!   by GIE's error code, duration, request and response sizes, token counts from the
@@ -313,6 +316,11 @@ impl Collector for ReplicaCollector {
         let waiting = Family::<ReplicaLabels, Gauge<f64, AtomicU64>>::default();
         let running = Family::<ReplicaLabels, Gauge<f64, AtomicU64>>::default();
         let kv_usage = Family::<ReplicaLabels, Gauge<f64, AtomicU64>>::default();
+        let expected_hits = Family::<ReplicaLabels, Counter>::default();
+        let routed_tokens = Family::<ReplicaLabels, Counter>::default();
+        let observed_hits = Family::<ReplicaLabels, Counter>::default();
+        let observed_queries = Family::<ReplicaLabels, Counter>::default();
+        let drift = Family::<ReplicaLabels, Gauge<f64, AtomicU64>>::default();
         let snapshot = self.pool.snapshot();
         let now = Instant::now();
         for replica in snapshot.replicas() {
@@ -336,8 +344,24 @@ impl Collector for ReplicaCollector {
                     kv_usage.get_or_create(&labels).set(v);
                 }
             }
+            let view = replica.drift().view();
+            expected_hits
+                .get_or_create(&labels)
+                .inc_by(view.expected_hits);
+            routed_tokens
+                .get_or_create(&labels)
+                .inc_by(view.routed_tokens);
+            observed_hits
+                .get_or_create(&labels)
+                .inc_by(view.observed_hits);
+            observed_queries
+                .get_or_create(&labels)
+                .inc_by(view.observed_queries);
+            if let Some(v) = view.drift {
+                drift.get_or_create(&labels).set(v);
+            }
         }
-        let families: [(&str, &str, &dyn EncodeMetric); 5] = [
+        let families: [(&str, &str, &dyn EncodeMetric); 10] = [
             (
                 "llmgw_replica_in_flight",
                 "Requests llmgw has in flight to the replica",
@@ -362,6 +386,34 @@ impl Collector for ReplicaCollector {
                 "llmgw_replica_kv_cache_usage",
                 "vllm:kv_cache_usage_perc from a fresh scrape",
                 &kv_usage,
+            ),
+            (
+                "llmgw_expected_cached_tokens",
+                "Prompt tokens the precise tier expected the replica to find in its prefix cache",
+                &expected_hits,
+            ),
+            (
+                "llmgw_routed_prompt_tokens",
+                "Prompt tokens of the requests the precise tier sent to the replica",
+                &routed_tokens,
+            ),
+            (
+                "llmgw_observed_cached_tokens",
+                "Prompt tokens the engine found cached (increases of \
+                 vllm:prefix_cache_hits_total)",
+                &observed_hits,
+            ),
+            (
+                "llmgw_observed_prompt_tokens",
+                "Prompt tokens the engine looked up (increases of \
+                 vllm:prefix_cache_queries_total)",
+                &observed_queries,
+            ),
+            (
+                "llmgw_cache_drift_ratio",
+                "Disagreement of expected and engine-observed prefix-cache hit rates over the \
+                 last minute: |o - e| / max(o, e), 0 agreeing, 1 when one is 0",
+                &drift,
             ),
         ];
         for (name, help, family) in families {
@@ -400,6 +452,14 @@ mod tests {
             Instant::now(),
         );
         let _guard = replica.start_request();
+        // The precise tier expected half of 4096 tokens cached; the engine found none.
+        let totals = |hits, queries| crate::pool::vllm_metrics::CacheTotals { hits, queries };
+        let t0 = Instant::now();
+        replica.drift().observe("r", totals(10.0, 20.0), t0);
+        replica.drift().expect(2048, 4096);
+        replica
+            .drift()
+            .observe("r", totals(10.0, 4116.0), t0 + Duration::from_secs(1));
         let metrics = Metrics::new(Arc::clone(&pool));
         metrics.record(Outcome::Routed);
         metrics.record(Outcome::Saturated);
@@ -415,6 +475,11 @@ mod tests {
             "llmgw_replica_healthy{replica=\"127.0.0.1:8001\"} 1",
             "llmgw_replica_waiting{replica=\"127.0.0.1:8001\"} 3.0",
             "llmgw_replica_kv_cache_usage{replica=\"127.0.0.1:8001\"} 0.5",
+            "llmgw_expected_cached_tokens_total{replica=\"127.0.0.1:8001\"} 2048",
+            "llmgw_routed_prompt_tokens_total{replica=\"127.0.0.1:8001\"} 4096",
+            "llmgw_observed_cached_tokens_total{replica=\"127.0.0.1:8001\"} 0",
+            "llmgw_observed_prompt_tokens_total{replica=\"127.0.0.1:8001\"} 4096",
+            "llmgw_cache_drift_ratio{replica=\"127.0.0.1:8001\"} 1.0",
         ] {
             assert!(text.contains(expected), "missing {expected:?} in\n{text}");
         }

@@ -12,6 +12,7 @@
 //! another. Writers: the monitor tasks (health, scrape) and the reload path; readers: every
 //! routing decision, the admin endpoints and the Prometheus collector.
 
+pub mod drift;
 pub mod monitor;
 pub mod vllm_metrics;
 
@@ -100,6 +101,8 @@ pub struct Replica {
     started: AtomicU64,
     ended: AtomicU64,
     last_scrape: ArcSwapOption<Scrape>,
+    /// Expected against engine-observed prefix-cache hits.
+    drift: drift::CacheDrift,
 }
 
 impl Replica {
@@ -112,7 +115,13 @@ impl Replica {
             started: AtomicU64::new(0),
             ended: AtomicU64::new(0),
             last_scrape: ArcSwapOption::empty(),
+            drift: drift::CacheDrift::default(),
         }
+    }
+
+    /// What llmgw expects this replica's prefix cache to hit, and what its engine reports.
+    pub fn drift(&self) -> &drift::CacheDrift {
+        &self.drift
     }
 
     pub fn spec(&self) -> &ReplicaSpec {

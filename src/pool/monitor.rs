@@ -189,6 +189,7 @@ pub async fn run_health_checks<P: Prober>(
 /// Scrapes `/metrics` of every replica each `interval`, forever. A failed scrape forgets the
 /// previous one at once, so the replica's load reads as unknown rather than as its old value; a
 /// successful scrape that merely ages past the pool's staleness limit reads as unknown too.
+/// The page's prefix-cache counters go to the replica's drift check ([`super::drift`]).
 pub async fn run_scrapes<P: Prober>(pool: Arc<Pool>, prober: Arc<P>, settings: ProbeSettings) {
     let mut ticker = tokio::time::interval(settings.scrape_interval);
     ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -202,8 +203,13 @@ pub async fn run_scrapes<P: Prober>(pool: Arc<Pool>, prober: Arc<P>, settings: P
                     .await
                     .unwrap_or(Err(ProbeError::Timeout));
                 match result {
-                    Ok(page) => replica
-                        .record_scrape(vllm_metrics::parse_engine_load(&page), Instant::now()),
+                    Ok(page) => {
+                        let now = Instant::now();
+                        replica.record_scrape(vllm_metrics::parse_engine_load(&page), now);
+                        if let Some(totals) = vllm_metrics::parse_cache_totals(&page) {
+                            replica.drift().observe(replica.endpoint(), totals, now);
+                        }
+                    }
                     Err(_) => replica.forget_scrape(),
                 }
             }

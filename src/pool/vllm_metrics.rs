@@ -1,5 +1,6 @@
-//! Reading the three load series llmgw needs out of a vLLM `/metrics` page (Prometheus text
-//! format), without a general parser: one pass over the lines, everything else skipped.
+//! Reading the series llmgw needs out of a vLLM `/metrics` page (Prometheus text format),
+//! without a general parser: the three load series in one pass over the lines, the prefix-cache
+//! counters in another, everything else skipped.
 
 use super::EngineLoad;
 
@@ -28,6 +29,36 @@ pub fn parse_engine_load(text: &str) -> EngineLoad {
         }
     }
     load
+}
+
+const PREFIX_CACHE_HITS: &str = "vllm:prefix_cache_hits_total";
+const PREFIX_CACHE_QUERIES: &str = "vllm:prefix_cache_queries_total";
+
+/// The engine's prefix-cache counters, in tokens, summed over engines.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CacheTotals {
+    /// `vllm:prefix_cache_hits_total`: prompt tokens found cached.
+    pub hits: f64,
+    /// `vllm:prefix_cache_queries_total`: prompt tokens looked up.
+    pub queries: f64,
+}
+
+/// The prefix-cache counters, when the page has both (an engine without prefix caching, or an
+/// old vLLM, has neither).
+pub fn parse_cache_totals(text: &str) -> Option<CacheTotals> {
+    let mut hits = None;
+    let mut queries = None;
+    for line in text.lines().filter(|l| l.starts_with("vllm:prefix_cache_")) {
+        if let Some(v) = sample_value(line, PREFIX_CACHE_HITS) {
+            hits = Some(hits.unwrap_or(0.0) + v);
+        } else if let Some(v) = sample_value(line, PREFIX_CACHE_QUERIES) {
+            queries = Some(queries.unwrap_or(0.0) + v);
+        }
+    }
+    Some(CacheTotals {
+        hits: hits?,
+        queries: queries?,
+    })
 }
 
 /// The value of `line` if it is a sample of exactly the series `name` (not `name_total` or a
@@ -92,5 +123,31 @@ python_gc_objects_collected_total{generation="0"} 7.0
         assert_eq!(load.kv_cache_usage, None);
         let unlabelled = parse_engine_load("vllm:num_requests_running 7 1700000000000\n");
         assert_eq!(unlabelled.running, Some(7.0));
+    }
+
+    #[test]
+    fn prefix_cache_counters_are_summed_over_engines_and_need_both() {
+        let page = r#"# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 100.0
+vllm:prefix_cache_queries_total{engine="1",model_name="tiny"} 50.0
+vllm:prefix_cache_queries_created{engine="0",model_name="tiny"} 1.7e9
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 64.0
+vllm:prefix_cache_hits_total{engine="1",model_name="tiny"} 16.0
+vllm:external_prefix_cache_hits_total{engine="0"} 999.0
+"#;
+        assert_eq!(
+            parse_cache_totals(page),
+            Some(CacheTotals {
+                hits: 80.0,
+                queries: 150.0
+            })
+        );
+        assert_eq!(
+            parse_cache_totals(
+                "vllm:prefix_cache_queries_total 10\nvllm:prefix_cache_hits_total NaN\n"
+            ),
+            None
+        );
+        assert_eq!(parse_cache_totals("vllm:num_requests_running 1\n"), None);
     }
 }

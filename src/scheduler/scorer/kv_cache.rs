@@ -18,7 +18,8 @@
 //! abstained.
 //!
 //! Each pick also records the blocks it adds to the chosen replica ([`Projections`]), which
-//! `cache_footprint` counts until the engine's events can have arrived.
+//! `cache_footprint` counts until the engine's events can have arrived, and the tokens the
+//! replica should find cached ([`crate::pool::drift`]), which its engine's own counters check.
 //!
 //! Concurrency: the index, tokenizer and speculative entries have their own short-held locks;
 //! the block-hash cache is one mutex held for a map lookup or insert, never across an `.await`.
@@ -137,6 +138,18 @@ struct Memo {
     hashes: Arc<[ExternalHash]>,
     /// Leading blocks each candidate holds (speculative ones included).
     held: Vec<u32>,
+    prompt_tokens: usize,
+    block_size: usize,
+}
+
+impl Memo {
+    /// Prompt tokens the candidate at `i` should find cached: its held blocks, at most those
+    /// before the prompt's last token (vLLM always computes that one).
+    fn expected_cached_tokens(&self, i: usize) -> u64 {
+        let held = self.held.get(i).map_or(0, |&b| b as usize);
+        let most = self.prompt_tokens.saturating_sub(1) / self.block_size.max(1);
+        (held.min(most) * self.block_size) as u64
+    }
 }
 
 impl KvCacheScorer {
@@ -221,15 +234,25 @@ impl KvCacheScorer {
                 }
             })
             .collect();
-        Answer::Scored(Scores::with_memo(scores, Memo { hashes, held }))
+        let memo = Memo {
+            hashes,
+            held,
+            prompt_tokens: tokens.len(),
+            block_size: hasher.block_size(),
+        };
+        Answer::Scored(Scores::with_memo(scores, memo))
     }
 
     /// The chosen replica is about to cache the prompt's blocks: count them as its own until its
-    /// engine's events arrive.
+    /// engine's events arrive, and tell its drift check what it should find cached.
     fn credit(&self, memo: &Memo, pick: Pick<'_>) {
         let Ok(slot) = self.index.slot_or_insert(pick.chosen().replica.endpoint()) else {
             return;
         };
+        pick.chosen().replica.drift().expect(
+            memo.expected_cached_tokens(pick.chosen),
+            memo.prompt_tokens as u64,
+        );
         let now = Instant::now();
         let held = memo.held.get(pick.chosen).copied().unwrap_or(0);
         let new_blocks = (memo.hashes.len() as u64).saturating_sub(u64::from(held));
