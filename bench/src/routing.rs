@@ -3,7 +3,6 @@
 //! percentiles and the Markdown table. The binary starts the processes and drives the workload.
 
 use std::fmt;
-use std::net::SocketAddr;
 use std::str::FromStr;
 
 use thiserror::Error;
@@ -19,8 +18,11 @@ pub enum Policy {
     LeastLoaded,
     /// llmgw without engine hash settings or agent: the approximate prefix tree and load.
     ApproxPrefix,
-    /// llmgw with hash settings and an agent mirroring the engines' KV events.
+    /// llmgw with hash settings and an agent mirroring the engines' KV events, tokenizing in
+    /// process with the model's tokenizer.
     LlmgwPrecise,
+    /// The same, tokenizing through the replicas' `/tokenize` (the default: no tokenizer file).
+    LlmgwPreciseTokenize,
     /// The `vllm-router` peer (an HTTP proxy, no Envoy) with one of its policies.
     VllmRouter(VllmRouterPolicy),
 }
@@ -45,12 +47,13 @@ impl VllmRouterPolicy {
 
 impl Policy {
     /// Every policy, in the order they run.
-    pub const ALL: [Policy; 8] = [
+    pub const ALL: [Policy; 9] = [
         Policy::Random,
         Policy::RoundRobin,
         Policy::LeastLoaded,
         Policy::ApproxPrefix,
         Policy::LlmgwPrecise,
+        Policy::LlmgwPreciseTokenize,
         Policy::VllmRouter(VllmRouterPolicy::RoundRobin),
         Policy::VllmRouter(VllmRouterPolicy::CacheAware),
         Policy::VllmRouter(VllmRouterPolicy::KvAware),
@@ -63,10 +66,12 @@ impl Policy {
 
     /// Whether an llmgw-router decides.
     pub fn uses_llmgw(self) -> bool {
-        matches!(
-            self,
-            Policy::LeastLoaded | Policy::ApproxPrefix | Policy::LlmgwPrecise
-        )
+        matches!(self, Policy::LeastLoaded | Policy::ApproxPrefix) || self.uses_agent()
+    }
+
+    /// Whether an llmgw-agent feeds the router's KV index (the precise policies).
+    pub fn uses_agent(self) -> bool {
+        matches!(self, Policy::LlmgwPrecise | Policy::LlmgwPreciseTokenize)
     }
 
     /// How the policy is set up, for the report.
@@ -78,6 +83,9 @@ impl Policy {
             Policy::ApproxPrefix => "llmgw without `--model` hash settings or agent (prefix tree)",
             Policy::LlmgwPrecise => {
                 "llmgw + llmgw-agent (KV index from the sims' events), tokenizing in process"
+            }
+            Policy::LlmgwPreciseTokenize => {
+                "llmgw + llmgw-agent, tokenizing through the replicas' /tokenize (the default)"
             }
             Policy::VllmRouter(VllmRouterPolicy::RoundRobin) => "vllm-router `round_robin`",
             Policy::VllmRouter(VllmRouterPolicy::CacheAware) => "vllm-router `cache_aware`",
@@ -96,6 +104,7 @@ impl fmt::Display for Policy {
             Policy::LeastLoaded => f.write_str("least_loaded"),
             Policy::ApproxPrefix => f.write_str("approx_prefix"),
             Policy::LlmgwPrecise => f.write_str("llmgw_precise"),
+            Policy::LlmgwPreciseTokenize => f.write_str("llmgw_precise_tokenize"),
             Policy::VllmRouter(p) => write!(f, "vllm-router:{}", p.flag()),
         }
     }
@@ -104,7 +113,7 @@ impl fmt::Display for Policy {
 #[derive(Debug, Error, PartialEq, Eq)]
 #[error(
     "unknown policy {0:?}: expected random, round_robin, least_loaded, approx_prefix, \
-     llmgw_precise, vllm-router:round_robin, vllm-router:cache_aware or vllm-router:kv_aware"
+     llmgw_precise, llmgw_precise_tokenize, vllm-router:round_robin, vllm-router:cache_aware or vllm-router:kv_aware"
 )]
 pub struct UnknownPolicy(pub String);
 
@@ -131,68 +140,6 @@ pub fn rate_in_window(completed: usize, window_s: f64) -> f64 {
     } else {
         0.0
     }
-}
-
-/// Envoy in front of `replicas` with one of its own load-balancing policies and nothing else:
-/// the same listener and cluster settings as `envoy/envoy.yaml`, without ext_proc.
-pub fn plain_envoy_config(
-    lb_policy: &str,
-    listen: u16,
-    admin: u16,
-    replicas: &[SocketAddr],
-) -> String {
-    let endpoints: String = replicas
-        .iter()
-        .map(|r| {
-            format!(
-                "        - endpoint:\n            address:\n              socket_address: {{address: {}, port_value: {}}}\n",
-                r.ip(),
-                r.port()
-            )
-        })
-        .collect();
-    format!(
-        r#"admin:
-  address:
-    socket_address: {{address: 127.0.0.1, port_value: {admin}}}
-static_resources:
-  listeners:
-  - name: llm
-    address:
-      socket_address: {{address: 127.0.0.1, port_value: {listen}}}
-    per_connection_buffer_limit_bytes: 33554432
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: llm
-          codec_type: AUTO
-          stream_idle_timeout: 300s
-          route_config:
-            name: llm
-            virtual_hosts:
-            - name: llm
-              domains: ["*"]
-              routes:
-              - match: {{prefix: "/"}}
-                route: {{cluster: vllm_replicas, timeout: 0s}}
-          http_filters:
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: vllm_replicas
-    type: STATIC
-    connect_timeout: 1s
-    lb_policy: {lb_policy}
-    per_connection_buffer_limit_bytes: 33554432
-    load_assignment:
-      cluster_name: vllm_replicas
-      endpoints:
-      - lb_endpoints:
-{endpoints}"#
-    )
 }
 
 /// Percentile `p` (0–100) of sorted values, nearest rank.
@@ -264,6 +211,17 @@ mod tests {
         assert!("sticky".parse::<Policy>().is_err());
         assert!(!Policy::VllmRouter(VllmRouterPolicy::KvAware).uses_envoy());
         assert!(Policy::LlmgwPrecise.uses_llmgw() && !Policy::RoundRobin.uses_llmgw());
+        assert_eq!(
+            "llmgw_precise_tokenize".parse::<Policy>(),
+            Ok(Policy::LlmgwPreciseTokenize)
+        );
+        // Only the precise policies run an agent (the others' routers must not wait for one).
+        let with_agent: Vec<Policy> = Policy::ALL.into_iter().filter(|p| p.uses_agent()).collect();
+        assert_eq!(
+            with_agent,
+            [Policy::LlmgwPrecise, Policy::LlmgwPreciseTokenize]
+        );
+        assert!(with_agent.iter().all(|p| p.uses_llmgw()));
     }
 
     #[test]
@@ -276,22 +234,6 @@ mod tests {
         assert_eq!(percentile(&sorted, 90.0), Some(90.0));
         assert_eq!(percentile(&sorted, 100.0), Some(100.0));
         assert_eq!(percentile(&[], 50.0), None);
-    }
-
-    #[test]
-    fn plain_envoy_lists_every_replica_with_the_policy() {
-        let replicas: Vec<SocketAddr> = vec![
-            "127.0.0.1:4001".parse().unwrap_or_else(|_| unreachable!()),
-            "127.0.0.1:4002".parse().unwrap_or_else(|_| unreachable!()),
-            "127.0.0.1:4003".parse().unwrap_or_else(|_| unreachable!()),
-        ];
-        let yaml = plain_envoy_config("RANDOM", 10123, 9123, &replicas);
-        assert!(yaml.contains("lb_policy: RANDOM"));
-        assert!(yaml.contains("port_value: 10123") && yaml.contains("port_value: 9123"));
-        for r in &replicas {
-            assert!(yaml.contains(&format!("port_value: {}}}", r.port())));
-        }
-        assert!(!yaml.contains("ext_proc"));
     }
 
     #[test]

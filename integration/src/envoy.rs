@@ -114,3 +114,86 @@ impl EnvoyCommand {
         })
     }
 }
+
+/// Envoy in front of `replicas` with one of its own load-balancing policies and nothing else:
+/// the same listener and cluster settings as `envoy/envoy.yaml`, without ext_proc.
+pub fn plain_envoy_config(
+    lb_policy: &str,
+    listen: u16,
+    admin: u16,
+    replicas: &[SocketAddr],
+) -> String {
+    let endpoints: String = replicas
+        .iter()
+        .map(|r| {
+            format!(
+                "        - endpoint:\n            address:\n              socket_address: {{address: {}, port_value: {}}}\n",
+                r.ip(),
+                r.port()
+            )
+        })
+        .collect();
+    format!(
+        r#"admin:
+  address:
+    socket_address: {{address: 127.0.0.1, port_value: {admin}}}
+static_resources:
+  listeners:
+  - name: llm
+    address:
+      socket_address: {{address: 127.0.0.1, port_value: {listen}}}
+    per_connection_buffer_limit_bytes: 33554432
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: llm
+          codec_type: AUTO
+          stream_idle_timeout: 300s
+          route_config:
+            name: llm
+            virtual_hosts:
+            - name: llm
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route: {{cluster: vllm_replicas, timeout: 0s}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: vllm_replicas
+    type: STATIC
+    connect_timeout: 1s
+    lb_policy: {lb_policy}
+    per_connection_buffer_limit_bytes: 33554432
+    load_assignment:
+      cluster_name: vllm_replicas
+      endpoints:
+      - lb_endpoints:
+{endpoints}"#
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_envoy_lists_every_replica_with_the_policy() {
+        let replicas: Vec<SocketAddr> = vec![
+            "127.0.0.1:4001".parse().unwrap_or_else(|_| unreachable!()),
+            "127.0.0.1:4002".parse().unwrap_or_else(|_| unreachable!()),
+            "127.0.0.1:4003".parse().unwrap_or_else(|_| unreachable!()),
+        ];
+        let yaml = plain_envoy_config("RANDOM", 10123, 9123, &replicas);
+        assert!(yaml.contains("lb_policy: RANDOM"));
+        assert!(yaml.contains("port_value: 10123") && yaml.contains("port_value: 9123"));
+        for r in &replicas {
+            assert!(yaml.contains(&format!("port_value: {}}}", r.port())));
+        }
+        assert!(!yaml.contains("ext_proc"));
+    }
+}

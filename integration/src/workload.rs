@@ -11,6 +11,8 @@ use futures::StreamExt as _;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 
+use crate::SimHandle;
+
 /// Shape of the workload.
 #[derive(Debug, Clone)]
 pub struct WorkloadConfig {
@@ -356,6 +358,39 @@ pub fn prefix_cache_counts(metrics: &str) -> (f64, f64) {
         total("vllm:prefix_cache_hits_total"),
         total("vllm:prefix_cache_queries_total"),
     )
+}
+
+/// `GET url` as text; empty when it fails (a missing scrape reads as zero counters).
+pub async fn get_text(http: &reqwest::Client, url: &str) -> String {
+    match http.get(url).send().await {
+        Ok(r) => r.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    }
+}
+
+/// Empties every sim's prefix cache (`POST /reset_prefix_cache`, as vLLM's dev mode has it).
+/// The sims must be idle, or the reset is refused.
+pub async fn reset_prefix_caches(http: &reqwest::Client, sims: &[SimHandle]) {
+    for sim in sims {
+        let url = format!("{}/reset_prefix_cache", sim.url());
+        if let Err(error) = http.post(&url).send().await {
+            println!("warning: {url}: {error}");
+        }
+    }
+    // The reset's AllBlocksCleared event goes out with the next engine step; let it settle.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+}
+
+/// The sims' summed (hits, queries) prefix-cache counters, in tokens.
+pub async fn cache_counters(http: &reqwest::Client, sims: &[SimHandle]) -> (f64, f64) {
+    let mut total = (0.0, 0.0);
+    for sim in sims {
+        let (hits, queries) =
+            prefix_cache_counts(&get_text(http, &format!("{}/metrics", sim.url())).await);
+        total.0 += hits;
+        total.1 += queries;
+    }
+    total
 }
 
 #[cfg(test)]

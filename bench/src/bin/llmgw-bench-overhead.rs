@@ -42,8 +42,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use llmgw_bench::routing::plain_envoy_config;
-use llmgw_integration::envoy::EnvoyCommand;
+use llmgw_integration::envoy::{EnvoyCommand, plain_envoy_config};
 use llmgw_integration::router::RouterCommand;
 use llmgw_integration::{
     ChildGuard, bin_path, envoy_config_over_uds, envoy_config_streamed_ahead, free_port, repo_root,

@@ -35,11 +35,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use llmgw_bench::routing::{
-    Policy, PolicyReport, markdown_table, offered_rate, percentile, plain_envoy_config,
-    rate_in_window,
+    Policy, PolicyReport, markdown_table, offered_rate, percentile, rate_in_window,
 };
 use llmgw_integration::agent::AgentCommand;
-use llmgw_integration::envoy::EnvoyCommand;
+use llmgw_integration::envoy::{EnvoyCommand, plain_envoy_config};
 use llmgw_integration::procfs::proc_stat_cpu_seconds;
 use llmgw_integration::router::{RouterAddrs, RouterCommand, RouterProcess};
 use llmgw_integration::system::envoy_config;
@@ -185,7 +184,7 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
             notes.push(note);
             continue;
         }
-        reset_caches(&http, &sims).await;
+        workload::reset_prefix_caches(&http, &sims).await;
         println!("\n== {policy}: {} ==", policy.setup());
         let stack = match start_stack(policy, &args, &sims, &vllm_router, &http).await {
             Ok(stack) => stack,
@@ -324,7 +323,7 @@ async fn measure_capacity(
     sims: &[SimHandle],
     http: &reqwest::Client,
 ) -> anyhow::Result<f64> {
-    reset_caches(http, sims).await;
+    workload::reset_prefix_caches(http, sims).await;
     println!(
         "measuring the round-robin capacity: {} conversations in flight for {} s …",
         args.calibrate_concurrency, args.calibrate_seconds
@@ -409,12 +408,18 @@ async fn start_stack(
                 _guards: vec![envoy],
             })
         }
-        Policy::LeastLoaded | Policy::ApproxPrefix | Policy::LlmgwPrecise => {
+        Policy::LeastLoaded
+        | Policy::ApproxPrefix
+        | Policy::LlmgwPrecise
+        | Policy::LlmgwPreciseTokenize => {
             let mut router = RouterCommand::new()
                 .args(["--tokenize-deadline", &args.tokenize_deadline])
                 .env("RUST_LOG", "warn");
+            // Replicas belong to the agent's node only where an agent runs: otherwise the
+            // router would wait for that node's blocks before it is ready.
+            let node = policy.uses_agent().then_some(NODE);
             for r in &replicas {
-                router = router.replica(MODEL, *r, Some(NODE));
+                router = router.replica(MODEL, *r, node);
             }
             match policy {
                 Policy::LeastLoaded => {
@@ -433,6 +438,12 @@ async fn start_stack(
                         ),
                     ]);
                 }
+                Policy::LlmgwPreciseTokenize => {
+                    router = router.args([
+                        "--model".to_owned(),
+                        format!("{MODEL}=block_size={BLOCK_SIZE},seed={SEED}"),
+                    ]);
+                }
                 // No hash settings: the affinity slot can only use the prefix tree.
                 _ => {}
             }
@@ -444,7 +455,7 @@ async fn start_stack(
             } = router.args(&args.router_args).spawn()?;
             let mut router_pids = vec![router.id()];
             let mut guards = Vec::new();
-            let agent = if policy == Policy::LlmgwPrecise {
+            let agent = if policy.uses_agent() {
                 let mut agent = AgentCommand::serve(NODE)
                     .router(feed)
                     .hash_settings(MODEL, SEED, BLOCK_SIZE)
@@ -472,7 +483,7 @@ async fn start_stack(
             guards.extend(agent);
             guards.push(router);
             wait_envoy(http, envoy_admin).await?;
-            wait_llmgw(http, admin, replicas.len(), policy == Policy::LlmgwPrecise).await?;
+            wait_llmgw(http, admin, replicas.len(), policy.uses_agent()).await?;
             Ok(Stack {
                 url: format!("http://127.0.0.1:{listen}"),
                 llmgw_admin: Some(admin),
@@ -565,7 +576,7 @@ async fn wait_llmgw(
 ) -> anyhow::Result<()> {
     let mut status = String::new();
     for _ in 0..600 {
-        let metrics = get_text(http, &format!("http://{admin}/metrics")).await;
+        let metrics = workload::get_text(http, &format!("http://{admin}/metrics")).await;
         let healthy = metrics
             .lines()
             .filter(|l| l.starts_with("llmgw_replica_healthy{") && l.ends_with(" 1"))
@@ -581,37 +592,6 @@ async fn wait_llmgw(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     bail!("llmgw-router not ready within 30 s ({status})")
-}
-
-async fn get_text(http: &reqwest::Client, url: &str) -> String {
-    match http.get(url).send().await {
-        Ok(r) => r.text().await.unwrap_or_default(),
-        Err(_) => String::new(),
-    }
-}
-
-/// Every policy starts cold: the sims are idle between runs, so the reset is not refused.
-async fn reset_caches(http: &reqwest::Client, sims: &[SimHandle]) {
-    for sim in sims {
-        let url = format!("{}/reset_prefix_cache", sim.url());
-        if let Err(error) = http.post(&url).send().await {
-            println!("warning: {url}: {error}");
-        }
-    }
-    // The reset's AllBlocksCleared event goes out with the next engine step; let it settle.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-}
-
-/// The sims' summed (hits, queries) prefix-cache counters, in tokens.
-async fn cache_counters(http: &reqwest::Client, sims: &[SimHandle]) -> (f64, f64) {
-    let mut total = (0.0, 0.0);
-    for sim in sims {
-        let (hits, queries) =
-            workload::prefix_cache_counts(&get_text(http, &format!("{}/metrics", sim.url())).await);
-        total.0 += hits;
-        total.1 += queries;
-    }
-    total
 }
 
 /// CPU seconds of some processes together.
@@ -639,7 +619,7 @@ async fn snapshot(
     Ok(Snapshot {
         router_cpu: cpu_seconds(&stack.router_pids)?,
         envoy_cpu: cpu_seconds(stack.envoy_pid.as_slice())?,
-        cache: cache_counters(http, sims).await,
+        cache: workload::cache_counters(http, sims).await,
     })
 }
 
@@ -727,7 +707,7 @@ async fn measure_policy(
 
 /// llmgw's own decision counters: which tier decided, over the whole run.
 async fn decided_by(http: &reqwest::Client, admin: SocketAddr) -> String {
-    let metrics = get_text(http, &format!("http://{admin}/metrics")).await;
+    let metrics = workload::get_text(http, &format!("http://{admin}/metrics")).await;
     let mut parts = Vec::new();
     for (family, tier) in [
         ("llmgw_kv_decisions_total", "KV index"),

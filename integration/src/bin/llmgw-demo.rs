@@ -1,6 +1,8 @@
 //! `make run`: the whole system on loopback — Envoy, llmgw-router, llmgw-agent and simulated
 //! vLLM replicas with small caches — driven by a multi-tenant chat workload, with live progress
-//! and a closing table. Ctrl-C stops the workload early; every process is stopped on exit.
+//! and a closing table (the engines' hit rates beside what llmgw expected), then the same
+//! workload through Envoy round robin alone for comparison. Ctrl-C stops the workload early
+//! (and skips the comparison); every process is stopped on exit.
 
 #![allow(
     clippy::unwrap_used,
@@ -13,6 +15,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use clap::Parser;
+use llmgw_integration::envoy::{EnvoyCommand, plain_envoy_config};
+use llmgw_integration::free_port;
 use llmgw_integration::system::{self, SystemConfig};
 use llmgw_integration::workload::{self, Results, WorkloadConfig};
 use parking_lot::Mutex;
@@ -86,12 +90,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
 
     let results = Arc::new(Mutex::new(Results::default()));
     let progress = tokio::spawn(print_progress(Arc::clone(&results), system.replicas()));
-    let config = WorkloadConfig {
-        tenants: args.tenants,
-        concurrency: args.concurrency,
-        duration: Duration::from_secs(args.seconds),
-        ..WorkloadConfig::default()
-    };
+    let config = config_for(&args);
     let interrupted = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let flag = Arc::clone(&interrupted);
     workload::run(system.url(""), config, Arc::clone(&results), async move {
@@ -106,8 +105,68 @@ async fn run(args: Args) -> anyhow::Result<()> {
 
     let final_results = std::mem::take(&mut *results.lock());
     print_summary(&system, &final_results).await;
+    if !interrupted.load(std::sync::atomic::Ordering::Relaxed) {
+        round_robin_baseline(&system, &config_for(&args)).await?;
+    }
     println!("\nstopping Envoy, llmgw-agent, llmgw-router and the replicas.");
     drop(system);
+    Ok(())
+}
+
+fn config_for(args: &Args) -> WorkloadConfig {
+    WorkloadConfig {
+        tenants: args.tenants,
+        concurrency: args.concurrency,
+        duration: Duration::from_secs(args.seconds),
+        ..WorkloadConfig::default()
+    }
+}
+
+/// The same workload on the same replicas, their caches emptied first, through an Envoy that
+/// balances round robin on its own: what llmgw's routing buys, in one line.
+async fn round_robin_baseline(
+    system: &system::System,
+    config: &WorkloadConfig,
+) -> anyhow::Result<()> {
+    println!(
+        "\nnow the same workload through Envoy round robin (no llmgw), caches emptied first, {} s …",
+        config.duration.as_secs()
+    );
+    let http = reqwest::Client::new();
+    workload::reset_prefix_caches(&http, &system.sims).await;
+    let (listen, admin) = (free_port(), free_port());
+    let envoy = EnvoyCommand::new(
+        "demo-round-robin",
+        plain_envoy_config("ROUND_ROBIN", listen, admin, &system.replicas()),
+        listen,
+        admin,
+    )
+    .spawn()
+    .context("start the round-robin Envoy")?;
+    if !envoy.ready(Duration::from_secs(30)).await {
+        anyhow::bail!("the round-robin Envoy was not ready within 30 s");
+    }
+    let before = workload::cache_counters(&http, &system.sims).await;
+    let results = Arc::new(Mutex::new(Results::default()));
+    workload::run(
+        envoy.url(""),
+        config.clone(),
+        Arc::clone(&results),
+        std::future::pending(),
+    )
+    .await;
+    let after = workload::cache_counters(&http, &system.sims).await;
+    let results = results.lock();
+    let ttft = results
+        .ttft_percentile(50.0)
+        .map_or("-".to_owned(), |d| format!("{:.1} ms", ms(d)));
+    println!(
+        "Envoy round robin, same conversations: prefix-cache hit rate {:.1} % over {} requests \
+         ({} errors), TTFT p50 {ttft}",
+        percent(after.0 - before.0, after.1 - before.1),
+        results.samples.len(),
+        results.errors.len(),
+    );
     Ok(())
 }
 
@@ -141,39 +200,56 @@ fn ms(d: Duration) -> f64 {
 }
 
 async fn get_text(url: String) -> String {
-    match reqwest::get(url).await {
-        Ok(r) => r.text().await.unwrap_or_default(),
-        Err(_) => String::new(),
+    workload::get_text(&reqwest::Client::new(), &url).await
+}
+
+/// `part / whole` in percent, 0 for an empty whole.
+fn percent(part: f64, whole: f64) -> f64 {
+    if whole > 0.0 {
+        part / whole * 100.0
+    } else {
+        0.0
     }
 }
 
 async fn print_summary(system: &system::System, results: &Results) {
     let per = results.per_replica();
-    println!("\n| replica | requests | prefix-cache hit rate (sim's own vllm:prefix_cache_*) |");
-    println!("|---|---:|---:|");
+    let metrics = get_text(format!("http://{}/metrics", system.router.admin)).await;
+    let by_replica = |family| llmgw_integration::prom::by_label(&metrics, family, "replica");
+    let expected = by_replica("llmgw_expected_cached_tokens_total");
+    let routed = by_replica("llmgw_routed_prompt_tokens_total");
+    let drift = by_replica("llmgw_cache_drift_ratio");
+    println!(
+        "\n| replica | requests | prefix-cache hit rate (sim's own vllm:prefix_cache_*) | expected by llmgw | drift |"
+    );
+    println!("|---|---:|---:|---:|---:|");
     let (mut all_hits, mut all_queries) = (0.0, 0.0);
     for sim in &system.sims {
         let (hits, queries) =
             workload::prefix_cache_counts(&get_text(format!("{}/metrics", sim.url())).await);
         all_hits += hits;
         all_queries += queries;
-        let rate = if queries > 0.0 {
-            hits / queries * 100.0
-        } else {
-            0.0
-        };
+        let replica = sim.addr.to_string();
+        let of = |map: &std::collections::BTreeMap<String, f64>| map.get(&replica).copied();
         println!(
-            "| {} | {} | {rate:.1} % |",
+            "| {} | {} | {:.1} % | {:.1} % | {} |",
             sim.addr,
-            per.get(&sim.addr.to_string()).copied().unwrap_or(0)
+            per.get(&replica).copied().unwrap_or(0),
+            percent(hits, queries),
+            percent(of(&expected).unwrap_or(0.0), of(&routed).unwrap_or(0.0)),
+            of(&drift).map_or("-".to_owned(), |d| format!("{d:.2}")),
         );
     }
-    let total_rate = if all_queries > 0.0 {
-        all_hits / all_queries * 100.0
-    } else {
-        0.0
-    };
-    println!("| all | {} | {total_rate:.1} % |", results.samples.len());
+    let total_rate = percent(all_hits, all_queries);
+    let total_expected = percent(expected.values().sum(), routed.values().sum());
+    println!(
+        "| all | {} | {total_rate:.1} % | {total_expected:.1} % | |",
+        results.samples.len()
+    );
+    println!(
+        "(expected: the prompt tokens llmgw's KV index said each replica held, of those it sent \
+         there; drift: how far the two hit rates are apart, 0 to 1, over the last minute)"
+    );
     let pct = |p| {
         results
             .ttft_percentile(p)
@@ -194,11 +270,14 @@ async fn print_summary(system: &system::System, results: &Results) {
             .unwrap_or_default()
     );
 
-    let metrics = get_text(format!("http://{}/metrics", system.router.admin)).await;
     println!("\nwhich tier decided (llmgw-router /metrics):");
     for (family, tier) in [
         ("llmgw_kv_decisions_total", "precise KV index"),
         ("llmgw_prefix_decisions_total", "approximate prefix tree"),
+        (
+            "llmgw_cold_placements_total",
+            "new prompts placed by cache footprint",
+        ),
     ] {
         let counts = llmgw_integration::prom::by_label(&metrics, family, "decision");
         let text: Vec<String> = counts.iter().map(|(k, v)| format!("{k} {v:.0}")).collect();
