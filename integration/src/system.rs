@@ -264,6 +264,17 @@ fn start_agent(
 
 /// The default Envoy config (`envoy/envoy.yaml`) pointed at these ports and replicas.
 pub fn envoy_config(grpc: SocketAddr, listen: u16, admin: u16, replicas: &[SocketAddr]) -> String {
+    envoy_config_for_routers(&[grpc], listen, admin, replicas)
+}
+
+/// The same, with several routers behind Envoy's ext_proc cluster (Envoy balances the
+/// requests' ext_proc streams over them round robin).
+pub fn envoy_config_for_routers(
+    grpcs: &[SocketAddr],
+    listen: u16,
+    admin: u16,
+    replicas: &[SocketAddr],
+) -> String {
     let text = std::fs::read_to_string(repo_root().join("envoy/envoy.yaml"))
         .expect("read envoy/envoy.yaml");
     let endpoint = |port: u16| {
@@ -277,10 +288,16 @@ pub fn envoy_config(grpc: SocketAddr, listen: u16, admin: u16, replicas: &[Socke
         "envoy/envoy.yaml no longer lists the replicas as expected"
     );
     let ours: String = replicas.iter().map(|r| endpoint(r.port())).collect();
+    let router_default = endpoint(9002);
+    assert!(
+        text.contains(&router_default),
+        "envoy/envoy.yaml no longer lists the router as expected"
+    );
+    let routers: String = grpcs.iter().map(|g| endpoint(g.port())).collect();
     text.replace(&defaults, &ours)
+        .replace(&router_default, &routers)
         .replace("port_value: 10000", &format!("port_value: {listen}"))
         .replace("port_value: 9901", &format!("port_value: {admin}"))
-        .replace("port_value: 9002", &format!("port_value: {}", grpc.port()))
 }
 
 async fn start_envoy(
@@ -440,4 +457,31 @@ async fn router_load_of(router: RouterAddrs, replica: SocketAddr) -> [Option<f64
             &[("replica", &replica)],
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn envoy_asks_every_router_and_routes_to_every_replica() {
+        let addr = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
+        let yaml = envoy_config_for_routers(
+            &[addr(7101), addr(7102)],
+            10500,
+            9500,
+            &[addr(8101), addr(8102), addr(8103)],
+        );
+        for port in [7101, 7102, 8101, 8102, 8103, 10500, 9500] {
+            assert!(yaml.contains(&format!("port_value: {port}}}")), "{port}");
+        }
+        for default in [9002, 8001, 8002, 10000, 9901] {
+            assert!(
+                !yaml.contains(&format!("port_value: {default}}}")),
+                "{default}"
+            );
+        }
+        // The result is still one valid YAML document.
+        serde_yaml::from_str::<serde_yaml::Value>(&yaml).expect("yaml");
+    }
 }

@@ -41,7 +41,7 @@ use llmgw_integration::agent::AgentCommand;
 use llmgw_integration::envoy::{EnvoyCommand, plain_envoy_config};
 use llmgw_integration::procfs::proc_stat_cpu_seconds;
 use llmgw_integration::router::{RouterAddrs, RouterCommand, RouterProcess};
-use llmgw_integration::system::envoy_config;
+use llmgw_integration::system::envoy_config_for_routers;
 use llmgw_integration::workload::{self, Results, WorkloadConfig};
 use llmgw_integration::{
     ChildGuard, SimHandle, cache_sim_args, free_port, repo_root, spawn_sim_with_env,
@@ -117,6 +117,10 @@ struct Args {
     /// Skip the hit-rate ceiling run (one sim with an unbounded cache) at the end.
     #[arg(long)]
     no_ceiling: bool,
+    /// llmgw routers behind the one Envoy, for every llmgw policy (the agent feeds each);
+    /// Envoy spreads the requests' ext_proc streams over them round robin.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=8))]
+    routers: u8,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -230,8 +234,8 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     let machine_after = machine_state();
     let report = format!(
         "{table}\n{ceiling}{calibration}; {} replicas × {} blocks; {} tenants, {} turns per \
-         conversation; {} s per policy, first {} s not measured; seed {}; llmgw-router extra \
-         flags {:?}.\n\
+         conversation; {} s per policy, first {} s not measured; seed {}; {} llmgw router(s) \
+         per llmgw policy, extra flags {:?}.\n\
          machine before: {machine_before}\nmachine after: {machine_after}\n{}",
         args.replicas,
         args.blocks_per_replica,
@@ -240,6 +244,7 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
         args.seconds,
         args.warmup_seconds,
         args.seed,
+        args.routers,
         args.router_args,
         notes.iter().map(|n| format!("- {n}\n")).collect::<String>()
     );
@@ -304,7 +309,7 @@ async fn measure_ceiling(
     let sim = spawn_sim_with_env(sim_args, [("PYTHONHASHSEED", SEED)]);
     let stack = Stack {
         url: sim.url(),
-        llmgw_admin: None,
+        llmgw_admins: Vec::new(),
         router_pids: Vec::new(),
         envoy_pid: None,
         _guards: Vec::new(),
@@ -368,8 +373,8 @@ async fn measure_capacity(
 struct Stack {
     /// Where clients send requests.
     url: String,
-    /// llmgw-router's admin address.
-    llmgw_admin: Option<SocketAddr>,
+    /// The llmgw routers' admin addresses (none for other proxies).
+    llmgw_admins: Vec<SocketAddr>,
     /// Processes whose CPU counts as the router's (llmgw-router + agent, or vllm-router).
     router_pids: Vec<u32>,
     envoy_pid: Option<u32>,
@@ -402,7 +407,7 @@ async fn start_stack(
             wait_envoy(http, admin).await?;
             Ok(Stack {
                 url: format!("http://127.0.0.1:{listen}"),
-                llmgw_admin: None,
+                llmgw_admins: Vec::new(),
                 router_pids: Vec::new(),
                 envoy_pid: Some(envoy.id()),
                 _guards: vec![envoy],
@@ -412,24 +417,30 @@ async fn start_stack(
         | Policy::ApproxPrefix
         | Policy::LlmgwPrecise
         | Policy::LlmgwPreciseTokenize => {
-            let mut router = RouterCommand::new()
-                .args(["--tokenize-deadline", &args.tokenize_deadline])
-                .env("RUST_LOG", "warn");
+            // Every router of the policy gets the same flags.
+            let mut flags: Vec<String> = vec![
+                "--tokenize-deadline".to_owned(),
+                args.tokenize_deadline.clone(),
+            ];
             // Replicas belong to the agent's node only where an agent runs: otherwise the
             // router would wait for that node's blocks before it is ready.
-            let node = policy.uses_agent().then_some(NODE);
             for r in &replicas {
-                router = router.replica(MODEL, *r, node);
+                let spec = if policy.uses_agent() {
+                    format!("{MODEL}={r}@{NODE}")
+                } else {
+                    format!("{MODEL}={r}")
+                };
+                flags.extend(["--replica".to_owned(), spec]);
             }
             match policy {
                 Policy::LeastLoaded => {
-                    router = router.args(["--weight-prefix", "0"]);
+                    flags.extend(["--weight-prefix".to_owned(), "0".to_owned()]);
                 }
                 Policy::LlmgwPrecise => {
                     // The model's own tokenizer and chat template, as a user gives them: the
                     // router tokenizes in process (checking a sample against /tokenize).
                     let assets = llmgw_integration::repo_root().join("sim/assets");
-                    router = router.args([
+                    flags.extend([
                         "--model".to_owned(),
                         format!(
                             "{MODEL}=block_size={BLOCK_SIZE},seed={SEED},tokenizer={},chat_template={}",
@@ -439,7 +450,7 @@ async fn start_stack(
                     ]);
                 }
                 Policy::LlmgwPreciseTokenize => {
-                    router = router.args([
+                    flags.extend([
                         "--model".to_owned(),
                         format!("{MODEL}=block_size={BLOCK_SIZE},seed={SEED}"),
                     ]);
@@ -447,17 +458,25 @@ async fn start_stack(
                 // No hash settings: the affinity slot can only use the prefix tree.
                 _ => {}
             }
-            let RouterProcess {
-                addrs: RouterAddrs {
-                    grpc, admin, feed, ..
-                },
-                guard: router,
-            } = router.args(&args.router_args).spawn()?;
-            let mut router_pids = vec![router.id()];
+            flags.extend(args.router_args.iter().cloned());
+            let mut routers: Vec<RouterAddrs> = Vec::new();
+            let mut router_guards = Vec::new();
+            for _ in 0..args.routers {
+                let RouterProcess { addrs, guard } = RouterCommand::new()
+                    .args(&flags)
+                    .env("RUST_LOG", "warn")
+                    .spawn()?;
+                routers.push(addrs);
+                router_guards.push(guard);
+            }
+            let mut router_pids: Vec<u32> = router_guards.iter().map(ChildGuard::id).collect();
             let mut guards = Vec::new();
             let agent = if policy.uses_agent() {
-                let mut agent = AgentCommand::serve(NODE)
-                    .router(feed)
+                let mut agent = AgentCommand::serve(NODE);
+                for r in &routers {
+                    agent = agent.router(r.feed);
+                }
+                let mut agent = agent
                     .hash_settings(MODEL, SEED, BLOCK_SIZE)
                     .args(["--admin-addr", "127.0.0.1:0"])
                     .env("LLMGW_AGENT_LOG", "warn");
@@ -476,17 +495,24 @@ async fn start_stack(
                 &args.out_dir,
                 policy,
                 (listen, envoy_admin),
-                envoy_config(grpc, listen, envoy_admin, &replicas),
+                envoy_config_for_routers(
+                    &routers.iter().map(|r| r.grpc).collect::<Vec<_>>(),
+                    listen,
+                    envoy_admin,
+                    &replicas,
+                ),
             )?;
             let envoy_pid = envoy.id();
             guards.push(envoy);
             guards.extend(agent);
-            guards.push(router);
+            guards.extend(router_guards);
             wait_envoy(http, envoy_admin).await?;
-            wait_llmgw(http, admin, replicas.len(), policy.uses_agent()).await?;
+            for r in &routers {
+                wait_llmgw(http, r.admin, replicas.len(), policy.uses_agent()).await?;
+            }
             Ok(Stack {
                 url: format!("http://127.0.0.1:{listen}"),
-                llmgw_admin: Some(admin),
+                llmgw_admins: routers.iter().map(|r| r.admin).collect(),
                 router_pids,
                 envoy_pid: Some(envoy_pid),
                 _guards: guards,
@@ -514,7 +540,7 @@ async fn start_stack(
             wait_http_ok(http, &format!("{url}/health"), "vllm-router").await?;
             Ok(Stack {
                 url,
-                llmgw_admin: None,
+                llmgw_admins: Vec::new(),
                 router_pids: vec![router.id()],
                 envoy_pid: None,
                 _guards: vec![router],
@@ -698,16 +724,20 @@ async fn measure_policy(
     if let Some(first) = results.errors.first() {
         println!("{} client errors, first: {first}", results.errors.len());
     }
-    let tiers = match stack.llmgw_admin {
-        Some(admin) => Some(decided_by(http, admin).await),
-        None => None,
+    let tiers = if stack.llmgw_admins.is_empty() {
+        None
+    } else {
+        Some(decided_by(http, &stack.llmgw_admins).await)
     };
     Ok((report, ttft_ms, tiers))
 }
 
-/// llmgw's own decision counters: which tier decided, over the whole run.
-async fn decided_by(http: &reqwest::Client, admin: SocketAddr) -> String {
-    let metrics = workload::get_text(http, &format!("http://{admin}/metrics")).await;
+/// llmgw's own decision counters, summed over its routers: which tier decided, over the run.
+async fn decided_by(http: &reqwest::Client, admins: &[SocketAddr]) -> String {
+    let mut metrics = String::new();
+    for admin in admins {
+        metrics += &workload::get_text(http, &format!("http://{admin}/metrics")).await;
+    }
     let mut parts = Vec::new();
     for (family, tier) in [
         ("llmgw_kv_decisions_total", "KV index"),
