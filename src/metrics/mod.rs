@@ -345,18 +345,14 @@ impl Collector for ReplicaCollector {
                 }
             }
             let view = replica.drift().view();
-            expected_hits
-                .get_or_create(&labels)
-                .inc_by(view.expected_hits);
-            routed_tokens
-                .get_or_create(&labels)
-                .inc_by(view.routed_tokens);
-            observed_hits
-                .get_or_create(&labels)
-                .inc_by(view.observed_hits);
-            observed_queries
-                .get_or_create(&labels)
-                .inc_by(view.observed_queries);
+            for (family, tokens) in [
+                (&expected_hits, view.expected_hits),
+                (&routed_tokens, view.routed_tokens),
+                (&observed_hits, view.observed_hits),
+                (&observed_queries, view.observed_queries),
+            ] {
+                family.get_or_create(&labels).inc_by(tokens);
+            }
             if let Some(v) = view.drift {
                 drift.get_or_create(&labels).set(v);
             }

@@ -12,7 +12,10 @@
 //! zero and the other is not. A wrong `--model` seed or block size and a tokenizer that is not
 //! the engine's make the router's hashes match nothing (expected ≈ 0 while the engine hits); a
 //! stale index credits blocks the engine no longer has (expected above observed). Crossing
-//! [`DRIFT_ALERT`] logs one warning, and one line again when it recovers.
+//! [`DRIFT_ALERT`] logs one warning, and one line again when it recovers. Requests the precise
+//! tier did not decide (the imbalance guard, a tokenizer timeout) are counted by the engine
+//! and expected by nobody, so a router that often decides without the index reads a little
+//! drift of its own.
 //!
 //! # Concurrency model
 //! Expectations are two atomics added to on the request path. The engine's side and the window

@@ -356,7 +356,7 @@ impl Scheduler {
 
         // Fields of the router's `route` span are recorded on the current span.
         let route = tracing::Span::current();
-        let imbalance_guard_fired = self.has_cache_scorers() && self.imbalanced(&candidates);
+        let imbalance_guard_fired = self.has_affinity() && self.imbalanced(&candidates);
         // Load and affinity scorers first; placement scorers only for a request the affinity
         // scorers looked for and found nowhere (without them, "new" would mean every request).
         let mut evaluated = Vec::with_capacity(self.scorers.len());
@@ -489,13 +489,6 @@ impl Scheduler {
         self.scorers
             .iter()
             .any(|e| e.scorer.category() == Category::Affinity)
-    }
-
-    /// Whether any scorer is about caches (affinity or placement), which the guard can skip.
-    fn has_cache_scorers(&self) -> bool {
-        self.scorers
-            .iter()
-            .any(|e| e.scorer.category() != Category::Load)
     }
 
     /// Whether the load spread reaches the imbalance threshold.
