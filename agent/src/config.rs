@@ -226,6 +226,14 @@ pub struct FileConfig {
     pub tls_cert: Option<PathBuf>,
     /// PEM private key of `tls_cert`.
     pub tls_key: Option<PathBuf>,
+    /// As `--discover-pods`.
+    pub discover_pods: Option<String>,
+    pub pod_namespace: Option<String>,
+    pub pod_http_port: Option<String>,
+    pub pod_kv_events_port: Option<String>,
+    pub pod_kv_replay_port: Option<String>,
+    pub kubeconfig: Option<PathBuf>,
+    pub reload_interval_ms: Option<u64>,
 }
 
 impl FileConfig {
@@ -312,6 +320,86 @@ pub struct AgentArgs {
     /// PEM private key of --tls-cert.
     #[arg(long, env = "LLMGW_AGENT_TLS_KEY")]
     pub tls_key: Option<PathBuf>,
+    /// Find the engines among the pods on this node (--node: the node's name) that match this
+    /// label selector (e.g. app.kubernetes.io/name=vllm), and follow them as they come and go.
+    /// Needs RBAC to list and watch pods; instead of --engine and the file's `engines`.
+    #[arg(long, env = "LLMGW_AGENT_DISCOVER_PODS")]
+    pub discover_pods: Option<String>,
+    /// The namespace of --discover-pods' pods (default: the client's, in a pod its own).
+    #[arg(long, env = "LLMGW_AGENT_POD_NAMESPACE")]
+    pub pod_namespace: Option<String>,
+    /// vLLM's HTTP port in each discovered pod: a container port's name or a number (default
+    /// http). The replica is POD_IP:PORT, as the routers know it.
+    #[arg(long, env = "LLMGW_AGENT_POD_HTTP_PORT")]
+    pub pod_http_port: Option<String>,
+    /// The KV-event PUB port in each discovered pod, a name or a number (default kv-events).
+    #[arg(long, env = "LLMGW_AGENT_POD_KV_EVENTS_PORT")]
+    pub pod_kv_events_port: Option<String>,
+    /// The KV-event replay port, a name or a number (default kv-replay; a pod without a port of
+    /// that name is mirrored without replay).
+    #[arg(long, env = "LLMGW_AGENT_POD_KV_REPLAY_PORT")]
+    pub pod_kv_replay_port: Option<String>,
+    /// The Kubernetes client's configuration file for --discover-pods (default: in-cluster,
+    /// else $KUBECONFIG or ~/.kube/config).
+    #[arg(long, env = "LLMGW_AGENT_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// How often (ms) the --config file is read again, its changed `engines` applied without a
+    /// restart (default 5000; 0: never). Other settings apply at the next start.
+    #[arg(long, env = "LLMGW_AGENT_RELOAD_INTERVAL_MS")]
+    pub reload_interval_ms: Option<u64>,
+}
+
+/// Where a discovered pod's ports are: a container port's name, or a number.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PodPort {
+    Named(String),
+    Number(u16),
+}
+
+impl PodPort {
+    fn parse(text: &str, flag: &str) -> Result<PodPort> {
+        let text = text.trim();
+        if let Ok(n) = text.parse::<u16>() {
+            return match n {
+                0 => Err(ConfigError::Invalid(format!("{flag}: port 0"))),
+                n => Ok(PodPort::Number(n)),
+            };
+        }
+        // A container port name: an IANA_SVC_NAME (at most 15 lowercase alphanumerics or '-').
+        let valid = !text.is_empty()
+            && text.len() <= 15
+            && text
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+        if !valid {
+            return Err(ConfigError::Invalid(format!(
+                "{flag} {text:?}: neither a port number nor a container port name"
+            )));
+        }
+        Ok(PodPort::Named(text.to_owned()))
+    }
+}
+
+/// `--discover-pods`: which pods are this node's engines, and where their ports are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodDiscovery {
+    /// The label selector, in the API's query syntax.
+    pub selector: String,
+    /// `None`: the client's default namespace.
+    pub namespace: Option<String>,
+    /// The node whose pods count (the agent's `--node`).
+    pub node: String,
+    pub http_port: PodPort,
+    pub kv_events_port: PodPort,
+    pub kv_replay_port: PodPort,
+    pub kubeconfig: Option<PathBuf>,
+}
+
+/// Reading the `--config` file again for changed engines.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileReload {
+    pub path: PathBuf,
+    pub interval: Duration,
 }
 
 /// Everything resolved and validated.
@@ -342,6 +430,12 @@ pub struct AgentConfig {
     /// The files `tls` was built from: read again before each connection (rotated
     /// certificates), falling back to `tls` while they do not load.
     pub tls_files: Option<TlsFiles>,
+    /// The engine-wide topic, for engines found later (reload, pods).
+    pub topic: String,
+    /// Engines from the pods on this node (then `engines` starts empty).
+    pub pods: Option<PodDiscovery>,
+    /// Engines from the `--config` file, read again while the agent runs.
+    pub reload: Option<FileReload>,
 }
 
 /// The PEM files of the uplinks' TLS settings.
@@ -385,25 +479,43 @@ impl AgentArgs {
             Some(path) => FileConfig::load(path)?,
             None => FileConfig::default(),
         };
-        let topic = self.topic.clone().or(file.topic).unwrap_or_default();
-        let specs = if self.engines.is_empty() {
-            file.engines
-        } else {
-            self.engines.clone()
+        let topic = self
+            .topic
+            .clone()
+            .or(file.topic.clone())
+            .unwrap_or_default();
+        let engines = self.engines_with(&file, &topic)?;
+        let discover_pods = self.discover_pods.clone().or(file.discover_pods.clone());
+        if discover_pods.is_some() && !engines.is_empty() {
+            return Err(ConfigError::Invalid(
+                "--discover-pods finds the engines itself: drop --engine and the file's engines"
+                    .into(),
+            ));
+        }
+        let node = self
+            .node
+            .clone()
+            .or(file.node.clone())
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .unwrap_or_else(|| "node".to_owned());
+        let pods = match discover_pods {
+            None => None,
+            Some(selector) => Some(self.pod_discovery(selector, &file, &node)?),
         };
-        let mut engines = Vec::new();
-        for spec in &specs {
-            engines.extend(spec.expand(&topic)?);
-        }
-        let mut names = std::collections::HashSet::new();
-        for e in &engines {
-            if !names.insert(e.name.as_str()) {
-                return Err(ConfigError::Invalid(format!(
-                    "engine {} is configured twice",
-                    e.name
-                )));
+        let reload_interval = self
+            .reload_interval_ms
+            .or(file.reload_interval_ms)
+            .unwrap_or(5000);
+        // The file's engines are reloaded only where they count: no --engine, no discovery.
+        let reload = match &self.config {
+            Some(path) if self.engines.is_empty() && pods.is_none() => {
+                (reload_interval > 0).then(|| FileReload {
+                    path: path.clone(),
+                    interval: Duration::from_millis(reload_interval),
+                })
             }
-        }
+            _ => None,
+        };
         let algo_text = self
             .hash_algo
             .clone()
@@ -412,12 +524,6 @@ impl AgentArgs {
         let algo = algo_text
             .parse::<HashAlgo>()
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
-        let node = self
-            .node
-            .clone()
-            .or(file.node)
-            .or_else(|| std::env::var("HOSTNAME").ok())
-            .unwrap_or_else(|| "node".to_owned());
         let admin_addr = match self.admin_addr.or(file.admin_addr) {
             Some(a) => a,
             None => DEFAULT_ADMIN_ADDR
@@ -464,6 +570,9 @@ impl AgentArgs {
         };
         let tls = tls_files.load()?;
         Ok(AgentConfig {
+            topic,
+            pods,
+            reload,
             tls_files: tls.is_some().then_some(tls_files),
             tls,
             stale_after,
@@ -489,6 +598,95 @@ impl AgentArgs {
                     .or(file.replay_timeout_ms)
                     .unwrap_or(3000),
             ),
+        })
+    }
+}
+
+impl AgentArgs {
+    /// The engines of the flags, else of `file`, expanded; each name once.
+    fn engines_with(&self, file: &FileConfig, topic: &str) -> Result<Vec<EngineConfig>> {
+        let specs = if self.engines.is_empty() {
+            &file.engines
+        } else {
+            &self.engines
+        };
+        let mut engines = Vec::new();
+        for spec in specs {
+            engines.extend(spec.expand(topic)?);
+        }
+        let mut names = std::collections::HashSet::new();
+        for e in &engines {
+            if !names.insert(e.name.as_str()) {
+                return Err(ConfigError::Invalid(format!(
+                    "engine {} is configured twice",
+                    e.name
+                )));
+            }
+        }
+        Ok(engines)
+    }
+
+    /// The engines `path` lists now, as `resolve` would take them (for a reload).
+    pub fn engines_in_file(&self, path: &Path, text: &str) -> Result<Vec<EngineConfig>> {
+        let file: FileConfig = serde_yaml::from_str(text).map_err(|source| ConfigError::Yaml {
+            path: path.to_owned(),
+            source,
+        })?;
+        let topic = self
+            .topic
+            .clone()
+            .or(file.topic.clone())
+            .unwrap_or_default();
+        self.engines_with(&file, &topic)
+    }
+
+    fn pod_discovery(
+        &self,
+        selector: String,
+        file: &FileConfig,
+        node: &str,
+    ) -> Result<PodDiscovery> {
+        let selector = selector.trim().to_owned();
+        if selector.is_empty() {
+            return Err(ConfigError::Invalid(
+                "--discover-pods needs a label selector (an empty one selects every pod)".into(),
+            ));
+        }
+        if self.node.is_none() && file.node.is_none() {
+            return Err(ConfigError::Invalid(
+                "--discover-pods needs --node: the name of the node whose pods are mirrored".into(),
+            ));
+        }
+        let port = |flag: &Option<String>, key: &Option<String>, name: &str, default: &str| {
+            let text = flag
+                .clone()
+                .or(key.clone())
+                .unwrap_or_else(|| default.to_owned());
+            PodPort::parse(&text, name)
+        };
+        Ok(PodDiscovery {
+            selector,
+            namespace: self.pod_namespace.clone().or(file.pod_namespace.clone()),
+            node: node.to_owned(),
+            http_port: port(
+                &self.pod_http_port,
+                &file.pod_http_port,
+                "--pod-http-port",
+                "http",
+            )?,
+            kv_events_port: port(
+                &self.pod_kv_events_port,
+                &file.pod_kv_events_port,
+                "--pod-kv-events-port",
+                "kv-events",
+            )?,
+            kv_replay_port: port(
+                &self.pod_kv_replay_port,
+                &file.pod_kv_replay_port,
+                "--pod-kv-replay-port",
+                "kv-replay",
+            )?,
+            kubeconfig: self.kubeconfig.clone().or(file.kubeconfig.clone()),
         })
     }
 }

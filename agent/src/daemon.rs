@@ -5,8 +5,16 @@
 //! handed to each [`routers::follow`] starts an uplink on it. Neither `uplink` nor `routers`
 //! knows the agent, so no module here imports one that imports it back.
 //!
+//! The engines may change while it runs ([`Agent::set_engines`], from a reloaded `--config`
+//! file or the pods on the node, see [`crate::pods`]): a new engine starts from an empty
+//! mirror, a removed one's tasks stop, and every uplink then opens a new stream whose Hello
+//! lists the new set.
+//!
 //! # Concurrency model
-//! Tasks are spawned on the ambient tokio runtime and owned by [`Agent`] (aborted on drop).
+//! Tasks are spawned on the ambient tokio runtime and owned by [`Agent`]: each engine's by its
+//! entry in the engine map (aborted when the engine is removed or the agent dropped). The map
+//! sits behind a `parking_lot::RwLock` held only to read or swap entries, never across an
+//! `.await`; `set_engines` calls are serialised by an async mutex.
 //! Uplink tasks and router followers are owned by whoever called [`Agent::start_uplinks`]; each
 //! uplink holds the agent through an `Arc`. The admin server reads engine state through each
 //! [`Engine`]'s short-held lock and the metrics registry; it never blocks the intake.
@@ -20,15 +28,16 @@ use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use tokio::sync::{broadcast, mpsc};
+use parking_lot::RwLock;
+use tokio::sync::{broadcast, mpsc, watch};
 use tokio::task::JoinHandle;
 
-use crate::config::AgentConfig;
+use crate::config::{AgentConfig, EngineConfig};
 use crate::engine::{
     Engine, EngineId, EngineSnapshot, HashStatus, Input, MirrorTask, ReplicaId, Update, Updates,
 };
 use crate::hashcheck::HashCheck;
-use crate::metrics::Metrics;
+use crate::metrics::{ChangeLabel, Metrics};
 use crate::routers::{self, RouterService};
 use crate::uplink::{self, FeedSource, NodeInfo, UplinkConfig};
 use crate::zmq::{EngineEndpoint, Intake, ZmqError};
@@ -58,14 +67,28 @@ const UPDATE_CAPACITY: usize = 4096;
 /// A started agent.
 pub struct Agent {
     pub config: AgentConfig,
-    pub engines: Vec<Arc<Engine>>,
     pub metrics: Arc<Metrics>,
     pub updates: Updates,
-    inputs: BTreeMap<String, mpsc::Sender<Input>>,
+    check: Option<HashCheck>,
+    /// The engines mirrored now, by name. Read briefly by uplinks and the admin server;
+    /// written only by [`Agent::set_engines`] (never across an `.await`).
+    engines: RwLock<BTreeMap<String, RunningEngine>>,
+    /// Bumped each time the set of engines changes: uplinks then start a new stream, whose
+    /// Hello lists the new set (a router drops what the old stream sent at the takeover).
+    membership: watch::Sender<u64>,
+    /// Serialises [`Agent::set_engines`] calls.
+    changing: tokio::sync::Mutex<()>,
+}
+
+/// One mirrored engine: its state, its settings and its tasks (aborted when dropped).
+struct RunningEngine {
+    engine: Arc<Engine>,
+    config: EngineConfig,
+    inputs: mpsc::Sender<Input>,
     tasks: Vec<JoinHandle<()>>,
 }
 
-impl Drop for Agent {
+impl Drop for RunningEngine {
     fn drop(&mut self) {
         for t in &self.tasks {
             t.abort();
@@ -73,103 +96,248 @@ impl Drop for Agent {
     }
 }
 
+/// What [`Agent::set_engines`] changed, by engine name.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct EngineChanges {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    /// Engines whose settings changed: stopped and started again.
+    pub restarted: Vec<String>,
+    /// Engines that could not be started (a bound SUB whose address fails), with why.
+    pub failed: Vec<(String, String)>,
+}
+
+impl EngineChanges {
+    pub fn is_empty(&self) -> bool {
+        self.added.is_empty() && self.removed.is_empty() && self.restarted.is_empty()
+    }
+}
+
 impl Agent {
-    /// Opens every engine's socket and starts its tasks.
+    /// Opens every configured engine's socket and starts its tasks.
     pub async fn start(config: AgentConfig) -> Result<Agent, DaemonError> {
-        let metrics = Arc::new(Metrics::new());
         let (updates, _) = broadcast::channel(UPDATE_CAPACITY);
         let check = config.hash_settings().map(HashCheck::new).transpose()?;
-        let mut agent = Agent {
-            engines: Vec::new(),
-            metrics,
+        let agent = Agent {
+            metrics: Arc::new(Metrics::new()),
             updates,
-            inputs: BTreeMap::new(),
-            tasks: Vec::new(),
+            check,
+            engines: RwLock::new(BTreeMap::new()),
+            membership: watch::Sender::new(0),
+            changing: tokio::sync::Mutex::new(()),
             config,
         };
+        let mut started = BTreeMap::new();
         for ec in agent.config.engines.clone() {
-            let engine = Engine::new(
-                EngineId(Arc::from(ec.name.as_str())),
-                ReplicaId(Arc::from(ec.replica.as_str())),
-            );
-            let endpoint = EngineEndpoint {
-                endpoint: ec.endpoint.clone(),
-                bind: ec.bind,
-                replay: ec.replay.clone(),
-                topic: ec.topic.clone(),
-            };
-            // A bound SUB is opened now, so that a bad address fails start-up. A connecting one
-            // is opened by the intake task: the engine may not listen yet (`run` starts vLLM
-            // only once the agent is up, and vLLM takes a minute or more to bind).
-            let bound_sock = if ec.bind {
-                let (sock, bound) =
-                    crate::zmq::open(&endpoint)
-                        .await
-                        .map_err(|source| DaemonError::Zmq {
-                            engine: ec.name.clone(),
-                            source,
-                        })?;
-                Some((sock, bound))
-            } else {
-                None
-            };
-            tracing::info!(
-                engine = ec.name,
-                replica = ec.replica,
-                endpoint = bound_sock
-                    .as_ref()
-                    .and_then(|(_, b)| b.as_deref())
-                    .unwrap_or(&ec.endpoint),
-                bind = ec.bind,
-                replay = ec.replay.as_deref().unwrap_or("none"),
-                "engine intake started"
-            );
-            let (tx, rx) = mpsc::channel(1024);
-            let mirror = MirrorTask {
-                engine: Arc::clone(&engine),
-                check: check.clone(),
-                window: agent.config.window,
-                metrics: Arc::clone(&agent.metrics),
-                updates: agent.updates.clone(),
-            };
-            let intake = Intake {
-                engine: Arc::from(ec.name.as_str()),
-                endpoint,
-                inputs: tx.clone(),
-                metrics: Arc::clone(&agent.metrics),
-                replay_timeout: agent.config.replay_timeout,
-            };
-            agent.tasks.push(tokio::spawn(mirror.run(rx)));
-            let name = ec.name.clone();
-            agent.tasks.push(tokio::spawn(async move {
-                let sock = match bound_sock {
-                    Some((sock, _)) => sock,
-                    None => match crate::zmq::open_when_ready(&intake.endpoint).await {
-                        Ok((sock, _)) => sock,
-                        Err(e) => {
-                            tracing::error!(engine = name, error = %e, "intake not started");
-                            return;
-                        }
-                    },
-                };
-                if let Err(e) = intake.run(sock).await {
-                    tracing::error!(engine = name, error = %e, "intake stopped");
-                }
-            }));
-            if let Some(silence) = agent.config.stale_after {
-                let watch = crate::health::HealthWatch {
-                    engine: Arc::clone(&engine),
-                    url: ec.health.clone(),
-                    silence,
-                    inputs: tx.clone(),
-                    metrics: Arc::clone(&agent.metrics),
-                };
-                agent.tasks.push(tokio::spawn(watch.run()));
-            }
-            agent.inputs.insert(ec.name.clone(), tx);
-            agent.engines.push(engine);
+            let running = agent.start_engine(ec).await?;
+            started.insert(running.config.name.clone(), running);
         }
+        agent.metrics.engines.set(started.len() as i64);
+        *agent.engines.write() = started;
         Ok(agent)
+    }
+
+    /// The engines mirrored now, in name order.
+    pub fn engines(&self) -> Vec<Arc<Engine>> {
+        self.engines
+            .read()
+            .values()
+            .map(|r| Arc::clone(&r.engine))
+            .collect()
+    }
+
+    /// The engine named `name`, if mirrored now.
+    pub fn engine(&self, name: &str) -> Option<Arc<Engine>> {
+        self.engines.read().get(name).map(|r| Arc::clone(&r.engine))
+    }
+
+    /// A receiver of the membership generation, bumped when the engine set changes.
+    pub fn membership(&self) -> watch::Receiver<u64> {
+        self.membership.subscribe()
+    }
+
+    /// Makes `wanted` the engines mirrored: starts the new ones, stops those gone (their
+    /// mirrors are dropped), restarts those whose settings changed and leaves the rest
+    /// untouched (their mirrors stay). An engine that cannot start is left out and reported;
+    /// the others still change. When anything changed, every uplink starts a new stream.
+    pub async fn set_engines(&self, wanted: Vec<EngineConfig>) -> EngineChanges {
+        let _one_at_a_time = self.changing.lock().await;
+        let mut changes = EngineChanges::default();
+        let current: BTreeMap<String, EngineConfig> = self
+            .engines
+            .read()
+            .iter()
+            .map(|(name, r)| (name.clone(), r.config.clone()))
+            .collect();
+        let wanted: BTreeMap<String, EngineConfig> =
+            wanted.into_iter().map(|e| (e.name.clone(), e)).collect();
+        for (name, ec) in &wanted {
+            match current.get(name) {
+                Some(old) if old == ec => {}
+                Some(_) => changes.restarted.push(name.clone()),
+                None => changes.added.push(name.clone()),
+            }
+        }
+        changes.removed = current
+            .keys()
+            .filter(|name| !wanted.contains_key(*name))
+            .cloned()
+            .collect();
+        if changes.is_empty() {
+            return changes;
+        }
+        // Stopped before anything starts, so a restarted engine's bound address is free again.
+        let stopped: Vec<RunningEngine> = {
+            let mut engines = self.engines.write();
+            changes
+                .removed
+                .iter()
+                .chain(&changes.restarted)
+                .filter_map(|name| engines.remove(name))
+                .collect()
+        };
+        // Dropped outside the lock: dropping aborts the engine's tasks.
+        drop(stopped);
+        let mut started = Vec::new();
+        for name in changes.added.iter().chain(&changes.restarted) {
+            let Some(ec) = wanted.get(name) else { continue };
+            match self.start_engine(ec.clone()).await {
+                Ok(running) => started.push(running),
+                Err(e) => {
+                    tracing::error!(engine = %name, error = %e, "engine not started");
+                    changes.failed.push((name.clone(), e.to_string()));
+                }
+            }
+        }
+        // A failed new engine changed nothing; a failed restart leaves the engine removed.
+        for (name, _) in &changes.failed {
+            changes.added.retain(|n| n != name);
+            if let Some(at) = changes.restarted.iter().position(|n| n == name) {
+                changes.removed.push(changes.restarted.remove(at));
+            }
+        }
+        let count = {
+            let mut engines = self.engines.write();
+            for running in started {
+                engines.insert(running.config.name.clone(), running);
+            }
+            engines.len()
+        };
+        self.metrics.engines.set(count as i64);
+        let bump = !changes.is_empty();
+        for (change, n) in [
+            ("added", changes.added.len()),
+            ("removed", changes.removed.len()),
+            ("restarted", changes.restarted.len()),
+            ("failed", changes.failed.len()),
+        ] {
+            self.metrics
+                .engine_changes
+                .get_or_create(&ChangeLabel { change })
+                .inc_by(n as u64);
+        }
+        if !bump {
+            return changes;
+        }
+        for name in &changes.removed {
+            self.metrics.forget_engine(name);
+        }
+        self.membership.send_modify(|generation| *generation += 1);
+        tracing::info!(
+            added = ?changes.added,
+            removed = ?changes.removed,
+            restarted = ?changes.restarted,
+            "engines changed"
+        );
+        changes
+    }
+
+    /// Starts one engine's intake, mirror and health tasks.
+    async fn start_engine(&self, ec: EngineConfig) -> Result<RunningEngine, DaemonError> {
+        let engine = Engine::new(
+            EngineId(Arc::from(ec.name.as_str())),
+            ReplicaId(Arc::from(ec.replica.as_str())),
+        );
+        let endpoint = EngineEndpoint {
+            endpoint: ec.endpoint.clone(),
+            bind: ec.bind,
+            replay: ec.replay.clone(),
+            topic: ec.topic.clone(),
+        };
+        // A bound SUB is opened now, so that a bad address fails start-up. A connecting one
+        // is opened by the intake task: the engine may not listen yet (`run` starts vLLM
+        // only once the agent is up, and vLLM takes a minute or more to bind).
+        let bound_sock = if ec.bind {
+            let (sock, bound) =
+                crate::zmq::open(&endpoint)
+                    .await
+                    .map_err(|source| DaemonError::Zmq {
+                        engine: ec.name.clone(),
+                        source,
+                    })?;
+            Some((sock, bound))
+        } else {
+            None
+        };
+        tracing::info!(
+            engine = ec.name,
+            replica = ec.replica,
+            endpoint = bound_sock
+                .as_ref()
+                .and_then(|(_, b)| b.as_deref())
+                .unwrap_or(&ec.endpoint),
+            bind = ec.bind,
+            replay = ec.replay.as_deref().unwrap_or("none"),
+            "engine intake started"
+        );
+        let (tx, rx) = mpsc::channel(1024);
+        let mirror = MirrorTask {
+            engine: Arc::clone(&engine),
+            check: self.check.clone(),
+            window: self.config.window,
+            metrics: Arc::clone(&self.metrics),
+            updates: self.updates.clone(),
+        };
+        let intake = Intake {
+            engine: Arc::from(ec.name.as_str()),
+            endpoint,
+            inputs: tx.clone(),
+            metrics: Arc::clone(&self.metrics),
+            replay_timeout: self.config.replay_timeout,
+        };
+        let mut tasks = vec![tokio::spawn(mirror.run(rx))];
+        let name = ec.name.clone();
+        tasks.push(tokio::spawn(async move {
+            let sock = match bound_sock {
+                Some((sock, _)) => sock,
+                None => match crate::zmq::open_when_ready(&intake.endpoint).await {
+                    Ok((sock, _)) => sock,
+                    Err(e) => {
+                        tracing::error!(engine = name, error = %e, "intake not started");
+                        return;
+                    }
+                },
+            };
+            if let Err(e) = intake.run(sock).await {
+                tracing::error!(engine = name, error = %e, "intake stopped");
+            }
+        }));
+        if let Some(silence) = self.config.stale_after {
+            let watch = crate::health::HealthWatch {
+                engine: Arc::clone(&engine),
+                url: ec.health.clone(),
+                silence,
+                inputs: tx.clone(),
+                metrics: Arc::clone(&self.metrics),
+            };
+            tasks.push(tokio::spawn(watch.run()));
+        }
+        Ok(RunningEngine {
+            engine,
+            config: ec,
+            inputs: tx,
+            tasks,
+        })
     }
 
     /// Starts one uplink per configured router, and one follower per router service (which
@@ -209,7 +377,8 @@ impl Agent {
 
     /// Resets an engine (the supervisor calls this when it restarts vLLM).
     pub async fn reset(&self, engine: &str, reason: crate::engine::ResetReason) -> bool {
-        match self.inputs.get(engine) {
+        let inputs = self.engines.read().get(engine).map(|r| r.inputs.clone());
+        match inputs {
             Some(tx) => tx.send(Input::Reset(reason)).await.is_ok(),
             None => false,
         }
@@ -237,7 +406,11 @@ impl FeedSource for Agent {
     }
 
     fn snapshot_engines(&self) -> Vec<EngineSnapshot> {
-        self.engines.iter().map(|e| e.snapshot()).collect()
+        self.engines().iter().map(|e| e.snapshot()).collect()
+    }
+
+    fn membership(&self) -> Option<watch::Receiver<u64>> {
+        Some(Agent::membership(self))
     }
 
     fn metrics(&self) -> &Metrics {
@@ -276,7 +449,7 @@ fn hash_status(h: HashStatus) -> &'static str {
 
 async fn engines(State(agent): State<Arc<Agent>>) -> Response {
     let list: Vec<serde_json::Value> = agent
-        .engines
+        .engines()
         .iter()
         .map(|e| {
             let snap = e.snapshot();
@@ -294,7 +467,7 @@ async fn engines(State(agent): State<Arc<Agent>>) -> Response {
 }
 
 async fn blocks(State(agent): State<Arc<Agent>>, Path(name): Path<String>) -> Response {
-    let Some(engine) = agent.engines.iter().find(|e| *e.id.0 == *name) else {
+    let Some(engine) = agent.engine(&name) else {
         return (StatusCode::NOT_FOUND, format!("no engine {name:?}\n")).into_response();
     };
     let mut hashes: Vec<u64> = engine.block_set().into_iter().map(|k| k.hash.0).collect();
@@ -351,13 +524,13 @@ mod tests {
         let payload = encode_batch(&batch, EventForm::TaggedMap);
         // PUB drops messages until the SUB has connected and subscribed: keep publishing.
         for seq in 0..100 {
-            if !agent.engines[0].block_set().is_empty() {
+            if !agent.engines()[0].block_set().is_empty() {
                 break;
             }
             publisher.publish(seq, &payload).await.expect("publish");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        let hashes: Vec<u64> = agent.engines[0]
+        let hashes: Vec<u64> = agent.engines()[0]
             .block_set()
             .into_iter()
             .map(|k| k.hash.0)

@@ -15,6 +15,8 @@ pub mod hashcheck;
 pub mod health;
 pub mod metrics;
 pub mod mirror;
+pub mod pods;
+pub mod reload;
 pub mod routers;
 pub mod supervisor;
 pub mod tail;

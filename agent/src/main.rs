@@ -21,7 +21,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Mirror the configured engines' KV events (vLLM started elsewhere).
+    /// Mirror the engines' KV events (vLLM started elsewhere): the --engine flags, a --config
+    /// file's engines (read again as it changes), or the vLLM pods on this node (--discover-pods).
     Serve {
         #[command(flatten)]
         agent: AgentArgs,
@@ -141,12 +142,34 @@ async fn main() -> ExitCode {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve { agent, telemetry } => {
+            let args_for_reload = agent.clone();
             let _telemetry = init_telemetry(telemetry)?;
             let config = agent.resolve()?;
-            anyhow::ensure!(!config.engines.is_empty(), "no --engine configured");
+            anyhow::ensure!(
+                !config.engines.is_empty() || config.pods.is_some() || config.reload.is_some(),
+                "no engine: give --engine, a --config file with `engines`, or --discover-pods"
+            );
             let admin = config.admin_addr;
+            let (pods, reload) = (config.pods.clone(), config.reload.clone());
+            let pods_client = match &pods {
+                Some(p) => Some(llmgw_agent::pods::client(p.kubeconfig.as_deref()).await?),
+                None => None,
+            };
             let agent = Arc::new(Agent::start(config).await?);
             let _uplinks = agent.start_uplinks();
+            let _engine_source = match (pods, pods_client, reload) {
+                (Some(pods), Some(client), _) => Some(tokio::spawn(llmgw_agent::pods::run(
+                    Arc::clone(&agent),
+                    client,
+                    pods,
+                ))),
+                (_, _, Some(reload)) => Some(tokio::spawn(llmgw_agent::reload::run(
+                    Arc::clone(&agent),
+                    args_for_reload,
+                    reload,
+                ))),
+                _ => None,
+            };
             tokio::select! {
                 r = Arc::clone(&agent).serve_admin(admin) => r?,
                 r = tokio::signal::ctrl_c() => r.context("waiting for Ctrl-C")?,

@@ -41,6 +41,12 @@ pub struct UplinkErrorLabel {
     pub reason: &'static str,
 }
 
+/// How the set of engines changed (`added`, `removed`, `restarted`, `failed`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ChangeLabel {
+    pub change: &'static str,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ServiceLabel {
     pub service: String,
@@ -70,6 +76,9 @@ pub struct Metrics {
     pub uplink_connected: Family<RouterLabel, Gauge>,
     pub uplink_errors: Family<UplinkErrorLabel, Counter>,
     pub router_addresses: Family<ServiceLabel, Gauge>,
+    pub engines: Gauge,
+    pub engine_changes: Family<ChangeLabel, Counter>,
+    pub engine_source_errors: Counter,
     pub event_to_flush: Family<EngineLabel, Histogram, fn() -> Histogram>,
     pub event_to_router: Family<RouterLabel, Histogram, fn() -> Histogram>,
 }
@@ -97,6 +106,9 @@ impl Metrics {
         let uplink_connected = Family::<RouterLabel, Gauge>::default();
         let uplink_errors = Family::<UplinkErrorLabel, Counter>::default();
         let router_addresses = Family::<ServiceLabel, Gauge>::default();
+        let engines = Gauge::default();
+        let engine_changes = Family::<ChangeLabel, Counter>::default();
+        let engine_source_errors = Counter::default();
         let event_to_flush: Family<EngineLabel, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(latency_histogram);
         let event_to_router: Family<RouterLabel, Histogram, fn() -> Histogram> =
@@ -164,6 +176,19 @@ impl Metrics {
             "Router addresses a --router-service name resolved to last",
             router_addresses.clone(),
         );
+        registry.register("engines", "Engines mirrored now", engines.clone());
+        registry.register(
+            "engine_changes",
+            "Engines added, removed, restarted (settings changed) or failed to start, as the \
+             reloaded --config file or the pods on the node changed",
+            engine_changes.clone(),
+        );
+        registry.register(
+            "engine_source_errors",
+            "Reloads of the --config file that could not be used, and failed lists or watches \
+             of the node's pods (the last good engines stay)",
+            engine_source_errors.clone(),
+        );
         registry.register(
             "event_to_flush_seconds",
             "Engine publish time to the delta leaving the coalescing window",
@@ -190,6 +215,9 @@ impl Metrics {
             uplink_connected,
             uplink_errors,
             router_addresses,
+            engines,
+            engine_changes,
+            engine_source_errors,
             event_to_flush,
             event_to_router,
         }
@@ -207,6 +235,14 @@ impl Metrics {
         EngineLabel {
             engine: engine.to_owned(),
         }
+    }
+
+    /// Drops a removed engine's gauges, so it no longer reads as holding blocks or stale (its
+    /// counters stay: they only stop rising).
+    pub fn forget_engine(&self, engine: &str) {
+        let label = Metrics::engine(engine);
+        self.mirror_blocks.remove(&label);
+        self.engine_stale.remove(&label);
     }
 
     pub fn reason(engine: &str, reason: &str) -> ReasonLabel {

@@ -216,7 +216,7 @@ async fn a_wrong_seed_is_a_hash_mismatch_and_the_router_gets_nothing() {
     let flushed = Flushed::new(&n);
     publish(&mut n, &frames).await;
     eventually("the mismatch", || {
-        n.agent.engines[0].hash_status() == HashStatus::Mismatch
+        n.agent.engines()[0].hash_status() == HashStatus::Mismatch
     })
     .await;
     all_acknowledged(&n, &r, frames.len(), &flushed).await;

@@ -1,8 +1,10 @@
 //! An in-process stand-in for the Kubernetes API server's list and watch, faithful where the
-//! router's client depends on it (compiled only for tests):
+//! router's and the agent's clients depend on it (compiled only for tests, and for other
+//! crates' tests with the `fake-kube-api` feature):
 //! - one resourceVersion counter over every object, as etcd's revision;
 //! - `GET <collection>` lists the objects that match `labelSelector` (`k=v`, `k==v`, `k!=v`,
-//!   `k`, `!k`, comma-joined) and `fieldSelector` (`metadata.name=...`), with the collection's
+//!   `k`, `!k`, comma-joined) and `fieldSelector` (`path=v`, `path==v`, `path!=v` on dotted
+//!   paths such as `metadata.name` or `spec.nodeName`, comma-joined), with the collection's
 //!   resourceVersion;
 //! - `GET <collection>?watch=true&resourceVersion=RV` streams, as chunked JSON lines, every
 //!   change after RV and then changes as they happen. An object that stops matching the
@@ -15,6 +17,11 @@
 //!   [`FakeApi::drop_watches`] ends every open watch stream (as an API server restart does).
 //!
 //! A collection is named by its URL path, e.g. `/api/v1/namespaces/llm/pods`.
+
+#![allow(
+    clippy::expect_used,
+    reason = "test support: a broken fake is a failed test"
+)]
 
 use std::collections::BTreeMap;
 use std::collections::HashMap;
@@ -61,7 +68,7 @@ struct Store {
 
 /// The fake API server's state; cheap to clone into tests.
 #[derive(Clone)]
-pub(crate) struct FakeApi {
+pub struct FakeApi {
     store: Arc<Mutex<Store>>,
     /// Wakes open watches after a change, a bookmark request or a drop.
     changed: Arc<watch::Sender<()>>,
@@ -69,7 +76,7 @@ pub(crate) struct FakeApi {
 
 impl FakeApi {
     /// Starts serving on a free loopback port; returns the API and a client for it.
-    pub(crate) async fn start() -> (FakeApi, SocketAddr) {
+    pub async fn start() -> (FakeApi, SocketAddr) {
         let api = FakeApi {
             store: Arc::default(),
             changed: Arc::new(watch::Sender::new(())),
@@ -77,19 +84,23 @@ impl FakeApi {
         let app = axum::Router::new()
             .fallback(axum::routing::get(handle))
             .with_state(api.clone());
-        let addr = crate::testing::serve_on_loopback(app).await;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind loopback");
+        let addr = listener.local_addr().expect("local addr");
+        tokio::spawn(async move { axum::serve(listener, app).await });
         (api, addr)
     }
 
     /// A kube client for the server at `addr`.
-    pub(crate) fn client(addr: SocketAddr) -> kube::Client {
+    pub fn client(addr: SocketAddr) -> kube::Client {
         let uri = format!("http://{addr}").parse().expect("a loopback URI");
         kube::Client::try_from(kube::Config::new(uri)).expect("a client")
     }
 
     /// Writes a kubeconfig for the server at `addr` (namespace `llm`) into `dir`; returns its
     /// path.
-    pub(crate) fn kubeconfig(addr: SocketAddr, dir: &std::path::Path) -> std::path::PathBuf {
+    pub fn kubeconfig(addr: SocketAddr, dir: &std::path::Path) -> std::path::PathBuf {
         let path = dir.join("kubeconfig");
         let text = format!(
             "apiVersion: v1\nkind: Config\ncurrent-context: fake\n\
@@ -102,7 +113,7 @@ impl FakeApi {
     }
 
     /// Creates or replaces `object` (named by its `metadata.name`) in `collection`.
-    pub(crate) fn apply(&self, collection: &str, mut object: Value) {
+    pub fn apply(&self, collection: &str, mut object: Value) {
         let name = object["metadata"]["name"]
             .as_str()
             .expect("an object with metadata.name")
@@ -130,7 +141,7 @@ impl FakeApi {
     }
 
     /// Deletes the object `name` from `collection`, if there.
-    pub(crate) fn delete(&self, collection: &str, name: &str) {
+    pub fn delete(&self, collection: &str, name: &str) {
         let mut store = self.store.lock();
         let Some(mut object) = store
             .objects
@@ -154,32 +165,32 @@ impl FakeApi {
     }
 
     /// Forgets the change log: a watch from any revision seen so far gets 410 Gone.
-    pub(crate) fn compact(&self) {
+    pub fn compact(&self) {
         let mut store = self.store.lock();
         store.compacted = store.revision;
         store.log.clear();
     }
 
     /// While on, every request is answered 500.
-    pub(crate) fn set_broken(&self, broken: bool) {
+    pub fn set_broken(&self, broken: bool) {
         self.store.lock().broken = broken;
     }
 
     /// Ends every open watch stream.
-    pub(crate) fn drop_watches(&self) {
+    pub fn drop_watches(&self) {
         self.store.lock().watch_epoch += 1;
         self.changed.send_replace(());
     }
 
     /// Sends a BOOKMARK at the current revision to every watch that allowed bookmarks.
-    pub(crate) fn bookmark(&self) {
+    pub fn bookmark(&self) {
         self.store.lock().bookmarks += 1;
         self.changed.send_replace(());
     }
 
     /// How many BOOKMARK events were written to watches of `collection`. Once written, the
     /// client reads it before anything that ends the stream.
-    pub(crate) fn bookmarks_sent(&self, collection: &str) -> usize {
+    pub fn bookmarks_sent(&self, collection: &str) -> usize {
         let store = self.store.lock();
         store
             .bookmarks_sent
@@ -189,7 +200,7 @@ impl FakeApi {
     }
 
     /// How many requests so far were lists (`watch` false) and how many watches, for `path`.
-    pub(crate) fn requests(&self, path: &str) -> (usize, usize) {
+    pub fn requests(&self, path: &str) -> (usize, usize) {
         let store = self.store.lock();
         let of_path = store.requests.iter().filter(|r| r.starts_with(path));
         let (watches, lists): (Vec<_>, Vec<_>) = of_path.partition(|r| r.contains("watch=true"));
@@ -200,7 +211,8 @@ impl FakeApi {
 /// A label or field selector: every term must hold.
 struct Selector {
     labels: Vec<(String, LabelTest)>,
-    name: Option<String>,
+    /// Dotted paths into the object (`spec.nodeName`) and what they must be.
+    fields: Vec<(String, LabelTest)>,
 }
 
 enum LabelTest {
@@ -208,6 +220,17 @@ enum LabelTest {
     NotEquals(String),
     Exists,
     Absent,
+}
+
+impl LabelTest {
+    fn holds(&self, value: Option<&str>) -> bool {
+        match self {
+            LabelTest::Equals(want) => value == Some(want),
+            LabelTest::NotEquals(want) => value != Some(want),
+            LabelTest::Exists => value.is_some(),
+            LabelTest::Absent => value.is_none(),
+        }
+    }
 }
 
 impl Selector {
@@ -235,32 +258,41 @@ impl Selector {
             };
             labels.push((test.0.to_string(), test.1));
         }
-        let mut name = None;
-        if let Some(fields) = query.get("fieldSelector").filter(|f| !f.is_empty()) {
-            match fields.split_once('=') {
-                Some(("metadata.name", value)) => name = Some(value.to_string()),
-                _ => return Err(format!("the fake does not parse field selector {fields:?}")),
-            }
+        let mut fields = Vec::new();
+        for term in query
+            .get("fieldSelector")
+            .map(String::as_str)
+            .unwrap_or("")
+            .split(',')
+            .filter(|t| !t.is_empty())
+        {
+            // As the API server: field selectors are equalities only.
+            let (path, test) = if let Some((path, value)) = term.split_once("!=") {
+                (path, LabelTest::NotEquals(value.to_string()))
+            } else if let Some((path, value)) = term.split_once("==") {
+                (path, LabelTest::Equals(value.to_string()))
+            } else if let Some((path, value)) = term.split_once('=') {
+                (path, LabelTest::Equals(value.to_string()))
+            } else {
+                return Err(format!("invalid field selector term {term:?}"));
+            };
+            fields.push((path.to_string(), test));
         }
-        Ok(Selector { labels, name })
+        Ok(Selector { labels, fields })
     }
 
     fn matches(&self, object: &Value) -> bool {
         let metadata = &object["metadata"];
-        if let Some(name) = &self.name
-            && metadata["name"].as_str() != Some(name)
-        {
-            return false;
-        }
-        self.labels.iter().all(|(key, test)| {
-            let value = metadata["labels"][key].as_str();
-            match test {
-                LabelTest::Equals(want) => value == Some(want),
-                LabelTest::NotEquals(want) => value != Some(want),
-                LabelTest::Exists => value.is_some(),
-                LabelTest::Absent => value.is_none(),
-            }
-        })
+        let labels_hold = self
+            .labels
+            .iter()
+            .all(|(key, test)| test.holds(metadata["labels"][key].as_str()));
+        let fields_hold = self.fields.iter().all(|(path, test)| {
+            let value = path.split('.').try_fold(object, |v, step| v.get(step));
+            // An absent field reads as "", as the API server's field sets do.
+            test.holds(Some(value.and_then(Value::as_str).unwrap_or("")))
+        });
+        labels_hold && fields_hold
     }
 }
 

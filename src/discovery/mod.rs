@@ -20,8 +20,8 @@ pub mod endpoint_slices;
 pub mod inference_objective;
 pub mod inference_pool;
 
-#[cfg(test)]
-pub(crate) mod fake_api;
+#[cfg(any(test, feature = "fake-kube-api"))]
+pub mod fake_api;
 
 use std::path::PathBuf;
 

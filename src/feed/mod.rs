@@ -226,6 +226,18 @@ impl FeedMetrics {
         .sum()
     }
 
+    /// Streams ended for breaking the protocol so far, over every violation.
+    pub fn violations_total(&self) -> u64 {
+        Violation::ALL
+            .into_iter()
+            .map(|v| {
+                self.violations
+                    .get_or_create(&ReasonLabel { reason: v.label() })
+                    .get()
+            })
+            .sum()
+    }
+
     fn violation(&self, violation: Violation) {
         self.violations
             .get_or_create(&ReasonLabel {

@@ -7,7 +7,10 @@
 //! event in a delta to its acknowledgement is the `event_to_router_seconds` metric. When the
 //! stream fails (router restarted, network), reconnect with doubling backoff and start again
 //! with snapshots; each failed session counts in `uplink_errors_total{router, reason}`. If the
-//! delta channel overflows (a very slow router), snapshots are resent on the same stream.
+//! delta channel overflows (a very slow router), snapshots are resent on the same stream. When
+//! the agent's set of engines changes, the session ends and the next starts at once: a Hello
+//! lists its engines once per stream, and the router drops the old stream's blocks when the new
+//! one takes the node over.
 //!
 //! The uplink sees the agent only through a [`FeedSource`] (the daemon's `Agent` in production,
 //! a fake in tests): it never names the daemon, so the daemon can start uplinks without the two
@@ -36,7 +39,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use llmgw_core::ids::{ModelName, NodeName};
 use llmgw_core::kv_event::Medium as Tier;
 use llmgw_feed_proto::v1 as pb;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::{broadcast, mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt as _};
 use tonic::transport::ClientTlsConfig;
@@ -175,6 +178,25 @@ pub trait FeedSource: Send + Sync + 'static {
     fn snapshot_engines(&self) -> Vec<EngineSnapshot>;
     /// Where the uplink reports its connection state and acknowledgement latency.
     fn metrics(&self) -> &Metrics;
+    /// A generation that changes whenever the set of engines does (`None`: it never changes).
+    /// Taken before the snapshots: a change ends the session, and the next one's Hello lists
+    /// the new set.
+    fn membership(&self) -> Option<watch::Receiver<u64>> {
+        None
+    }
+}
+
+/// Waits until the engine set changes; never when it cannot.
+async fn membership_changed(membership: &mut Option<watch::Receiver<u64>>) {
+    match membership {
+        Some(rx) => {
+            if rx.changed().await.is_err() {
+                // The agent is gone; the delta channel says so too.
+                std::future::pending::<()>().await;
+            }
+        }
+        None => std::future::pending().await,
+    }
 }
 
 /// The node-wide part of Hello: the same for every engine of the node.
@@ -388,8 +410,8 @@ pub async fn run<S: FeedSource + ?Sized>(source: Arc<S>, config: UplinkConfig) {
     reconnect(&*source, &Grpc, &config).await;
 }
 
-/// One session: connect, Hello, snapshots, then deltas until the stream fails (it returns only
-/// with an error). For diagnostics and tests; [`run`] is the reconnecting loop.
+/// One session: connect, Hello, snapshots, then deltas until the stream fails (an error) or the
+/// engine set changes (`Ok`). For diagnostics and tests; [`run`] is the reconnecting loop.
 pub async fn session_once<S: FeedSource + ?Sized>(
     source: &S,
     config: &UplinkConfig,
@@ -418,7 +440,8 @@ async fn reconnect<S: FeedSource + ?Sized, T: Transport>(
         match result {
             Err(UplinkError::AgentGone) => return,
             Err(e) => tracing::warn!(router = config.router, error = %e, ?delay, "uplink down"),
-            Ok(()) => {}
+            // The engines changed: a new stream at once.
+            Ok(()) => continue,
         }
         tokio::time::sleep(delay).await;
         delay = (delay * 2).min(config.backoff_max);
@@ -593,13 +616,20 @@ async fn stream_session<S: FeedSource + ?Sized, T: Transport>(
     };
     let connection = transport.connect(&router, &credentials).await?;
 
-    // Subscribe before snapshotting, so every delta after a snapshot is seen.
+    // Subscribe before snapshotting, so every delta after a snapshot is seen; and take the
+    // membership before that, so a change after the snapshots ends this session.
+    let mut membership = source.membership();
+    if let Some(m) = membership.as_mut() {
+        m.mark_unchanged();
+    }
     let mut updates = source.subscribe();
     let snapshots = source.snapshot_engines();
     let engines = snapshots.len();
     let (tx, rx) = mpsc::channel(1024 + engines);
     let mut out = Outbound { tx, next_id: 0 };
     out.send(hello_message(source.node(), &snapshots)).await;
+    // Per engine of the Hello: the instance snapshotted (a removed engine's late delta, or a
+    // restarted one's under the same name, is another instance) and the last epoch/seq sent.
     let mut sent_upto: HashMap<Arc<str>, (u64, u64)> = HashMap::new();
     for s in snapshots {
         sent_upto.insert(Arc::clone(&s.engine.0), (s.snapshot.epoch, s.snapshot.seq));
@@ -626,11 +656,19 @@ async fn stream_session<S: FeedSource + ?Sized, T: Transport>(
         tokio::select! {
             update = updates.recv() => match update {
                 Ok(Update { engine, delta, oldest_event_ts, batch_span, .. }) => {
-                    let (epoch, seq) = sent_upto.get(&engine.0).copied().unwrap_or((0, 0));
-                    if delta.epoch < epoch || (delta.epoch == epoch && delta.seq <= seq) {
+                    // Only the instances this stream's Hello listed (keys compare by pointer
+                    // below): any other engine's delta waits for the next session's snapshot.
+                    let Some((listed, &(epoch, seq))) = sent_upto.get_key_value(&engine.0) else {
+                        continue;
+                    };
+                    if !Arc::ptr_eq(listed, &engine.0)
+                        || delta.epoch < epoch
+                        || (delta.epoch == epoch && delta.seq <= seq)
+                    {
                         continue;
                     }
-                    sent_upto.insert(Arc::clone(&engine.0), (delta.epoch, delta.seq));
+                    let listed = Arc::clone(listed);
+                    sent_upto.insert(listed, (delta.epoch, delta.seq));
                     let ts = oldest_event_ts.unwrap_or_else(unix_now);
                     let span = match &batch_span {
                         Some(parent) => tracing::debug_span!(
@@ -647,12 +685,24 @@ async fn stream_session<S: FeedSource + ?Sized, T: Transport>(
                     }
                 }
                 Err(broadcast::error::RecvError::Lagged(n)) => {
+                    if membership.as_ref().is_some_and(|m| m.has_changed().unwrap_or(false)) {
+                        // The set changed too: snapshots of it belong on a new stream.
+                        return Ok(());
+                    }
                     tracing::warn!(router, missed = n, "uplink fell behind: resending snapshots");
                     for s in source.snapshot_engines() {
-                        sent_upto.insert(Arc::clone(&s.engine.0), (s.snapshot.epoch, s.snapshot.seq));
+                        // The Hello's instances only (a change since ends this session anyway).
+                        let Some(listed) = sent_upto
+                            .get_key_value(&s.engine.0)
+                            .map(|(listed, _)| Arc::clone(listed))
+                            .filter(|listed| Arc::ptr_eq(listed, &s.engine.0))
+                        else {
+                            continue;
+                        };
+                        sent_upto.insert(listed, (s.snapshot.epoch, s.snapshot.seq));
                         for part in snapshot_messages(&s) {
-            out.send(part).await;
-        }
+                            out.send(part).await;
+                        }
                     }
                 }
                 Err(broadcast::error::RecvError::Closed) => return Err(UplinkError::AgentGone),
@@ -686,6 +736,10 @@ async fn stream_session<S: FeedSource + ?Sized, T: Transport>(
                     return Err(UplinkError::Stream { router, status: Box::new(status) });
                 }
             },
+            () = membership_changed(&mut membership) => {
+                tracing::info!(router, "engines changed: opening a new stream");
+                return Ok(());
+            }
             _ = heartbeat.tick() => {
                 let unix_ms = u64::try_from(
                     SystemTime::now()

@@ -1,6 +1,7 @@
 //! Sessions against a fake source and a fake router (channels, no network), on a paused clock,
 //! so backoff and heartbeat times are exact.
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -28,9 +29,25 @@ fn replica_of(engine: &str) -> String {
     format!("{engine}.replica:8000")
 }
 
+thread_local! {
+    /// One id per engine name, as one running engine has: the uplink tells an engine's
+    /// instances apart by the id's pointer.
+    static IDS: RefCell<HashMap<String, EngineId>> = RefCell::new(HashMap::new());
+}
+
+/// The id of the engine named `engine`, the same instance each time.
+fn id_of(engine: &str) -> EngineId {
+    IDS.with(|ids| {
+        ids.borrow_mut()
+            .entry(engine.to_owned())
+            .or_insert_with(|| EngineId(Arc::from(engine)))
+            .clone()
+    })
+}
+
 fn snapshot(engine: &str, epoch: u64, seq: u64, blocks: &[u64]) -> EngineSnapshot {
     EngineSnapshot {
-        engine: EngineId(Arc::from(engine)),
+        engine: id_of(engine),
         replica: ReplicaId(Arc::from(replica_of(engine).as_str())),
         hash: HashStatus::Verified,
         snapshot: Snapshot {
@@ -44,7 +61,7 @@ fn snapshot(engine: &str, epoch: u64, seq: u64, blocks: &[u64]) -> EngineSnapsho
 /// A delta storing block `seq` (so each delta is told apart by its blocks too).
 fn update(engine: &str, epoch: u64, seq: u64) -> Update {
     Update {
-        engine: EngineId(Arc::from(engine)),
+        engine: id_of(engine),
         replica: ReplicaId(Arc::from(replica_of(engine).as_str())),
         delta: Arc::new(Delta {
             epoch,
@@ -66,6 +83,8 @@ struct FakeSource {
     /// Flushed right after the next snapshot is taken, as a mirror task may do meanwhile.
     after_snapshot: Mutex<Vec<Update>>,
     metrics: Metrics,
+    /// The engine-set generation, bumped by [`FakeSource::set_engines`].
+    membership: watch::Sender<u64>,
 }
 
 impl FakeSource {
@@ -76,7 +95,14 @@ impl FakeSource {
             snapshots_taken: AtomicUsize::new(0),
             after_snapshot: Mutex::new(Vec::new()),
             metrics: Metrics::new(),
+            membership: watch::Sender::new(0),
         })
+    }
+
+    /// The agent's engines change.
+    fn set_engines(&self, engines: Vec<EngineSnapshot>) {
+        *self.engines.lock() = engines;
+        self.membership.send_modify(|g| *g += 1);
     }
 
     fn flush(&self, update: Update) {
@@ -151,6 +177,10 @@ impl FeedSource for FakeSource {
 
     fn metrics(&self) -> &Metrics {
         &self.metrics
+    }
+
+    fn membership(&self) -> Option<watch::Receiver<u64>> {
+        Some(self.membership.subscribe())
     }
 }
 
@@ -566,5 +596,75 @@ fn a_large_snapshot_goes_in_parts_below_the_routers_message_limit() {
     let parts = snapshot_messages(&snapshot("r1:8000", 0, 0, &[]));
     assert!(
         matches!(&parts[..], [pb::agent_message::Body::Snapshot(s)] if !s.more && s.blocks.is_empty())
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_changed_engine_set_opens_a_new_stream_at_once_listing_it() {
+    let source = FakeSource::new(64, vec![snapshot("a", 1, 3, &[30])]);
+    let (router, mut streams) = FakeRouter::new(0);
+    let _uplink = start(&source, &router, config());
+    let mut first = streams.recv().await.expect("a stream");
+    settle().await;
+    assert_eq!(
+        describe_all(&first.received()),
+        ["hello n1", "snapshot a 1/3"]
+    );
+
+    // An engine the stream's Hello did not list flushes: not on this stream.
+    let b_delta = update("b", 1, 1);
+    source.flush(b_delta.clone());
+    settle().await;
+    assert_eq!(describe_all(&first.received()), Vec::<String>::new());
+
+    // The set changes: a new stream at once (no backoff), its Hello listing both.
+    let changed_at = Instant::now();
+    source.set_engines(vec![snapshot("a", 1, 3, &[30]), snapshot("b", 1, 1, &[1])]);
+    let mut second = streams.recv().await.expect("a second stream");
+    settle().await;
+    let messages = second.received();
+    assert_eq!(
+        describe_all(&messages),
+        ["hello n1", "snapshot a 1/3", "snapshot b 1/1"]
+    );
+    let Some(pb::agent_message::Body::Hello(hello)) = &messages[0].body else {
+        panic!("not a hello");
+    };
+    let listed: Vec<&str> = hello.engines.iter().map(|e| e.engine.as_str()).collect();
+    assert_eq!(listed, ["a", "b"]);
+    let attempts = router.attempts();
+    assert_eq!(attempts.len(), 2);
+    assert!(
+        attempts[1] - changed_at < config().backoff_initial,
+        "reconnected without backing off"
+    );
+    assert_eq!(source.errors("closed"), 0, "a change is no failure");
+
+    // A restarted engine under the same name is another instance: the old one's late delta
+    // is not sent on the new stream.
+    IDS.with(|ids| ids.borrow_mut().remove("b"));
+    let stale = Update {
+        delta: Arc::new(Delta {
+            epoch: 1,
+            seq: 2,
+            reset: false,
+            stored: vec![key(2)],
+            removed: Vec::new(),
+        }),
+        ..b_delta
+    };
+    source.set_engines(vec![snapshot("a", 1, 3, &[30]), snapshot("b", 0, 0, &[])]);
+    let mut third = streams.recv().await.expect("a third stream");
+    source.flush(stale);
+    source.flush(update("b", 0, 1));
+    settle().await;
+    assert_eq!(
+        describe_all(&third.received()),
+        [
+            "hello n1",
+            "snapshot a 1/3",
+            "snapshot b 0/0",
+            "delta b 0/1"
+        ]
     );
 }

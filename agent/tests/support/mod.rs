@@ -290,7 +290,7 @@ pub fn acked_deltas(node: &Node, router: &str) -> u64 {
 
 /// The hashes the agent's (first) engine has flushed, pending changes excluded.
 pub fn flushed_hashes(node: &Node) -> HashSet<u64> {
-    node.agent.engines[0]
+    node.agent.engines()[0]
         .snapshot()
         .snapshot
         .blocks
@@ -323,7 +323,8 @@ impl Flushed {
 /// Waits until the agent has applied all `batches` and flushed them, and `router` has
 /// acknowledged every delta in `flushed`: the router has seen all there was to see.
 pub async fn all_acknowledged(node: &Node, router: &Router, batches: usize, flushed: &Flushed) {
-    let engine = &node.agent.engines[0];
+    let engines = node.agent.engines();
+    let engine = &engines[0];
     let applied = || {
         node.agent
             .metrics
