@@ -221,6 +221,116 @@ async fn serve_mirrors_the_recorded_stream_and_exposes_it_on_the_admin_port() {
     assert!(metrics.contains(r#"llmgw_agent_events_total{engine="r0:8000",type="BlockStored"}"#));
 }
 
+/// `serve --discover-pods` against the fake Kubernetes API server: the node's Running vLLM pod
+/// becomes an engine at its named ports and is mirrored; deleted, it is gone.
+#[tokio::test]
+async fn serve_discovers_its_nodes_pods_through_the_kubernetes_api() {
+    use llmgw::discovery::fake_api::FakeApi;
+    const PODS: &str = "/api/v1/namespaces/llm/pods";
+    let frames = frames();
+    let mut publisher = Publisher::on_loopback("kv", false, 100)
+        .await
+        .expect("binds");
+    let events_port: u16 = publisher
+        .endpoint
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse().ok())
+        .expect("a port");
+    let (api, addr) = FakeApi::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kubeconfig = FakeApi::kubeconfig(addr, dir.path());
+    let pod = |name: &str, node: &str| {
+        serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "llm", "labels": {"app": "vllm"}},
+            "spec": {"nodeName": node, "containers": [{"name": "vllm", "ports": [
+                {"name": "http", "containerPort": 8000},
+                {"name": "kv-events", "containerPort": events_port},
+            ]}]},
+            "status": {"phase": "Running", "podIP": "127.0.0.1"},
+        })
+    };
+    api.apply(PODS, pod("vllm-0", "node-a"));
+    let mut elsewhere = pod("vllm-1", "node-b");
+    elsewhere["status"]["podIP"] = serde_json::json!("127.0.0.2");
+    api.apply(PODS, elsewhere);
+
+    let admin = free_port();
+    let _child = Killed(
+        bin()
+            .args(["serve", "--node", "node-a", "--topic", "kv"])
+            .args(["--discover-pods", "app=vllm", "--kubeconfig"])
+            .arg(&kubeconfig)
+            .args(["--hash-seed", "1729", "--block-size", "32"])
+            .env("LLMGW_AGENT_ADMIN_ADDR", format!("127.0.0.1:{admin}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("serve starts"),
+    );
+    let engines = || {
+        http_get(admin, "/debug/engines")
+            .and_then(|b| serde_json::from_str::<serde_json::Value>(&b).ok())
+            .map(|v| {
+                v["engines"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|e| e["engine"].as_str().map(str::to_owned))
+                    .collect::<Vec<_>>()
+            })
+    };
+    let mut found = None;
+    for _ in 0..200 {
+        found = engines();
+        if found.as_deref() == Some(&["127.0.0.1:8000".to_owned()][..]) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        found,
+        Some(vec!["127.0.0.1:8000".to_owned()]),
+        "the node's pod only"
+    );
+
+    // Mirrored: the recorded stream, published until the agent's SUB has subscribed.
+    let want = final_set(&frames);
+    let mut got = HashSet::new();
+    'mirrored: for _ in 0..20 {
+        for f in &frames {
+            publisher.publish(f.seq, &f.payload).await.expect("publish");
+        }
+        for _ in 0..10 {
+            if let Some(body) = http_get(admin, "/debug/engines/127.0.0.1:8000/blocks")
+                && let Ok(v) = serde_json::from_str::<Vec<u64>>(&body)
+            {
+                got = v.into_iter().collect();
+                if got == want {
+                    break 'mirrored;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    assert_eq!(got, want);
+
+    api.delete(PODS, "vllm-0");
+    for _ in 0..200 {
+        found = engines();
+        if found.as_ref().is_some_and(Vec::is_empty) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(found, Some(vec![]), "a deleted pod is no engine");
+    let metrics = http_get(admin, "/metrics").expect("metrics");
+    assert!(
+        metrics.contains(r#"llmgw_agent_engine_changes_total{change="removed"} 1"#),
+        "{metrics}"
+    );
+}
+
 #[test]
 fn json_log_format_writes_one_json_object_per_stderr_line() {
     let output = bin()

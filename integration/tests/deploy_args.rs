@@ -83,6 +83,7 @@ fn field(path: &str) -> String {
     match path {
         "status.podIP" => "10.0.0.5".into(),
         "spec.nodeName" => "node-a".into(),
+        "metadata.namespace" => "llmgw".into(),
         other => panic!("a downward API field this test does not know: {other}"),
     }
 }
