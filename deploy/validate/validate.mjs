@@ -4,8 +4,9 @@
 //     and our JSON schemas for InferencePool, Kustomization, ServiceMonitor, PodMonitor and
 //     PrometheusRule, which reject unknown fields; the Istio and Gateway API kinds' field names
 //     against *.strict.schema.json too); an unknown kind is an error;
-//  2. the Envoy configuration inside every EnvoyFilter patch, with the real Envoy: the HTTP filter
-//     in an HCM listener, the cluster with the patch merged in, `envoy --mode validate`;
+//  2. every EnvoyFilter applied whole to a proxy configuration as Istio builds one (HTTP filter
+//     inserted, virtual host, cluster and listener merged), checked with the real Envoy's
+//     `envoy --mode validate`;
 //  3. docker/*.Dockerfile syntax (known instructions, stages, COPY --from, cargo -p packages)
 //     and that .dockerignore exists;
 //  4. kustomization resources exist;
@@ -106,7 +107,8 @@ async function modelFor(apiVersion, kind) {
 let bootstraps = 0;
 const tmp = mkdtempSync(join(tmpdir(), "llmgw-validate-"));
 
-function envoyValidate(where, bootstrap) {
+// Whether Envoy accepts `bootstrap`; a refusal is a failure unless `quiet` (the self-test).
+function envoyValidate(where, bootstrap, quiet = false) {
   bootstraps++;
   const path = join(tmp, `bootstrap-${bootstraps}.json`);
   writeFileSync(path, JSON.stringify(bootstrap, null, 1));
@@ -115,9 +117,11 @@ function envoyValidate(where, bootstrap) {
       stdio: "pipe",
       timeout: 60_000,
     });
+    return true;
   } catch (e) {
     const out = `${e.stdout || ""}${e.stderr || ""}`.trim().split("\n").slice(-6).join("\n");
-    fail(where, `envoy --mode validate failed: ${out || e.message}`);
+    if (!quiet) fail(where, `envoy --mode validate failed: ${out || e.message}`);
+    return false;
   }
 }
 
@@ -159,7 +163,7 @@ const ROUTER_FILTER = { name: "envoy.filters.http.router", typed_config: { "@typ
 const UPSTREAM = { name: "upstream", type: "STATIC", connect_timeout: "1s", load_assignment: { cluster_name: "upstream", endpoints: [] } };
 
 // A listener with one HTTP connection manager routing everything to `upstream` through `httpFilters`.
-function hcmListener(httpFilters) {
+function hcmListener(httpFilters, virtualHosts) {
   return {
     name: "l",
     address: { socket_address: { address: "127.0.0.1", port_value: 10000 } },
@@ -168,46 +172,83 @@ function hcmListener(httpFilters) {
       typed_config: {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         stat_prefix: "l",
-        route_config: { virtual_hosts: [{ name: "v", domains: ["*"], routes: [{ match: { prefix: "/" }, route: { cluster: "upstream" } }] }] },
+        route_config: { virtual_hosts: virtualHosts || [{ name: "v", domains: ["*"], routes: [{ match: { prefix: "/" }, route: { cluster: "upstream" } }] }] },
         http_filters: httpFilters,
       },
     }] }],
   };
 }
 
-function checkEnvoyFilter(where, obj) {
-  (obj.spec?.configPatches || []).forEach((p, i) => {
+// The whole EnvoyFilter applied to a proxy as Istio builds one, then `envoy --mode validate` on
+// it: an HTTP connection manager whose route configuration has each virtual host a patch names
+// (and one other), ending in the router filter; the vLLM Service's EDS cluster (lb_policy
+// LEAST_REQUEST, Istio's default), replaced by a STATIC one with two endpoints. Patches apply in
+// order: HTTP_FILTER INSERT_BEFORE the router, VIRTUAL_HOST / CLUSTER / LISTENER MERGE. So a
+// per-route config for a filter that is not inserted, or a field Envoy does not know, fails.
+function checkEnvoyFilter(where, obj, quiet = false) {
+  const patches = obj.spec?.configPatches || [];
+  const route = { match: { prefix: "/" }, route: { cluster: "outbound|8000||vllm" } };
+  const virtualHosts = patches
+    .filter((p) => p.applyTo === "VIRTUAL_HOST")
+    .map((p) => p.match?.routeConfiguration?.vhost?.name)
+    .filter(Boolean)
+    .map((name) => ({ name, domains: [name.split(":")[0]], routes: [route] }));
+  virtualHosts.push({ name: "other", domains: ["*"], routes: [{ match: { prefix: "/" }, route: { cluster: "upstream" } }] });
+  let httpFilters = [ROUTER_FILTER];
+  let cluster = {
+    name: "outbound|8000||vllm",
+    type: "STATIC",
+    connect_timeout: "1s",
+    lb_policy: "LEAST_REQUEST",
+    load_assignment: {
+      cluster_name: "outbound|8000||vllm",
+      endpoints: [{ lb_endpoints: [8001, 8002].map((port_value) => ({ endpoint: { address: { socket_address: { address: "127.0.0.1", port_value } } } })) }],
+    },
+  };
+  let listenerPatch = null;
+  const grpc = new Set();
+  patches.forEach((p, i) => {
     const at = `${where} configPatches[${i}] ${p.applyTo}`;
     const value = p.patch?.value;
     if (!value) return;
+    const op = p.patch.operation;
     if (p.applyTo === "HTTP_FILTER") {
-      const clusters = [...grpcClusters(value)].map(h2Cluster);
-      clusters.push(UPSTREAM);
-      envoyValidate(at, { static_resources: { listeners: [hcmListener([value, ROUTER_FILTER])], clusters } });
+      if (op !== "INSERT_BEFORE") return fail(at, `no check for ${op}; add one to validate.mjs`);
+      grpcClusters(value, grpc);
+      httpFilters = [...httpFilters.slice(0, -1), value, ROUTER_FILTER];
+    } else if (p.applyTo === "VIRTUAL_HOST") {
+      if (op !== "MERGE") return fail(at, `no check for ${op}; add one to validate.mjs`);
+      const name = p.match?.routeConfiguration?.vhost?.name;
+      if (!name) return fail(at, "matches no virtual host by name (every host of every gateway)");
+      const i = virtualHosts.findIndex((v) => v.name === name);
+      virtualHosts[i] = merge(virtualHosts[i], value);
     } else if (p.applyTo === "CLUSTER") {
-      // An EDS cluster as Istio builds it (lb_policy LEAST_REQUEST, Istio's default) is replaced
-      // by a STATIC one with two endpoints: the merged load_balancing_policy must validate beside it.
-      const base = {
-        name: "outbound|8000||vllm",
-        type: "STATIC",
-        connect_timeout: "1s",
-        lb_policy: "LEAST_REQUEST",
-        load_assignment: {
-          cluster_name: "outbound|8000||vllm",
-          endpoints: [{ lb_endpoints: [8001, 8002].map((port_value) => ({ endpoint: { address: { socket_address: { address: "127.0.0.1", port_value } } } })) }],
-        },
-      };
-      const cluster = p.patch.operation === "MERGE" ? merge(base, value) : value;
-      envoyValidate(at, { static_resources: { clusters: [cluster] } });
+      cluster = op === "MERGE" ? merge(cluster, value) : value;
     } else if (p.applyTo === "LISTENER") {
-      // Merged into a listener as the proxy has one (an HTTP connection manager to a cluster).
-      const base = hcmListener([ROUTER_FILTER]);
-      const listener = p.patch.operation === "MERGE" ? merge(base, value) : value;
-      envoyValidate(at, { static_resources: { listeners: [listener], clusters: [UPSTREAM] } });
+      listenerPatch = value;
     } else {
       fail(at, "no Envoy check for this applyTo; add one to validate.mjs");
     }
   });
+  // Envoy accepts a per-host config for a filter that is not there; it would leave ours off.
+  const inserted = new Set(httpFilters.map((f) => f.name));
+  const enabled = new Set(virtualHosts.flatMap((v) => Object.keys(v.typed_per_filter_config || {})));
+  let consistent = true;
+  for (const name of enabled)
+    if (!inserted.has(name)) {
+      consistent = false;
+      if (!quiet) fail(where, `a virtual host configures ${name}, which no patch inserts`);
+    }
+  for (const f of httpFilters)
+    if (f.disabled && !enabled.has(f.name)) {
+      consistent = false;
+      if (!quiet) fail(where, `${f.name} is inserted disabled and no virtual host turns it on`);
+    }
+  let listener = hcmListener(httpFilters, virtualHosts);
+  if (listenerPatch) listener = merge(listener, listenerPatch);
+  const clusters = [...grpc].map(h2Cluster);
+  clusters.push(UPSTREAM, cluster);
+  return envoyValidate(where, { static_resources: { listeners: [listener], clusters } }, quiet) && consistent;
 }
 
 // ---- Dockerfiles -----------------------------------------------------------------------------
@@ -386,6 +427,21 @@ function selfTest() {
     if (!existsSync(path)) { missed.push(`${name}: ${file} is missing`); continue; }
     const mutated = parseObjects(readFileSync(path, "utf8").replace(from, to));
     if (mutated.every((o) => (strictFieldErrors(o) ?? []).length === 0)) missed.push(`${name}: passed`);
+  }
+  // The EnvoyFilters' Envoy configuration is checked whole: a misspelled Envoy field, and a
+  // per-host config naming a filter the patches do not insert, are refused.
+  const envoyMutations = [
+    ["ext_proc disabled → disabeld", "disabled: true", "disabeld: true"],
+    ["per-host config for another filter", "          envoy.filters.http.ext_proc:\n", "          envoy.filters.http.ext_authz:\n"],
+    ["request_body_buffer_limit → request_body_buffer_limt", "request_body_buffer_limit:", "request_body_buffer_limt:"],
+  ];
+  for (const file of ["envoy/istio/gateway-envoyfilter.yaml", "envoy/istio/sidecar-envoyfilter.yaml"]) {
+    const text = readFileSync(join(ROOT, file), "utf8");
+    for (const [name, from, to] of envoyMutations) {
+      if (!text.includes(from)) { missed.push(`${file} ${name}: nothing to mutate`); continue; }
+      const [filter] = parseObjects(text.replace(from, to));
+      if (checkEnvoyFilter(`self-test ${file}`, filter, true)) missed.push(`${file} ${name}: Envoy accepted it`);
+    }
   }
   // Our own CRD schemas are strict too.
   const pool = { apiVersion: "inference.networking.k8s.io/v1", kind: "InferencePool", metadata: { name: "p" },
