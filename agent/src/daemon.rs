@@ -476,6 +476,19 @@ async fn blocks(State(agent): State<Arc<Agent>>, Path(name): Path<String>) -> Re
     axum::Json(hashes).into_response()
 }
 
+/// Test support: waits (at most 10 s) until `agent`'s engines are named `want`, in order.
+#[cfg(test)]
+pub(crate) async fn engines_become(agent: &Agent, want: &[&str]) {
+    let names = || -> Vec<String> { agent.engines().iter().map(|e| e.id.0.to_string()).collect() };
+    for _ in 0..1000 {
+        if names() == want {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("engines {:?}, want {want:?}", names());
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;

@@ -67,18 +67,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-
-    async fn wait_for(agent: &Agent, want: &[&str]) {
-        for _ in 0..500 {
-            let names: Vec<String> = agent.engines().iter().map(|e| e.id.0.to_string()).collect();
-            if names == want {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        let names: Vec<String> = agent.engines().iter().map(|e| e.id.0.to_string()).collect();
-        panic!("engines {names:?}, want {want:?}");
-    }
+    use crate::daemon::engines_become;
 
     #[tokio::test]
     async fn a_changed_file_changes_the_engines_and_a_broken_one_keeps_the_last() {
@@ -106,11 +95,11 @@ mod tests {
         let agent = Arc::new(Agent::start(config).await.expect("agent"));
         let mut membership = agent.membership();
         let task = tokio::spawn(run(Arc::clone(&agent), args, reload));
-        wait_for(&agent, &["10.0.0.1:8000"]).await;
+        engines_become(&agent, &["10.0.0.1:8000"]).await;
         let first = agent.engine("10.0.0.1:8000").expect("engine");
 
         std::fs::write(&path, engines(&["10.0.0.1:8000", "10.0.0.2:8000"])).expect("write");
-        wait_for(&agent, &["10.0.0.1:8000", "10.0.0.2:8000"]).await;
+        engines_become(&agent, &["10.0.0.1:8000", "10.0.0.2:8000"]).await;
         assert!(
             membership.has_changed().expect("agent alive"),
             "uplinks are told"
@@ -136,7 +125,7 @@ mod tests {
 
         // A valid file again: 10.0.0.1 goes, 10.0.0.3 comes.
         std::fs::write(&path, engines(&["10.0.0.3:8000", "10.0.0.2:8000"])).expect("write");
-        wait_for(&agent, &["10.0.0.2:8000", "10.0.0.3:8000"]).await;
+        engines_become(&agent, &["10.0.0.2:8000", "10.0.0.3:8000"]).await;
         assert_eq!(agent.metrics.engines.get(), 2);
         task.abort();
     }

@@ -11,7 +11,6 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use llmgw::feed::{FeedConfig, FeedService};
 use llmgw_agent::config::{AgentArgs, EngineConfig, EngineSpec};
 use llmgw_agent::daemon::Agent;
 use llmgw_agent::uplink::{self, UplinkConfig};
@@ -72,25 +71,7 @@ async fn publish_until_indexed(
 
 #[tokio::test]
 async fn engines_added_and_removed_reach_the_router_on_a_new_stream() {
-    let index = Arc::new(Index::default());
-    let nodes = [(
-        "n1".to_owned(),
-        [FIRST.to_owned(), SECOND.to_owned()]
-            .into_iter()
-            .collect::<HashSet<_>>(),
-    )]
-    .into_iter()
-    .collect();
-    let feed = FeedService::new(
-        index.clone(),
-        FeedConfig {
-            limits: llmgw::feed::FeedLimits::default(),
-            token: None,
-            nodes,
-            grace: Duration::from_secs(60),
-        },
-    );
-    let router = serve_router(None, (index, feed)).await;
+    let router = serve_router(None, feed_for("n1", &[FIRST, SECOND], None)).await;
 
     let mut first = Publisher::on_loopback("kv", false, 100)
         .await

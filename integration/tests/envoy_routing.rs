@@ -942,21 +942,6 @@ async fn streamed_ahead_passes_a_large_body_unchanged() {
     assert_eq!((status, replica.as_deref()), (200, Some("a")), "{text}");
 }
 
-/// Replicas `a` and `b` serving `tiny`, and a router for both on a free gRPC port with `flags`,
-/// once it has seen both healthy.
-async fn two_replicas_and_a_router(flags: &[&str]) -> (SimHandle, SimHandle, u16, RouterProcess) {
-    let a = sim("a", &["tiny"], 0, &[]);
-    let b = sim("b", &["tiny"], 0, &[]);
-    let grpc = free_port();
-    let router = start_router(
-        grpc,
-        &[format!("tiny={}", a.addr), format!("tiny={}", b.addr)],
-        flags,
-    );
-    router.wait_healthy(&[a.addr, b.addr]).await;
-    (a, b, grpc, router)
-}
-
 /// A body over the router's `--max-body-bytes` (16 MiB by default) through each shipped Envoy
 /// configuration: llmgw's own 413 with an OpenAI-style JSON error, never a reset or Envoy's
 /// plain-text answer, and the next request is routed as usual.

@@ -221,16 +221,8 @@ async fn send(
 }
 
 async fn llm_host_is_routed_by_llmgw_and_no_other_host_is(file: &str) {
-    let a = sim("a", &["tiny"], 0, &[]);
-    let b = sim("b", &["tiny"], 0, &[]);
+    let (a, b, _, router) = two_replicas_and_a_router(&[]).await;
     let other = echo_server("other").await;
-    let grpc = free_port();
-    let router = start_router(
-        grpc,
-        &[format!("tiny={}", a.addr), format!("tiny={}", b.addr)],
-        &[],
-    );
-    router.wait_healthy(&[a.addr, b.addr]).await;
     let (listen, admin) = (free_port(), free_port());
     let (config, domain) = patched_proxy(
         file,

@@ -25,6 +25,7 @@ pub mod fake_api;
 
 use std::path::PathBuf;
 
+use llmgw_core::kube_client::KubeClientError;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -38,16 +39,8 @@ pub use inference_pool::{ModelSource, PoolRef};
 pub enum DiscoveryError {
     #[error("invalid Kubernetes service {0:?}: expected MODEL=NAMESPACE/SERVICE:PORT")]
     Spec(String),
-    #[error("no Kubernetes client configuration (in-cluster or kubeconfig): {0}")]
-    Config(#[from] kube::config::InferConfigError),
-    #[error("kubeconfig {}: {source}", path.display())]
-    Kubeconfig {
-        path: PathBuf,
-        #[source]
-        source: kube::config::KubeconfigError,
-    },
-    #[error("Kubernetes client: {0}")]
-    Client(#[from] kube::Error),
+    #[error(transparent)]
+    Client(#[from] KubeClientError),
 }
 
 /// Discovery's options: flags (and `LLMGW_*` variables) with the same names as the
@@ -96,20 +89,7 @@ impl DiscoveryOptions {
 /// A client from `kubeconfig` when given, else the pod's service account, else the local
 /// kubeconfig.
 pub async fn client(kubeconfig: Option<&std::path::Path>) -> Result<kube::Client, DiscoveryError> {
-    let config = match kubeconfig {
-        Some(path) => {
-            let failed = |source| DiscoveryError::Kubeconfig {
-                path: path.to_path_buf(),
-                source,
-            };
-            let file = kube::config::Kubeconfig::read_from(path).map_err(failed)?;
-            kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
-                .await
-                .map_err(failed)?
-        }
-        None => kube::Config::infer().await?,
-    };
-    Ok(kube::Client::try_from(config)?)
+    Ok(llmgw_core::kube_client::client(kubeconfig).await?)
 }
 
 /// Which source a problem was seen in.

@@ -24,7 +24,6 @@ mod tests;
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::net::{IpAddr, SocketAddr};
-use std::path::Path;
 use std::sync::Arc;
 
 use futures::StreamExt;
@@ -41,39 +40,7 @@ pub const DATA_PARALLEL_ANNOTATION: &str = "llmgw.io/data-parallel-size";
 /// At most this many data-parallel ranks per pod (an annotation is input).
 pub const MAX_DATA_PARALLEL: u16 = 64;
 
-/// Errors setting up pod discovery.
-#[derive(Debug, thiserror::Error)]
-pub enum PodsError {
-    #[error("no Kubernetes client configuration (in-cluster or kubeconfig): {0}")]
-    Config(#[from] kube::config::InferConfigError),
-    #[error("kubeconfig {}: {source}", path.display())]
-    Kubeconfig {
-        path: std::path::PathBuf,
-        #[source]
-        source: kube::config::KubeconfigError,
-    },
-    #[error("Kubernetes client: {0}")]
-    Client(#[from] kube::Error),
-}
-
-/// A client from `kubeconfig` when given, else the pod's service account, else the local
-/// kubeconfig.
-pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, PodsError> {
-    let config = match kubeconfig {
-        Some(path) => {
-            let failed = |source| PodsError::Kubeconfig {
-                path: path.to_path_buf(),
-                source,
-            };
-            let file = kube::config::Kubeconfig::read_from(path).map_err(failed)?;
-            kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
-                .await
-                .map_err(failed)?
-        }
-        None => kube::Config::infer().await?,
-    };
-    Ok(kube::Client::try_from(config)?)
-}
+pub use llmgw_core::kube_client::{KubeClientError, client};
 
 /// A pod left out, and why.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]

@@ -5,6 +5,7 @@ use serde_json::{Value, json};
 
 use super::*;
 use crate::config::AgentArgs;
+use crate::daemon::engines_become;
 
 const PODS: &str = "/api/v1/namespaces/llm/pods";
 
@@ -228,18 +229,6 @@ fn discovery_settings_are_checked_at_start_up() {
     }
     let config = base.resolve().expect("config");
     assert!(config.engines.is_empty() && config.reload.is_none());
-}
-
-async fn engines_become(agent: &Agent, want: &[&str]) {
-    for _ in 0..1000 {
-        let names: Vec<String> = agent.engines().iter().map(|e| e.id.0.to_string()).collect();
-        if names == want {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let names: Vec<String> = agent.engines().iter().map(|e| e.id.0.to_string()).collect();
-    panic!("engines {names:?}, want {want:?}");
 }
 
 /// Against the fake API server: only this node's matching pods, followed as they start, stop

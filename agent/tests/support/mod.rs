@@ -101,10 +101,18 @@ pub async fn router_tls(addr: Option<&str>, token: Option<&str>, tls: Option<Ser
 
 /// An index stand-in and a feed service knowing `REPLICA` on node "n1".
 pub fn feed_for_n1(token: Option<&str>) -> (Arc<Index>, FeedService) {
+    feed_for("n1", &[REPLICA], token)
+}
+
+/// An index stand-in and a feed service knowing `replicas` on `node`.
+pub fn feed_for(node: &str, replicas: &[&str], token: Option<&str>) -> (Arc<Index>, FeedService) {
     let index = Arc::new(Index::default());
     let nodes = [(
-        "n1".to_owned(),
-        [REPLICA.to_owned()].into_iter().collect::<HashSet<_>>(),
+        node.to_owned(),
+        replicas
+            .iter()
+            .map(|r| (*r).to_owned())
+            .collect::<HashSet<_>>(),
     )]
     .into_iter()
     .collect();

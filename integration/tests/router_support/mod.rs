@@ -162,6 +162,23 @@ impl RouterProcess {
     }
 }
 
+/// Replicas `a` and `b` serving `tiny`, and a router for both on a free gRPC port with `flags`,
+/// once it has seen both healthy.
+pub async fn two_replicas_and_a_router(
+    flags: &[&str],
+) -> (SimHandle, SimHandle, u16, RouterProcess) {
+    let a = sim("a", &["tiny"], 0, &[]);
+    let b = sim("b", &["tiny"], 0, &[]);
+    let grpc = free_port();
+    let router = start_router(
+        grpc,
+        &[format!("tiny={}", a.addr), format!("tiny={}", b.addr)],
+        flags,
+    );
+    router.wait_healthy(&[a.addr, b.addr]).await;
+    (a, b, grpc, router)
+}
+
 /// A running Envoy with one of the repository's configurations.
 pub struct EnvoyProcess {
     pub listen: SocketAddr,
