@@ -20,7 +20,7 @@ use llmgw::kvindex::{IndexConfig, KvEventSink, KvIndex};
 use llmgw::metrics::Metrics;
 use llmgw::models::HashersByModel;
 use llmgw::openai::{EndpointKind, parse_request};
-use llmgw::pool::drift::DRIFT_ALERT;
+use llmgw::pool::drift::{DRIFT_ALERT, DRIFT_CLEAR};
 use llmgw::pool::monitor::{HttpProber, ProbeSettings, run_scrapes};
 use llmgw::pool::{Health, InFlightGuard, Pool, ReplicaSpec};
 use llmgw::scheduler::{Decision, PluginResources, Scheduler, SchedulerConfig, Scope};
@@ -683,7 +683,14 @@ async fn a_replica_with_another_tokenizer_shows_up_as_drift() {
     f.two_rounds(10).await;
     let _ = std::fs::remove_file(&path);
     let (consistent, upgraded) = (f.drift(0), f.drift(1));
-    assert!(consistent.drift.expect("judged") < 0.1, "{consistent:?}");
+    // On a loaded machine a /tokenize call may pass its deadline: that request is routed by
+    // the fallback tier, which the engine counts and the router's expectation does not (seen
+    // in CI: 4390 engine-counted prompt tokens for 3951 routed). So the consistent replica is
+    // judged healthy, under the clearing threshold, not exact; the agreement test is exact.
+    assert!(
+        consistent.drift.expect("judged") < DRIFT_CLEAR,
+        "{consistent:?}"
+    );
     assert_eq!(upgraded.expected_hits, 0, "{upgraded:?}");
     assert!(upgraded.observed_hits > 0, "{upgraded:?}");
     assert!(

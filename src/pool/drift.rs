@@ -38,7 +38,7 @@ pub const MIN_JUDGED_TOKENS: u64 = 2048;
 /// Drift from which a warning is logged.
 pub const DRIFT_ALERT: f64 = 0.5;
 /// Drift under which the warning is withdrawn (lower than the alert, so it does not flap).
-const DRIFT_CLEAR: f64 = 0.25;
+pub const DRIFT_CLEAR: f64 = 0.25;
 /// Window points kept: at most one per second.
 const POINT_SPACING: Duration = Duration::from_secs(1);
 
