@@ -174,6 +174,14 @@ e2e-vllm: $(ENVOY)
 	LLMGW_E2E_VLLM_PYTHON=$(VLLM_VENV)/bin/python LLMGW_E2E_VLLM_MODEL=$(E2E_MODEL) \
 	  $(CARGO) test -p llmgw-integration --test e2e_vllm -- --ignored --nocapture
 
+# Golden vectors made with vLLM's own code (fixtures/, read by the router's tests): how vLLM turns
+# an Anthropic /v1/messages request into the chat it renders. Opt-in: needs the venv e2e-vllm
+# installs; the files are committed, so `make test` never runs vLLM.
+.PHONY: fixtures-vllm
+fixtures-vllm:
+	e2e/install_vllm.sh $(VLLM_VENV) $(VLLM_VERSION)
+	$(VLLM_VENV)/bin/python e2e/make_fixtures.py fixtures/
+
 # libFuzzer on the agent's KV-event decoder (agent/fuzz, target decode_batch): cargo-fuzz on the
 # stable toolchain, its nightly-only flags unlocked with RUSTC_BOOTSTRAP=1 (no nightly here),
 # AddressSanitizer on. Seeded with every payload of ../shared/fixtures. Opt-in, never part of

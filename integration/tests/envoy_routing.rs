@@ -795,6 +795,62 @@ async fn bad_inputs_get_their_status_and_a_json_error() {
     assert_eq!(router.decisions("saturated").await, 1);
 }
 
+/// Anthropic's `/v1/messages` through Envoy: routed like a chat and answered by the replica in
+/// Anthropic's shape; a malformed body, an unknown model and an over-limit body are refused
+/// by llmgw in Anthropic's error shape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_are_routed_and_refused_in_anthropics_shape() {
+    let (a, b, grpc, router) = two_replicas_and_a_router(&[]).await;
+    let envoy = start_envoy("envoy.yaml", grpc, [a.addr, b.addr]).await;
+    let body = serde_json::json!({"model": "tiny", "max_tokens": 4, "system": "Be brief.",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]});
+    let (status, replica, text) = post(&envoy, "/v1/messages", body.to_string(), &[]).await;
+    assert_eq!(status, 200, "{text}");
+    assert!(matches!(replica.as_deref(), Some("a" | "b")), "{replica:?}");
+    let answer: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    assert_eq!(answer["type"], "message", "{answer}");
+    assert!(
+        answer["usage"]["input_tokens"]
+            .as_u64()
+            .is_some_and(|n| n > 0)
+    );
+
+    let over = serde_json::json!({"model": "tiny", "messages": [
+        {"role": "user", "content": "x".repeat(17 << 20)}]});
+    for (body, status, kind) in [
+        (
+            r#"{"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}"#.to_owned(),
+            400,
+            "invalid_request_error",
+        ),
+        ("{not json".to_owned(), 400, "invalid_request_error"),
+        (
+            r#"{"model": "big", "messages": [{"role": "user", "content": "x"}]}"#.to_owned(),
+            404,
+            "not_found_error",
+        ),
+        (over.to_string(), 413, "request_too_large"),
+    ] {
+        let (got, replica, text) = post(&envoy, "/v1/messages", body, &[]).await;
+        assert_eq!(
+            (got, replica),
+            (status, None),
+            "{}",
+            &text[..text.len().min(200)]
+        );
+        let error: serde_json::Value = serde_json::from_str(&text).expect("JSON error body");
+        assert_eq!(error["type"], "error", "{error}");
+        assert_eq!(error["error"]["type"], kind, "{error}");
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty())
+        );
+    }
+    assert_eq!(router.decisions("bad_request").await, 2);
+    assert_eq!(router.decisions("unknown_model").await, 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_replica_leaves_the_candidates_and_comes_back() {
     let a = sim("a", &["tiny"], 0, &[]);

@@ -385,6 +385,51 @@ async fn a_multi_turn_chat_follows_its_replica() {
     assert!(f.decisions("llmgw_kv_decisions_total", "hit") >= 3);
 }
 
+/// A coding agent's `/v1/messages` conversation (system blocks, tool use, tool results) is
+/// tokenized through `/tokenize` as the chat vLLM renders for it, so its later turns find their
+/// replica's cache through the KV index, and the engine confirms the hits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_messages_conversation_follows_its_replica_through_the_index() {
+    let f = fleet(3, 2000, Duration::from_secs(2)).await;
+    let mut messages = vec![json!({"role": "user", "content": "List the files, please."})];
+    let mut owner = None;
+    let mut cached = Vec::new();
+    for turn in 0..4 {
+        let body = json!({"model": MODEL, "max_tokens": 8,
+            "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=1"},
+                       {"type": "text", "text": long_prompt(11)}],
+            "tools": [{"name": "ls", "description": "List files", "input_schema": {"type": "object", "properties": {"dir": {"type": "string"}}}}],
+            "messages": messages});
+        let (chosen, answer) = f.route("/v1/messages", &body).await;
+        if let Some(owner) = owner {
+            assert_eq!(chosen, owner, "turn {turn}");
+        }
+        owner = Some(chosen);
+        cached.push(
+            answer["usage"]["cache_read_input_tokens"]
+                .as_u64()
+                .unwrap_or(0),
+        );
+        f.converge().await;
+        let reply = answer["content"][0]["text"]
+            .as_str()
+            .expect("assistant text")
+            .to_owned();
+        messages.push(json!({"role": "assistant", "content": [
+            {"type": "text", "text": reply},
+            {"type": "tool_use", "id": format!("toolu_{turn}"), "name": "ls", "input": {"dir": format!("src/{turn}")}},
+        ]}));
+        messages.push(json!({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": format!("toolu_{turn}"), "content": format!("a.rs\nb{turn}.rs")},
+        ]}));
+    }
+    assert!(f.decisions("llmgw_kv_decisions_total", "hit") >= 3);
+    assert!(
+        cached[1..].iter().all(|&c| c > 0),
+        "engine-counted cache hits per turn: {cached:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_salted_request_does_not_match_unsalted_blocks() {
     let f = fleet(2, 2000, Duration::from_secs(2)).await;

@@ -88,6 +88,17 @@ impl Http {
             .unwrap()
     }
 
+    async fn client_get_json(&self, path: &str) -> (u16, Value) {
+        let res = self
+            .client
+            .get(format!("{}{path}", self.base))
+            .send()
+            .await
+            .unwrap();
+        let status = res.status().as_u16();
+        (status, res.json().await.unwrap_or(Value::Null))
+    }
+
     async fn tokens(&self, body: Value) -> Vec<u32> {
         let (status, v) = self.post("/tokenize", body).await;
         assert_eq!(status, 200, "{v}");
@@ -630,6 +641,91 @@ async fn chat_tokenize_agrees_with_usage_and_turns_share_cached_prefixes() {
         .await;
     let (_, d) = http.post("/detokenize", json!({"tokens": plain})).await;
     assert_eq!(d["prompt"], "Licensed under the License");
+}
+
+#[tokio::test]
+async fn messages_speak_anthropic_and_share_cached_prefixes() {
+    let sim = sim(&["--block-size", "16"]);
+    let http = Http::new(&sim);
+    let (_, models) = http.client_get_json("/v1/models").await;
+    let model = models["data"][0]["id"]
+        .as_str()
+        .expect("a model")
+        .to_owned();
+    // The conversation vLLM renders for this request: system first, then the user's turn.
+    let chat = json!([
+        {"role": "system", "content": PROMPT},
+        {"role": "user", "content": "What does section 4 say?"},
+    ]);
+    let tokens = http.tokens(json!({"messages": chat})).await;
+    let turn1 = json!({"model": model, "max_tokens": 8, "system": [{"type": "text", "text": PROMPT}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "What does section 4 say?"}]}]});
+    let (status, v) = http.post("/v1/messages", turn1.clone()).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        (v["type"].as_str(), v["role"].as_str()),
+        (Some("message"), Some("assistant"))
+    );
+    assert_eq!(v["usage"]["input_tokens"], tokens.len(), "{v}");
+    assert_eq!(v["stop_reason"], "max_tokens");
+    let answer = v["content"][0]["text"].as_str().expect("text").to_owned();
+
+    // The next turn reads the first from the cache.
+    let mut turn2 = turn1.clone();
+    let messages = turn2["messages"].as_array_mut().expect("messages");
+    messages.push(json!({"role": "assistant", "content": [{"type": "text", "text": answer}]}));
+    messages.push(json!({"role": "user", "content": "And section 5?"}));
+    turn2["stream"] = json!(true);
+    let text = http
+        .client
+        .post(format!("{}/v1/messages", http.base))
+        .json(&turn2)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let events: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("event: "))
+        .collect();
+    assert_eq!(events.first(), Some(&"message_start"), "{text}");
+    assert_eq!(events.last(), Some(&"message_stop"), "{text}");
+    assert!(events.contains(&"content_block_delta"), "{text}");
+    let delta: Value = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find(|d| d["type"] == "message_delta")
+        .expect("a message_delta");
+    let cached = delta["usage"]["cache_read_input_tokens"].as_u64().unwrap();
+    assert!(
+        cached >= (tokens.len() as u64 / 16 - 1) * 16,
+        "cached {cached}: {delta}"
+    );
+
+    // Errors in Anthropic's shape.
+    for (body, status, kind) in [
+        (
+            json!({"model": model, "messages": [{"role": "robot", "content": "x"}]}),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
+            404,
+            "not_found_error",
+        ),
+    ] {
+        let (got, e) = http.post("/v1/messages", body).await;
+        assert_eq!(got, status, "{e}");
+        assert_eq!(
+            (e["type"].as_str(), e["error"]["type"].as_str()),
+            (Some("error"), Some(kind)),
+            "{e}"
+        );
+    }
 }
 
 #[tokio::test]

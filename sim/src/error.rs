@@ -69,6 +69,21 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// The error as vLLM's `/v1/messages` answers it: `{"type": "error", "error": {"type",
+    /// "message"}}`.
+    pub fn into_anthropic_response(self) -> Response {
+        let kind = match self.status {
+            StatusCode::BAD_REQUEST => "invalid_request_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
+            _ => "api_error",
+        };
+        let body = json!({"type": "error", "error": {"type": kind, "message": self.message}});
+        (self.status, Json(body)).into_response()
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         (self.status, Json(self.body())).into_response()

@@ -71,6 +71,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/messages", post(messages))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/v1/models", get(models))
@@ -295,6 +296,8 @@ impl AppState {
 enum Api {
     Completions,
     Chat,
+    /// Anthropic's `/v1/messages`, as vLLM answers it.
+    Messages,
 }
 
 struct Generation {
@@ -362,13 +365,118 @@ impl Generation {
                 "prompt_logprobs": null,
                 "kv_transfer_params": null,
             }),
+            Api::Messages => json!({
+                "id": self.id,
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "text", "text": text}],
+                "model": self.model,
+                "stop_reason": Self::stop_reason(f),
+                "stop_sequence": null,
+                "usage": Self::messages_usage(f),
+            }),
         }
+    }
+
+    /// Anthropic's names for why generation stopped.
+    fn stop_reason(f: &Finished) -> &'static str {
+        match f.reason.as_str() {
+            "length" => "max_tokens",
+            _ => "end_turn",
+        }
+    }
+
+    fn messages_usage(f: &Finished) -> Value {
+        json!({
+            "input_tokens": f.prompt_tokens,
+            "output_tokens": f.completion_tokens,
+            "cache_read_input_tokens": f.cached_tokens,
+        })
+    }
+
+    /// One Anthropic stream event.
+    fn event(name: &str, data: &Value) -> Bytes {
+        Bytes::from(format!("event: {name}\ndata: {data}\n\n"))
+    }
+
+    /// What a stream starts with: the role's chunk, or Anthropic's message and block starts.
+    fn first_frame(&self) -> Option<Bytes> {
+        match self.api {
+            Api::Completions => None,
+            Api::Chat => Some(sse(&self.chunk(json!({
+                "index": 0, "delta": {"role": "assistant", "content": ""},
+                "logprobs": null, "finish_reason": null,
+            })))),
+            Api::Messages => {
+                let mut out = Self::event(
+                    "message_start",
+                    &json!({"type": "message_start", "message": {
+                        "id": self.id, "type": "message", "role": "assistant", "content": [],
+                        "model": self.model, "stop_reason": null, "stop_sequence": null,
+                        "usage": {"input_tokens": 0, "output_tokens": 0},
+                    }}),
+                )
+                .to_vec();
+                out.extend_from_slice(&Self::event(
+                    "content_block_start",
+                    &json!({"type": "content_block_start", "index": 0,
+                        "content_block": {"type": "text", "text": ""}}),
+                ));
+                Some(Bytes::from(out))
+            }
+        }
+    }
+
+    /// One token's text in the stream.
+    fn delta_frame(&self, text: &str) -> Bytes {
+        match self.api {
+            Api::Messages => Self::event(
+                "content_block_delta",
+                &json!({"type": "content_block_delta", "index": 0,
+                    "delta": {"type": "text_delta", "text": text}}),
+            ),
+            _ => sse(&self.delta(text, None)),
+        }
+    }
+
+    /// The last token's text, and how the stream ends.
+    fn last_frames(&self, text: &str, f: &Finished) -> Bytes {
+        let mut out = Vec::new();
+        match self.api {
+            Api::Messages => {
+                if !text.is_empty() {
+                    out.extend_from_slice(&self.delta_frame(text));
+                }
+                out.extend_from_slice(&Self::event(
+                    "content_block_stop",
+                    &json!({"type": "content_block_stop", "index": 0}),
+                ));
+                out.extend_from_slice(&Self::event(
+                    "message_delta",
+                    &json!({"type": "message_delta",
+                        "delta": {"stop_reason": Self::stop_reason(f), "stop_sequence": null},
+                        "usage": Self::messages_usage(f)}),
+                ));
+                out.extend_from_slice(&Self::event(
+                    "message_stop",
+                    &json!({"type": "message_stop"}),
+                ));
+            }
+            _ => {
+                out.extend_from_slice(&sse(&self.delta(text, Some(f.reason.as_str()))));
+                if self.include_usage {
+                    out.extend_from_slice(&sse(&self.usage_chunk(f)));
+                }
+                out.extend_from_slice(b"data: [DONE]\n\n");
+            }
+        }
+        Bytes::from(out)
     }
 
     fn chunk(&self, choice: Value) -> Value {
         let object = match self.api {
             Api::Completions => "text_completion",
-            Api::Chat => "chat.completion.chunk",
+            Api::Chat | Api::Messages => "chat.completion.chunk",
         };
         json!({
             "id": self.id,
@@ -385,7 +493,7 @@ impl Generation {
                 "index": 0, "text": text, "logprobs": null,
                 "finish_reason": finish, "stop_reason": null,
             })),
-            Api::Chat => self.chunk(json!({
+            Api::Chat | Api::Messages => self.chunk(json!({
                 "index": 0, "delta": {"content": text}, "logprobs": null,
                 "finish_reason": finish, "stop_reason": null,
             })),
@@ -426,6 +534,7 @@ async fn generate(
     let prefix = match api {
         Api::Completions => "cmpl",
         Api::Chat => "chatcmpl",
+        Api::Messages => "msg",
     };
     let resp = Generation {
         api,
@@ -451,12 +560,7 @@ async fn generate(
 
     // Streaming: one chunk per token; the last token's chunk carries finish_reason.
     let tokenizer = Arc::clone(&state.tokenizer);
-    let first = (api == Api::Chat).then(|| {
-        sse(&resp.chunk(json!({
-            "index": 0, "delta": {"role": "assistant", "content": ""},
-            "logprobs": null, "finish_reason": null,
-        })))
-    });
+    let first = resp.first_frame();
     let body = futures::stream::unfold(
         (rx, resp, None::<u32>, false),
         move |(mut rx, resp, mut held, done)| {
@@ -471,24 +575,17 @@ async fn generate(
                             // Hold one token back so the final one can carry finish_reason.
                             if let Some(prev) = held.replace(t) {
                                 let text = tokenizer.decode(&[prev]).unwrap_or_default();
-                                let frame = sse(&resp.delta(&text, None));
+                                let frame = resp.delta_frame(&text);
                                 return Some((frame, (rx, resp, held, false)));
                             }
                         }
                         Some(Output::Finished(f)) => {
-                            let mut out = Vec::new();
                             let text = held
                                 .take()
                                 .map(|t| tokenizer.decode(&[t]).unwrap_or_default())
                                 .unwrap_or_default();
-                            out.extend_from_slice(
-                                &sse(&resp.delta(&text, Some(f.reason.as_str()))),
-                            );
-                            if resp.include_usage {
-                                out.extend_from_slice(&sse(&resp.usage_chunk(&f)));
-                            }
-                            out.extend_from_slice(b"data: [DONE]\n\n");
-                            return Some((Bytes::from(out), (rx, resp, None, true)));
+                            let frames = resp.last_frames(&text, &f);
+                            return Some((frames, (rx, resp, None, true)));
                         }
                         Some(Output::Failed(msg)) => {
                             let mut out = sse(&ApiError::internal(msg).body()).to_vec();
@@ -555,6 +652,53 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Re
     }
     .await;
     result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `/v1/messages`: the conversation as vLLM renders it (the router's own conversion, checked
+/// against vLLM's in the router's tests), generated like a chat, answered in Anthropic's shape;
+/// errors too.
+async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    #[derive(Deserialize)]
+    struct Limits {
+        max_tokens: Option<i64>,
+    }
+    let result = async {
+        let parsed = llmgw::openai::parse_request(llmgw::openai::EndpointKind::Messages, &body)
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let limits: Limits = parse(&body)?;
+        state.check_model(Some(&parsed.model))?;
+        let llmgw::openai::RequestInput::Chat(chat) = &parsed.input else {
+            return Err(ApiError::internal("a messages request is a chat"));
+        };
+        let conversation: Vec<Value> = serde_json::from_str(chat.messages.get())
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+        let prompt = state.chat_tokens(
+            &conversation,
+            ChatOptions {
+                add_generation_prompt: true,
+                continue_final_message: false,
+                add_special_tokens: false,
+            },
+        )?;
+        let sampling = Sampling {
+            model: Some(parsed.model.clone()),
+            max_tokens: limits.max_tokens,
+            stream: parsed.stream,
+            stream_options: None,
+            cache_salt: parsed.cache_salt.clone(),
+            n: None,
+        };
+        respond(
+            &state,
+            (Api::Messages, sampling),
+            prompt,
+            limits.max_tokens,
+            None,
+        )
+        .await
+    }
+    .await;
+    result.unwrap_or_else(|e| e.into_anthropic_response())
 }
 
 /// Validates a request's generation settings against its prompt and generates the answer:

@@ -108,7 +108,7 @@ pub struct Routed<H> {
     pub headers: Vec<(&'static str, String)>,
 }
 
-/// A refusal, answered to the client as an OpenAI-style JSON error.
+/// A refusal, answered to the client as a JSON error in the shape of the API it speaks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rejection {
     /// HTTP status.
@@ -116,6 +116,26 @@ pub struct Rejection {
     /// OpenAI error `type` (e.g. `invalid_request_error`).
     pub error_type: &'static str,
     pub message: String,
+    /// The error body's shape (OpenAI's, or Anthropic's for `/v1/messages`).
+    pub style: crate::openai::ErrorStyle,
+}
+
+impl Rejection {
+    /// An OpenAI-style refusal (see [`Rejection::for_path`] for the API's own shape).
+    pub fn new(status: u16, error_type: &'static str, message: impl Into<String>) -> Rejection {
+        Rejection {
+            status,
+            error_type,
+            message: message.into(),
+            style: crate::openai::ErrorStyle::OpenAi,
+        }
+    }
+
+    /// This refusal shaped for the API the request at `path` speaks.
+    pub fn for_path(mut self, path: &str) -> Rejection {
+        self.style = crate::openai::ErrorStyle::for_path(path);
+        self
+    }
 }
 
 /// Decides where a request goes. Implemented by the router over the scheduler, and by fakes in

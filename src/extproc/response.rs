@@ -13,6 +13,7 @@ use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 
 use super::{MAX_CHUNK, Rejection};
+use crate::openai::ErrorStyle;
 
 /// The namespace the `override_host` load-balancing policy (and subset LB) reads.
 const LB_NAMESPACE: &str = "envoy.lb";
@@ -187,18 +188,42 @@ pub(super) fn echo_request_body(body: &[u8], end_of_stream: bool) -> Vec<Process
         .collect()
 }
 
-/// An OpenAI-style error document: `{"error": {"message", "type", "param", "code"}}`.
+/// The error document: OpenAI's `{"error": {"message", "type", "param", "code"}}`, or
+/// Anthropic's `{"type": "error", "error": {"type", "message"}}` with Anthropic's error types.
 pub fn error_body(rejection: &Rejection) -> Vec<u8> {
-    serde_json::json!({
-        "error": {
-            "message": rejection.message,
-            "type": rejection.error_type,
-            "param": null,
-            "code": rejection.status,
-        }
-    })
-    .to_string()
-    .into_bytes()
+    let body = match rejection.style {
+        ErrorStyle::OpenAi => serde_json::json!({
+            "error": {
+                "message": rejection.message,
+                "type": rejection.error_type,
+                "param": null,
+                "code": rejection.status,
+            }
+        }),
+        ErrorStyle::Anthropic => serde_json::json!({
+            "type": "error",
+            "error": {
+                "type": anthropic_error_type(rejection),
+                "message": rejection.message,
+            }
+        }),
+    };
+    body.to_string().into_bytes()
+}
+
+/// Anthropic's name for a refusal with this status.
+fn anthropic_error_type(rejection: &Rejection) -> &'static str {
+    match rejection.status {
+        400 => "invalid_request_error",
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        500..=599 => "api_error",
+        _ => rejection.error_type,
+    }
 }
 
 /// A local reply with `rejection` as the JSON error body.

@@ -219,7 +219,12 @@ impl<P: Picker> StreamState<P> {
         &mut self,
         chunk: InboundBody,
     ) -> Result<Vec<ProcessingResponse>, ProtocolError> {
-        let Phase::CollectingBody { body, messages, .. } = &mut self.phase else {
+        let Phase::CollectingBody {
+            request,
+            body,
+            messages,
+        } = &mut self.phase
+        else {
             return match self.phase {
                 Phase::AwaitingHeaders => Err(ProtocolError::BeforeHeaders("request body")),
                 // Late chunks after routing (STREAMED mode) pass unchanged.
@@ -227,14 +232,15 @@ impl<P: Picker> StreamState<P> {
             };
         };
         if body.len() + chunk.body.len() > self.settings.max_body_bytes {
-            let rejection = Rejection {
-                status: 413,
-                error_type: "invalid_request_error",
-                message: format!(
+            let rejection = Rejection::new(
+                413,
+                "invalid_request_error",
+                format!(
                     "request body exceeds the limit of {} bytes",
                     self.settings.max_body_bytes
                 ),
-            };
+            )
+            .for_path(&request.path);
             self.picker.rejected_by_protocol(&rejection);
             return Ok(self.reject(rejection));
         }

@@ -42,11 +42,7 @@ impl Picker for FakePicker {
         let reject = request.body.as_deref() == Some(b"reject".as_slice());
         self.seen.lock().push(request);
         if reject {
-            return Err(Rejection {
-                status: 429,
-                error_type: "rate_limit_error",
-                message: "busy".to_string(),
-            });
+            return Err(Rejection::new(429, "rate_limit_error", "busy"));
         }
         self.live_holds.fetch_add(1, Ordering::SeqCst);
         Ok(Routed {

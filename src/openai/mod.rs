@@ -13,6 +13,8 @@
 //! Pure functions, no shared state: safe to call from any task. A [`PromptText`] decodes at
 //! most once, thread-safely ([`OnceLock`]).
 
+mod anthropic;
+mod pyjson;
 mod skim;
 mod usage;
 
@@ -31,6 +33,8 @@ pub enum EndpointKind {
     Completions,
     /// `POST /v1/chat/completions`
     ChatCompletions,
+    /// `POST /v1/messages` (Anthropic's Messages API, as vLLM serves it)
+    Messages,
 }
 
 impl EndpointKind {
@@ -42,6 +46,7 @@ impl EndpointKind {
         match path {
             "/v1/completions" => Some(EndpointKind::Completions),
             "/v1/chat/completions" => Some(EndpointKind::ChatCompletions),
+            "/v1/messages" => Some(EndpointKind::Messages),
             _ => None,
         }
     }
@@ -51,7 +56,33 @@ impl EndpointKind {
         match self {
             EndpointKind::Completions => "completions",
             EndpointKind::ChatCompletions => "chat_completions",
+            EndpointKind::Messages => "messages",
         }
+    }
+
+    /// The shape of this endpoint's error bodies.
+    pub fn error_style(self) -> ErrorStyle {
+        match self {
+            EndpointKind::Messages => ErrorStyle::Anthropic,
+            EndpointKind::Completions | EndpointKind::ChatCompletions => ErrorStyle::OpenAi,
+        }
+    }
+}
+
+/// How an error body is shaped: the API the client speaks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ErrorStyle {
+    /// `{"error": {"message", "type", "param", "code"}}`
+    #[default]
+    OpenAi,
+    /// `{"type": "error", "error": {"type", "message"}}`
+    Anthropic,
+}
+
+impl ErrorStyle {
+    /// The style of the endpoint at `path` (OpenAI's for any other path).
+    pub fn for_path(path: &str) -> ErrorStyle {
+        EndpointKind::from_path(path).map_or(ErrorStyle::OpenAi, EndpointKind::error_style)
     }
 }
 
@@ -178,6 +209,9 @@ pub struct ChatInput {
     pub add_generation_prompt: Option<bool>,
     /// vLLM's `continue_final_message`.
     pub continue_final_message: Option<bool>,
+    /// Set when vLLM renders this conversation in a way the router cannot reproduce (see
+    /// `anthropic`): its tokens are not trusted for the KV index, and the prefix tree routes it.
+    pub unreproducible: Option<&'static str>,
 }
 
 /// What the request asks the model to read.
@@ -223,6 +257,10 @@ pub enum ParseError {
     InvalidPrompt,
     #[error("\"messages\" must be an array")]
     InvalidMessages,
+    #[error("a message's \"role\" must be \"user\", \"assistant\" or \"system\"")]
+    InvalidRole,
+    #[error("a message's \"content\" must be a string or an array of content blocks")]
+    InvalidContent,
 }
 
 impl From<SkimError> for ParseError {
@@ -323,6 +361,9 @@ pub fn parse_request(kind: EndpointKind, body: &[u8]) -> Result<ParsedRequest, P
             what: "invalid UTF-8",
         })
     })?;
+    if kind == EndpointKind::Messages {
+        return anthropic::parse_messages(text);
+    }
     let mut members = Members::default();
     skim::walk_object(body, |key, start| members.read(text, key, start))?;
 
@@ -353,8 +394,11 @@ pub fn parse_request(kind: EndpointKind, body: &[u8]) -> Result<ParsedRequest, P
                     "continue_final_message",
                     members.continue_final_message,
                 )?,
+                unreproducible: None,
             })
         }
+        // Parsed above, before the OpenAI walk.
+        EndpointKind::Messages => return anthropic::parse_messages(text),
     };
     Ok(ParsedRequest {
         kind,

@@ -5,11 +5,13 @@
 
 use serde::Deserialize;
 
-/// A response's `usage`.
+/// A response's `usage` (Anthropic's `/v1/messages` names them `input_tokens` and
+/// `output_tokens`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 pub struct Usage {
+    #[serde(alias = "input_tokens")]
     pub prompt_tokens: u64,
-    #[serde(default)]
+    #[serde(default, alias = "output_tokens")]
     pub completion_tokens: u64,
 }
 
@@ -50,6 +52,18 @@ mod tests {
             Some(Usage {
                 prompt_tokens: 7,
                 completion_tokens: 3
+            })
+        );
+    }
+
+    #[test]
+    fn an_anthropic_messages_usage_is_read() {
+        let body = br#"{"id":"msg_1","type":"message","content":[{"type":"text","text":"hi"}],"stop_reason":"end_turn","usage":{"input_tokens":9,"output_tokens":2}}"#;
+        assert_eq!(
+            usage_in_tail(body),
+            Some(Usage {
+                prompt_tokens: 9,
+                completion_tokens: 2
             })
         );
     }

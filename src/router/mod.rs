@@ -109,11 +109,7 @@ impl Router {
             .in_scope(|| parse_request(kind, body))
             .map_err(|error| {
                 self.metrics.record(Outcome::BadRequest);
-                Rejection {
-                    status: 400,
-                    error_type: "invalid_request_error",
-                    message: error.to_string(),
-                }
+                Rejection::new(400, "invalid_request_error", error.to_string())
             })?;
         span.record("model", parsed.model.as_str());
         *model = Some(parsed.model.clone());
@@ -235,11 +231,7 @@ impl Router {
             }
         };
         self.metrics.record(outcome);
-        Rejection {
-            status,
-            error_type,
-            message: error.to_string(),
-        }
+        Rejection::new(status, error_type, error.to_string())
     }
 
     fn refuse(&self, error: DecideError) -> Rejection {
@@ -252,11 +244,7 @@ impl Router {
             DecideError::BadRequest(_) => (400, "invalid_request_error", Outcome::BadRequest),
         };
         self.metrics.record(outcome);
-        Rejection {
-            status,
-            error_type,
-            message: error.to_string(),
-        }
+        Rejection::new(status, error_type, error.to_string())
     }
 }
 
@@ -305,6 +293,7 @@ impl Picker for Router {
         }
         let started = Instant::now();
         let body_bytes = request.body.as_ref().map_or(0, |b| b.len());
+        let path = request.path.clone();
         let mut model = None;
         let (result, cpu) = CpuTimed::new(
             self.route(request, &span, &mut model)
@@ -325,7 +314,7 @@ impl Picker for Router {
                 if let Some(model) = model {
                     objective.error(model, error_code(rejection.status));
                 }
-                return Err(rejection);
+                return Err(rejection.for_path(&path));
             }
         };
         self.metrics.record(outcome);

@@ -152,6 +152,57 @@ async fn bad_inputs_get_their_statuses() {
 }
 
 #[tokio::test]
+async fn messages_are_routed_and_refused_in_anthropics_shape() {
+    let pool = pool();
+    let router = router(&pool, false);
+    let routed = router
+        .pick(post(
+            "/v1/messages",
+            r#"{"model":"tiny","max_tokens":8,"system":"s","messages":[{"role":"user","content":"hi"}]}"#,
+        ))
+        .await
+        .expect("routed");
+    assert!(routed.destination.starts_with("127.0.0.1:800"));
+    for (body, status, kind) in [
+        (
+            r#"{"model":"tiny","messages":[{"role":"robot","content":"x"}]}"#,
+            400,
+            "invalid_request_error",
+        ),
+        ("{oops", 400, "invalid_request_error"),
+        (
+            r#"{"model":"big","messages":[{"role":"user","content":"x"}]}"#,
+            404,
+            "not_found_error",
+        ),
+    ] {
+        let rejection = router
+            .pick(post("/v1/messages", body))
+            .await
+            .expect_err(body);
+        assert_eq!(rejection.status, status, "{body}");
+        assert_eq!(rejection.style, crate::openai::ErrorStyle::Anthropic);
+        let error: serde_json::Value =
+            serde_json::from_slice(&crate::extproc::error_body(&rejection)).expect("JSON");
+        assert_eq!(error["type"], "error", "{error}");
+        assert_eq!(error["error"]["type"], kind, "{error}");
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty())
+        );
+    }
+    // The same refusal on an OpenAI path keeps OpenAI's shape.
+    let rejection = router
+        .pick(post("/v1/chat/completions", "{oops"))
+        .await
+        .expect_err("bad JSON");
+    let error: serde_json::Value =
+        serde_json::from_slice(&crate::extproc::error_body(&rejection)).expect("JSON");
+    assert_eq!(error["error"]["code"], 400);
+}
+
+#[tokio::test]
 async fn non_completions_go_to_any_ready_replica() {
     let pool = pool();
     let router = router(&pool, false);

@@ -101,6 +101,9 @@ pub enum TokenizeError {
     Timeout(Duration),
     #[error("tokenize call to {replica} failed: {reason}")]
     Call { replica: String, reason: String },
+    /// vLLM renders the conversation in a way the router cannot reproduce.
+    #[error("the prompt vLLM renders cannot be reproduced: {0}")]
+    NotReproducible(&'static str),
 }
 
 impl TokenizeError {
@@ -110,6 +113,7 @@ impl TokenizeError {
             TokenizeError::NoReplica => "tokenize_no_replica",
             TokenizeError::Timeout(_) => "tokenize_timeout",
             TokenizeError::Call { .. } => "tokenize_error",
+            TokenizeError::NotReproducible(_) => "tokenize_not_reproducible",
         }
     }
 }
@@ -374,8 +378,15 @@ impl Tokenizer {
         request: &ParsedRequest,
         replicas: &[&str],
     ) -> Result<Tokens, TokenizeError> {
-        if let RequestInput::Completion(Prompt::TokenIds(ids)) = &request.input {
-            return Ok(Arc::from(ids.as_slice()));
+        match &request.input {
+            RequestInput::Completion(Prompt::TokenIds(ids)) => {
+                return Ok(Arc::from(ids.as_slice()));
+            }
+            RequestInput::Chat(crate::openai::ChatInput {
+                unreproducible: Some(why),
+                ..
+            }) => return Err(TokenizeError::NotReproducible(why)),
+            _ => {}
         }
         // Writing the body once gives both the cache key and the bytes to send.
         let body = tokenize_body(request);

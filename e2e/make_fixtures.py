@@ -1,0 +1,162 @@
+"""Golden vectors made with vLLM's own code (the venv `make e2e-vllm` installs), for the
+router's tests: how vLLM turns an Anthropic `/v1/messages` request into the chat messages and
+tools its chat template renders (AnthropicServingMessages.to_chat_completion_request).
+
+Usage: .venv-vllm/bin/python e2e/make_fixtures.py fixtures/   (make fixtures-vllm)
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import vllm
+from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+
+def anthropic_cases():
+    tool = {
+        "name": "read_file",
+        "description": "Read a file",
+        "input_schema": {
+            "type": "object",
+            "properties": {"path": {"type": "string"}, "lines": {"type": "integer"}},
+            "required": ["path"],
+        },
+    }
+    return {
+        "plain": {
+            "model": "m",
+            "max_tokens": 16,
+            "system": "You are terse.",
+            "messages": [{"role": "user", "content": "Hello there"}],
+        },
+        "no_system": {
+            "model": "m",
+            "max_tokens": 16,
+            "messages": [{"role": "user", "content": "Hi"}],
+        },
+        "system_blocks_and_billing_header": {
+            "model": "m",
+            "max_tokens": 16,
+            "system": [
+                {"type": "text", "text": "x-anthropic-billing-header: cc_version=1.2.3; hash=abc"},
+                {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+                {"type": "text", "text": " Be careful."},
+            ],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "go"}]}],
+        },
+        "multi_turn_blocks": {
+            "model": "m",
+            "max_tokens": 16,
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "Let me think.", "signature": "sig"},
+                    {"type": "text", "text": "Answer."},
+                ]},
+                {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "b64"}, {"type": "text", "text": "More."}]},
+                {"role": "user", "content": "thanks"},
+            ],
+        },
+        "tools_round_trip": {
+            "model": "m",
+            "max_tokens": 16,
+            "system": "Use tools.",
+            "tools": [tool, {"name": "noop", "input_schema": {"type": "object"}, "strict": True}],
+            "tool_choice": {"type": "auto"},
+            "messages": [
+                {"role": "user", "content": "Read the README"},
+                {"role": "assistant", "content": [
+                    {"type": "text", "text": "Reading."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "read_file",
+                     "input": {"path": "README.md", "lines": 10, "opts": {"z": [1, 2.5, 1e-07, 1e20, -0.0, True, None], "a": "caf\u00e9 \U0001F600 \"q\" \\ \n"}}},
+                ]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "line one\nline two"},
+                    {"type": "text", "text": "and now?"},
+                ]},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_2", "name": "noop", "input": {}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_2", "content": [
+                        {"type": "text", "text": "part a"}, {"type": "text", "text": "part b"}]},
+                ]},
+            ],
+        },
+        "tool_result_only": {
+            "model": "m",
+            "max_tokens": 16,
+            "messages": [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {"k": "v"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]},
+            ],
+        },
+        "inline_system": {
+            "model": "m",
+            "max_tokens": 16,
+            "system": "Top.",
+            "messages": [
+                {"role": "user", "content": "one"},
+                {"role": "system", "content": "Reminder."},
+                {"role": "system", "content": [{"type": "text", "text": "x-anthropic-billing-header: h"}]},
+                {"role": "user", "content": "two"},
+            ],
+        },
+        "image": {
+            "model": "m",
+            "max_tokens": 16,
+            "messages": [{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
+                {"type": "image", "source": {"type": "url", "url": "https://example.invalid/a.png"}},
+                {"type": "text", "text": "what is this?"},
+            ]}],
+        },
+        "salt_stream_kwargs": {
+            "model": "m",
+            "max_tokens": 16,
+            "stream": True,
+            "cache_salt": "tenant-a",
+            "chat_template_kwargs": {"enable_thinking": False},
+            "messages": [{"role": "user", "content": "Hi"}],
+        },
+    }
+
+
+def strip_none(value):
+    if isinstance(value, dict):
+        return {k: strip_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [strip_none(v) for v in value]
+    return value
+
+
+def main(out_dir: Path):
+    cases = []
+    for name, request in anthropic_cases().items():
+        for merge in (False, True):
+            parsed = AnthropicMessagesRequest.model_validate(request)
+            chat = AnthropicServingMessages.to_chat_completion_request(parsed, merge_inline_system=merge)
+            cases.append({
+                "name": name,
+                "merge_inline_system": merge,
+                "request": request,
+                # The body as sent, keys in order (a tool input's order reaches the prompt).
+                "body": json.dumps(request, ensure_ascii=False),
+                "messages": chat.messages,
+                "tools": None if chat.tools is None else [strip_none(t.model_dump()) for t in chat.tools],
+                "cache_salt": chat.cache_salt,
+                "stream": bool(chat.stream),
+                "chat_template_kwargs": chat.chat_template_kwargs,
+            })
+    out = {
+        "made_by": f"vllm {vllm.__version__}: AnthropicServingMessages.to_chat_completion_request (e2e/make_fixtures.py)",
+        "cases": cases,
+    }
+    path = out_dir / f"vllm-{vllm.__version__}-anthropic-messages.json"
+    path.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {path}: {len(cases)} cases")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
