@@ -140,11 +140,7 @@ async fn tail_prints_each_batch_as_one_json_line() {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
+    llmgw_core::test_ports::loopback_port()
 }
 
 fn http_get(port: u16, path: &str) -> Option<String> {

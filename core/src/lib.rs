@@ -18,3 +18,5 @@ pub mod telemetry;
 
 #[doc(hidden)]
 pub mod fixtures;
+#[doc(hidden)]
+pub mod test_ports;

@@ -70,11 +70,10 @@ pub fn envoy_bin() -> PathBuf {
     path
 }
 
-/// A loopback port free at the time of the call, for processes (like Envoy) that take fixed
-/// ports in their configuration.
+/// A loopback port for processes (like Envoy) that take fixed ports in their configuration,
+/// from outside the kernel's ephemeral range so no outgoing connection takes it meanwhile.
 pub fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind loopback");
-    listener.local_addr().expect("local addr").port()
+    llmgw_core::test_ports::loopback_port()
 }
 
 /// An Envoy configuration from `envoy/` pointed at this run's ports: the listener (10000), the
