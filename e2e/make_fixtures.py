@@ -1,13 +1,19 @@
 """Golden vectors made with vLLM's own code (the venv `make e2e-vllm` installs), for the
 router's tests: how vLLM turns an Anthropic `/v1/messages` request into the chat messages and
-tools its chat template renders (AnthropicServingMessages.to_chat_completion_request).
+tools its chat template renders (AnthropicServingMessages.to_chat_completion_request), and the
+block hashes of LoRA adapter requests (a v1 Request with a LoRARequest, hashed by the engine's
+own get_request_block_hasher with sha256_cbor, PYTHONHASHSEED=1729).
 
 Usage: .venv-vllm/bin/python e2e/make_fixtures.py fixtures/   (make fixtures-vllm)
 """
 
 import json
+import os
 import sys
 from pathlib import Path
+
+# The engine reads the NONE_HASH seed from the environment when init_none_hash runs.
+os.environ["PYTHONHASHSEED"] = "1729"
 
 import vllm
 from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
@@ -123,6 +129,50 @@ def anthropic_cases():
     }
 
 
+def lora_block_hash_cases():
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.request import Request
+
+    kv_cache_utils.init_none_hash(sha256_cbor)
+    tokens = [(i * 7919 + 13) % 150000 for i in range(80)] + [0, 1, 23, 24, 255, 256, 65535, 65536]
+    adapters = [
+        ("sql", "/adapters/sql"),
+        ("sql", "/other/place/sql"),  # same name, another path: other hashes
+        ("café-ünï", "/adapters/a-path-longer-than-twenty-three-bytes/ünï"),
+        ("x", "p"),
+    ]
+    cases = []
+    for block_size in (16, 32):
+        for name, path in adapters:
+            for salt in (None, "tenant-a"):
+                lora = LoRARequest(lora_name=name, lora_int_id=1, lora_path=path)
+                request = Request(
+                    request_id="golden",
+                    prompt_token_ids=tokens,
+                    sampling_params=SamplingParams(max_tokens=1),
+                    pooling_params=None,
+                    lora_request=lora,
+                    cache_salt=salt,
+                    block_hasher=kv_cache_utils.get_request_block_hasher(block_size, sha256_cbor),
+                )
+                digests = [bytes(h) for h in request.block_hashes]
+                cases.append({
+                    "algo": "sha256_cbor",
+                    "seed": "1729",
+                    "block_size": block_size,
+                    "lora_name": name,
+                    "lora_path": path,
+                    "cache_salt": salt,
+                    "tokens": tokens,
+                    "digests": [d.hex() for d in digests],
+                    "external_u64": [int.from_bytes(d[-8:], "big") for d in digests],
+                })
+    return cases
+
+
 def strip_none(value):
     if isinstance(value, dict):
         return {k: strip_none(v) for k, v in value.items() if v is not None}
@@ -156,6 +206,16 @@ def main(out_dir: Path):
     path = out_dir / f"vllm-{vllm.__version__}-anthropic-messages.json"
     path.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
     print(f"wrote {path}: {len(cases)} cases")
+
+    lora = {
+        "made_by": f"vllm {vllm.__version__}: Request(lora_request=LoRARequest(...)).block_hashes "
+                   "with get_request_block_hasher(block_size, sha256_cbor), PYTHONHASHSEED=1729 "
+                   "(e2e/make_fixtures.py)",
+        "cases": lora_block_hash_cases(),
+    }
+    path = out_dir / f"vllm-{vllm.__version__}-lora-block-hashes.json"
+    path.write_text(json.dumps(lora, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {path}: {len(lora['cases'])} cases")
 
 
 if __name__ == "__main__":

@@ -272,18 +272,51 @@ impl BlockHasher {
         tokens: &[T],
         cache_salt: Option<&str>,
     ) -> BlockDigest {
-        match cache_salt {
-            None => self.hash_block(None, tokens, None),
-            Some(salt) => match self.salt_encoding {
-                SaltEncoding::Tagged => {
-                    let tagged = [ExtraKey::Text("cache_salt"), ExtraKey::Text(salt)];
-                    self.hash_block(None, tokens, Some(&[ExtraKey::Tuple(&tagged)]))
-                }
-                SaltEncoding::Untagged => {
-                    self.hash_block(None, tokens, Some(&[ExtraKey::Text(salt)]))
-                }
-            },
+        self.request_block(None, tokens, RequestKeys::salted(cache_salt))
+    }
+
+    /// A block of a request whose keys are `keys`: vLLM adds the LoRA adapter to **every**
+    /// block's extra keys and the `cache_salt` to block 0's (the block without a parent), in
+    /// that order (`generate_block_hash_extra_keys`), tagged or bare as the engine's version
+    /// does ([`SaltEncoding`] covers both).
+    pub fn request_block<T: Copy + Into<u64>>(
+        &self,
+        parent: Option<&BlockDigest>,
+        tokens: &[T],
+        keys: RequestKeys<'_>,
+    ) -> BlockDigest {
+        let tagged = self.salt_encoding == SaltEncoding::Tagged;
+        let lora_tuple = keys.lora.map(|l| {
+            [
+                ExtraKey::Text("lora"),
+                ExtraKey::Text(l.name),
+                ExtraKey::Text(l.path),
+            ]
+        });
+        let salt_tuple = keys
+            .cache_salt
+            .map(|salt| [ExtraKey::Text("cache_salt"), ExtraKey::Text(salt)]);
+        let mut extra = [ExtraKey::Int(0); 2];
+        let mut len = 0;
+        if let (Some(lora), Some(tuple)) = (keys.lora, &lora_tuple) {
+            extra[len] = if tagged {
+                ExtraKey::Tuple(tuple)
+            } else {
+                ExtraKey::Text(lora.name)
+            };
+            len += 1;
         }
+        if parent.is_none()
+            && let (Some(salt), Some(tuple)) = (keys.cache_salt, &salt_tuple)
+        {
+            extra[len] = if tagged {
+                ExtraKey::Tuple(tuple)
+            } else {
+                ExtraKey::Text(salt)
+            };
+            len += 1;
+        }
+        self.hash_block(parent, tokens, (len > 0).then_some(&extra[..len]))
     }
 
     /// The digests of every full block of a prompt, in order.
@@ -292,10 +325,19 @@ impl BlockHasher {
         tokens: &'a [T],
         cache_salt: Option<&'a str>,
     ) -> PromptBlocks<'a, T> {
+        self.request_blocks(tokens, RequestKeys::salted(cache_salt))
+    }
+
+    /// The digests of every full block of a request's prompt (LoRA adapter, salt), in order.
+    pub fn request_blocks<'a, T: Copy + Into<u64>>(
+        &'a self,
+        tokens: &'a [T],
+        keys: RequestKeys<'a>,
+    ) -> PromptBlocks<'a, T> {
         PromptBlocks {
             hasher: self,
             blocks: tokens.chunks_exact(self.block_size.get()),
-            cache_salt,
+            keys,
             parent: None,
         }
     }
@@ -307,8 +349,45 @@ impl BlockHasher {
         cache_salt: Option<&str>,
         out: &mut Vec<ExternalHash>,
     ) {
+        self.request_hashes_into(tokens, RequestKeys::salted(cache_salt), out);
+    }
+
+    /// Appends the external hashes of every full block of a request's prompt to `out`.
+    pub fn request_hashes_into<T: Copy + Into<u64>>(
+        &self,
+        tokens: &[T],
+        keys: RequestKeys<'_>,
+        out: &mut Vec<ExternalHash>,
+    ) {
         out.reserve(tokens.len() / self.block_size.get());
-        out.extend(self.prompt_blocks(tokens, cache_salt).map(|d| d.external()));
+        out.extend(self.request_blocks(tokens, keys).map(|d| d.external()));
+    }
+}
+
+/// A LoRA adapter as vLLM mixes it into its requests' blocks: its name and the path it was
+/// loaded from (vLLM ≥ 0.31 hashes both; `/v1/models` lists the path as the adapter's `root`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LoraKey<'a> {
+    pub name: &'a str,
+    pub path: &'a str,
+}
+
+/// What a request adds to its blocks' hashes besides the tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct RequestKeys<'a> {
+    /// On every block.
+    pub lora: Option<LoraKey<'a>>,
+    /// On block 0 only (and, through the chain, on every later hash).
+    pub cache_salt: Option<&'a str>,
+}
+
+impl<'a> RequestKeys<'a> {
+    /// A base-model request with this salt (or none).
+    pub fn salted(cache_salt: Option<&'a str>) -> Self {
+        RequestKeys {
+            lora: None,
+            cache_salt,
+        }
     }
 }
 
@@ -316,7 +395,7 @@ impl BlockHasher {
 pub struct PromptBlocks<'a, T> {
     hasher: &'a BlockHasher,
     blocks: std::slice::ChunksExact<'a, T>,
-    cache_salt: Option<&'a str>,
+    keys: RequestKeys<'a>,
     parent: Option<BlockDigest>,
 }
 
@@ -325,10 +404,9 @@ impl<T: Copy + Into<u64>> Iterator for PromptBlocks<'_, T> {
 
     fn next(&mut self) -> Option<BlockDigest> {
         let block = self.blocks.next()?;
-        let digest = match &self.parent {
-            None => self.hasher.first_block(block, self.cache_salt),
-            Some(parent) => self.hasher.hash_block(Some(parent), block, None),
-        };
+        let digest = self
+            .hasher
+            .request_block(self.parent.as_ref(), block, self.keys);
         self.parent = Some(digest);
         Some(digest)
     }

@@ -67,6 +67,92 @@ fn every_fixture_case_matches_vllm() {
     }
 }
 
+/// Made by vLLM 0.32's own engine code (`e2e/make_fixtures.py`, `make fixtures-vllm`): a
+/// request with a `LoRARequest` hashes `("lora", name, path)` into every block.
+#[derive(Deserialize)]
+struct LoraCase {
+    seed: String,
+    block_size: usize,
+    lora_name: String,
+    lora_path: String,
+    cache_salt: Option<String>,
+    tokens: Vec<u64>,
+    digests: Vec<String>,
+    external_u64: Vec<u64>,
+}
+
+#[test]
+fn lora_requests_hash_as_vllm_hashes_them() {
+    #[derive(Deserialize)]
+    struct LoraFile {
+        cases: Vec<LoraCase>,
+    }
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../fixtures/vllm-0.32.0-lora-block-hashes.json"
+    );
+    let text = std::fs::read_to_string(path).expect("the LoRA fixture is in the repository");
+    let file: LoraFile = serde_json::from_str(&text).expect("the LoRA fixture parses");
+    assert_eq!(file.cases.len(), 16);
+    for case in file.cases {
+        let what = format!(
+            "{:?} at {:?}, salt {:?}, block size {}",
+            case.lora_name, case.lora_path, case.cache_salt, case.block_size
+        );
+        let hasher = BlockHasher::new(&settings(
+            HashAlgo::Sha256Cbor,
+            Some(&case.seed),
+            case.block_size,
+        ))
+        .expect("hasher builds");
+        let keys = RequestKeys {
+            lora: Some(LoraKey {
+                name: &case.lora_name,
+                path: &case.lora_path,
+            }),
+            cache_salt: case.cache_salt.as_deref(),
+        };
+        let digests: Vec<String> = hasher
+            .request_blocks(&case.tokens, keys)
+            .map(|d| d.to_hex())
+            .collect();
+        assert_eq!(digests, case.digests, "{what}: digests");
+        let mut external = Vec::new();
+        hasher.request_hashes_into(&case.tokens, keys, &mut external);
+        let external: Vec<u64> = external.iter().map(|h| h.0).collect();
+        assert_eq!(external, case.external_u64, "{what}: external hashes");
+        // Without the adapter every block differs: the key is on each one, not only the first.
+        let base: Vec<String> = hasher
+            .prompt_blocks(&case.tokens, case.cache_salt.as_deref())
+            .map(|d| d.to_hex())
+            .collect();
+        assert!(base.iter().zip(&digests).all(|(b, l)| b != l), "{what}");
+    }
+}
+
+#[test]
+fn untagged_lora_is_the_bare_name_before_the_salt() {
+    let mut older = settings(HashAlgo::Sha256Cbor, Some("1729"), 4);
+    older.salt_encoding = SaltEncoding::Untagged;
+    let hasher = BlockHasher::new(&older).expect("hasher builds");
+    let tokens = [1u32, 2, 3, 4, 5, 6, 7, 8];
+    let keys = RequestKeys {
+        lora: Some(LoraKey {
+            name: "sql",
+            path: "/p",
+        }),
+        cache_salt: Some("s"),
+    };
+    let first = hasher.hash_block(
+        None,
+        &tokens[..4],
+        Some(&[ExtraKey::Text("sql"), ExtraKey::Text("s")]),
+    );
+    let second = hasher.hash_block(Some(&first), &tokens[4..], Some(&[ExtraKey::Text("sql")]));
+    let blocks: Vec<BlockDigest> = hasher.request_blocks(&tokens, keys).collect();
+    assert_eq!(blocks, [first, second]);
+}
+
 #[test]
 fn golden_vector_cbor_bytes() {
     // ../shared/reference/vllm.md §3.6: the exact input of block 0 for seed 1729.
