@@ -127,7 +127,16 @@ pub async fn serve(
         Arc::clone(&prober),
         probe,
     ));
-    background.spawn(monitor::run_scrapes(Arc::clone(&pool), prober, probe));
+    background.spawn(monitor::run_scrapes(
+        Arc::clone(&pool),
+        Arc::clone(&prober),
+        probe,
+    ));
+    background.spawn(monitor::run_model_listings(
+        Arc::clone(&pool),
+        prober,
+        probe,
+    ));
     // What the scheduler's plugins share: the KV index (fed by agents), the tokenizer and each
     // model's hash settings.
     let index = Arc::new(KvIndex::new(settings.index));

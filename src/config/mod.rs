@@ -408,6 +408,7 @@ impl Settings {
             ("health_interval", settings.probes.health_interval),
             ("scrape_interval", settings.probes.scrape_interval),
             ("probe_timeout", settings.probes.timeout),
+            ("models_interval", settings.probes.models_interval),
             ("config_poll_interval", settings.config_poll_interval),
         ] {
             if value.is_zero() {

@@ -66,6 +66,7 @@ fn flags_override_file_override_defaults() {
         weights,
         [
             ("kv_cache".to_owned(), Some(2.0)),
+            ("adapter_affinity".to_owned(), Some(1.0)),
             ("cache_footprint".to_owned(), Some(2.0)),
             ("queue".to_owned(), Some(3.0)),
             ("in_flight".to_owned(), Some(1.0)),

@@ -53,41 +53,13 @@ pub enum ModelSource {
     Discovered(reqwest::Client),
 }
 
-/// At most this much of a `/v1/models` answer is read, and at most this many models kept.
-const MAX_MODELS_BODY: usize = 1024 * 1024;
-const MAX_MODELS: usize = 1024;
-
 /// A replica whose `/v1/models` could not be read is asked again after this long.
 const MODELS_RETRY: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The model ids a vLLM `/v1/models` answer lists, bounded.
 pub fn models_in(body: &[u8]) -> Result<Vec<String>, String> {
-    #[derive(Deserialize)]
-    struct Listing {
-        data: Vec<Card>,
-    }
-    #[derive(Deserialize)]
-    struct Card {
-        id: String,
-    }
-    if body.len() > MAX_MODELS_BODY {
-        return Err(format!("the answer is over {MAX_MODELS_BODY} bytes"));
-    }
-    let listing: Listing =
-        serde_json::from_slice(body).map_err(|e| format!("not a model list: {e}"))?;
-    if listing.data.len() > MAX_MODELS {
-        return Err(format!("it lists over {MAX_MODELS} models"));
-    }
-    let models: Vec<String> = listing
-        .data
-        .into_iter()
-        .map(|c| c.id)
-        .filter(|id| !id.is_empty())
-        .collect();
-    if models.is_empty() {
-        return Err("it lists no model".to_owned());
-    }
-    Ok(models)
+    let cards = crate::pool::adapters::model_cards(body).map_err(|e| e.to_string())?;
+    Ok(cards.into_iter().map(|c| c.id).collect())
 }
 
 /// Asks `address` for its models.
@@ -95,22 +67,8 @@ async fn fetch_models(
     client: &reqwest::Client,
     address: SocketAddr,
 ) -> Result<Vec<String>, String> {
-    let response = client
-        .get(format!("http://{address}/v1/models"))
-        .send()
-        .await
-        .map_err(|e| e.to_string())?;
-    if !response.status().is_success() {
-        return Err(format!("status {}", response.status()));
-    }
-    if response
-        .content_length()
-        .is_some_and(|n| n > MAX_MODELS_BODY as u64)
-    {
-        return Err(format!("the answer is over {MAX_MODELS_BODY} bytes"));
-    }
-    let body = response.bytes().await.map_err(|e| e.to_string())?;
-    models_in(&body)
+    let cards = crate::pool::adapters::fetch_model_cards(client, &address.to_string()).await?;
+    Ok(cards.into_iter().map(|c| c.id).collect())
 }
 
 /// Each replica's discovered models, kept while its address stays in the pool.

@@ -9,9 +9,11 @@
 //! `watch` channel: [`Pool::health_changes`]), the in-flight count is an atomic counted by
 //! [`InFlightGuard`]s, and the last `/metrics` scrape is an immutable [`EngineLoad`] swapped in
 //! whole by the monitor ([`monitor`]), so a reader never sees half of one scrape and half of
-//! another. Writers: the monitor tasks (health, scrape) and the reload path; readers: every
+//! another; the adapters a replica's `/v1/models` lists ([`adapters`]) are swapped in whole the
+//! same way. Writers: the monitor tasks (health, scrape) and the reload path; readers: every
 //! routing decision, the admin endpoints and the Prometheus collector.
 
+pub mod adapters;
 pub mod drift;
 pub mod monitor;
 pub mod vllm_metrics;
@@ -28,6 +30,8 @@ use arc_swap::{ArcSwap, ArcSwapOption};
 use serde::Serialize;
 use tokio::sync::watch;
 use tokio::time::Instant;
+
+use adapters::{AdapterCatalog, AdapterSlots};
 
 /// One replica as configured: where it listens, what it serves, where it runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -83,6 +87,8 @@ pub struct EngineLoad {
 #[derive(Debug)]
 struct Scrape {
     load: EngineLoad,
+    /// `vllm:lora_requests_info`, when the engine serves adapters.
+    adapter_slots: Option<Arc<AdapterSlots>>,
     at: Instant,
     /// [`Replica::started`] and [`Replica::ended`] when the scrape was stored.
     started: u64,
@@ -101,6 +107,8 @@ pub struct Replica {
     started: AtomicU64,
     ended: AtomicU64,
     last_scrape: ArcSwapOption<Scrape>,
+    /// The adapters its last good `/v1/models` listed; `None` until one answered.
+    adapters: ArcSwapOption<AdapterCatalog>,
     /// Expected against engine-observed prefix-cache hits.
     drift: drift::CacheDrift,
 }
@@ -115,6 +123,7 @@ impl Replica {
             started: AtomicU64::new(0),
             ended: AtomicU64::new(0),
             last_scrape: ArcSwapOption::empty(),
+            adapters: ArcSwapOption::empty(),
             drift: drift::CacheDrift::default(),
         }
     }
@@ -166,8 +175,19 @@ impl Replica {
 
     /// Stores a scrape taken at `at`.
     pub fn record_scrape(&self, load: EngineLoad, at: Instant) {
+        self.record_scrape_with_adapters(load, None, at);
+    }
+
+    /// Stores a scrape taken at `at`, with the engine's adapter slots when it reported them.
+    pub fn record_scrape_with_adapters(
+        &self,
+        load: EngineLoad,
+        adapter_slots: Option<AdapterSlots>,
+        at: Instant,
+    ) {
         self.last_scrape.store(Some(Arc::new(Scrape {
             load,
+            adapter_slots: adapter_slots.map(Arc::new),
             at,
             started: self.started.load(Ordering::Relaxed),
             ended: self.ended.load(Ordering::Relaxed),
@@ -185,6 +205,30 @@ impl Replica {
         let guard = self.last_scrape.load();
         let scrape = guard.as_ref()?;
         (now.saturating_duration_since(scrape.at) <= staleness).then_some(scrape.load)
+    }
+
+    /// The engine's adapter slots if it reported them in a scrape within `staleness` of `now`.
+    pub fn adapter_slots(&self, now: Instant, staleness: Duration) -> Option<Arc<AdapterSlots>> {
+        let guard = self.last_scrape.load();
+        let scrape = guard.as_ref()?;
+        if now.saturating_duration_since(scrape.at) > staleness {
+            return None;
+        }
+        scrape.adapter_slots.clone()
+    }
+
+    /// The adapters the replica listed last; `None` before its `/v1/models` first answered.
+    pub fn adapters(&self) -> Option<Arc<AdapterCatalog>> {
+        self.adapters.load_full()
+    }
+
+    /// Stores what the replica's `/v1/models` listed; returns whether it changed.
+    pub fn set_adapters(&self, catalog: AdapterCatalog) -> bool {
+        let changed = self.adapters.load().as_deref() != Some(&catalog);
+        if changed {
+            self.adapters.store(Some(Arc::new(catalog)));
+        }
+        changed
     }
 
     /// The engine's waiting queue now, estimated: the last fresh scrape's count, plus the

@@ -13,6 +13,7 @@ use thiserror::Error;
 use tokio::time::{Instant, MissedTickBehavior};
 use tracing::{info, warn};
 
+use super::adapters::{AdapterCatalog, ModelCard, fetch_model_cards};
 use super::{Health, Pool, Replica, vllm_metrics};
 
 /// How often and how patiently replicas are probed.
@@ -24,6 +25,8 @@ pub struct ProbeSettings {
     pub timeout: Duration,
     /// A scrape older than this counts as unknown load.
     pub staleness: Duration,
+    /// How often each replica's `/v1/models` is asked for its LoRA adapters.
+    pub models_interval: Duration,
 }
 
 impl Default for ProbeSettings {
@@ -33,6 +36,7 @@ impl Default for ProbeSettings {
             scrape_interval: Duration::from_millis(200),
             timeout: Duration::from_secs(1),
             staleness: Duration::from_secs(2),
+            models_interval: Duration::from_secs(10),
         }
     }
 }
@@ -58,6 +62,11 @@ pub struct ProbeOptions {
     #[arg(long, env = "LLMGW_PROBE_TIMEOUT", value_parser = crate::duration::parse)]
     #[serde(deserialize_with = "crate::duration::optional")]
     pub probe_timeout: Option<Duration>,
+    /// How often each replica's /v1/models is asked for its LoRA adapters and their paths
+    /// (default 10s).
+    #[arg(long, env = "LLMGW_MODELS_INTERVAL", value_parser = crate::duration::parse)]
+    #[serde(deserialize_with = "crate::duration::optional")]
+    pub models_interval: Option<Duration>,
 }
 
 impl ProbeOptions {
@@ -84,6 +93,11 @@ impl ProbeOptions {
                 file.metrics_staleness,
                 default.staleness,
             ),
+            models_interval: pick(
+                self.models_interval,
+                file.models_interval,
+                default.models_interval,
+            ),
         }
     }
 }
@@ -96,6 +110,11 @@ pub trait Prober: Send + Sync + 'static {
     /// The `/metrics` page.
     fn metrics(&self, replica: &Replica)
     -> impl Future<Output = Result<String, ProbeError>> + Send;
+    /// The `/v1/models` listing.
+    fn models(
+        &self,
+        replica: &Replica,
+    ) -> impl Future<Output = Result<Vec<ModelCard>, ProbeError>> + Send;
 }
 
 #[derive(Debug, Error)]
@@ -106,6 +125,8 @@ pub enum ProbeError {
     Status(u16),
     #[error("timed out")]
     Timeout,
+    #[error("unusable /v1/models: {0}")]
+    Listing(String),
 }
 
 /// Probes over plain HTTP with a shared connection pool.
@@ -143,6 +164,12 @@ impl Prober for HttpProber {
 
     async fn metrics(&self, replica: &Replica) -> Result<String, ProbeError> {
         Ok(self.get(replica, "/metrics").await?.text().await?)
+    }
+
+    async fn models(&self, replica: &Replica) -> Result<Vec<ModelCard>, ProbeError> {
+        fetch_model_cards(&self.client, replica.endpoint())
+            .await
+            .map_err(ProbeError::Listing)
     }
 }
 
@@ -205,12 +232,59 @@ pub async fn run_scrapes<P: Prober>(pool: Arc<Pool>, prober: Arc<P>, settings: P
                 match result {
                     Ok(page) => {
                         let now = Instant::now();
-                        replica.record_scrape(vllm_metrics::parse_engine_load(&page), now);
+                        replica.record_scrape_with_adapters(
+                            vllm_metrics::parse_engine_load(&page),
+                            vllm_metrics::parse_adapter_slots(&page),
+                            now,
+                        );
                         if let Some(totals) = vllm_metrics::parse_cache_totals(&page) {
                             replica.drift().observe(replica.endpoint(), totals, now);
                         }
                     }
                     Err(_) => replica.forget_scrape(),
+                }
+            }
+        }))
+        .await;
+    }
+}
+
+/// Asks every replica for its `/v1/models` each `interval`, forever, and keeps the adapters it
+/// lists (their paths are hashed into their blocks; vLLM can load and unload adapters at run
+/// time, hence the repeat). A failed ask keeps the last good listing, and is logged once per
+/// streak of failures.
+pub async fn run_model_listings<P: Prober>(
+    pool: Arc<Pool>,
+    prober: Arc<P>,
+    settings: ProbeSettings,
+) {
+    let (interval, timeout) = (settings.models_interval, settings.timeout);
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let failing = parking_lot::Mutex::new(std::collections::HashSet::<String>::new());
+    loop {
+        ticker.tick().await;
+        let snapshot = pool.snapshot();
+        join_all(snapshot.replicas().iter().map(|replica| {
+            let (prober, failing) = (&prober, &failing);
+            async move {
+                let result = tokio::time::timeout(timeout, prober.models(replica))
+                    .await
+                    .unwrap_or(Err(ProbeError::Timeout));
+                match result {
+                    Ok(cards) => {
+                        failing.lock().remove(replica.endpoint());
+                        let catalog = AdapterCatalog::from_cards(&cards);
+                        let count = catalog.len();
+                        if replica.set_adapters(catalog) && count > 0 {
+                            info!(replica = replica.endpoint(), adapters = count, "LoRA adapters listed");
+                        }
+                    }
+                    Err(e) => {
+                        if failing.lock().insert(replica.endpoint().to_owned()) {
+                            warn!(replica = replica.endpoint(), error = %e, "cannot read the replica's /v1/models; keeping its last adapter list");
+                        }
+                    }
                 }
             }
         }))

@@ -6,7 +6,10 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use super::monitor::{ProbeError, ProbeSettings, Prober, run_health_checks, run_scrapes};
+use super::adapters::ModelCard;
+use super::monitor::{
+    ProbeError, ProbeSettings, Prober, run_health_checks, run_model_listings, run_scrapes,
+};
 use super::*;
 
 fn spec(port: u16, models: &[&str]) -> ReplicaSpec {
@@ -131,6 +134,8 @@ async fn waiting_estimate_counts_what_started_and_ended_since_the_scrape() {
 struct FakeProber {
     down: Mutex<HashSet<String>>,
     hang: Mutex<HashSet<String>>,
+    /// Where `/v1/models` says adapter `m-lora` was loaded from (none listed when empty).
+    adapter_path: Mutex<String>,
 }
 
 impl FakeProber {
@@ -153,7 +158,30 @@ impl Prober for FakeProber {
 
     async fn metrics(&self, replica: &Replica) -> Result<String, ProbeError> {
         self.answer(replica).await?;
-        Ok("vllm:num_requests_waiting 4\nvllm:kv_cache_usage_perc 0.1\n".to_string())
+        Ok(concat!(
+            "vllm:num_requests_waiting 4\nvllm:kv_cache_usage_perc 0.1\n",
+            "vllm:lora_requests_info{max_lora=\"1\",running_lora_adapters=\"m-lora\",",
+            "waiting_lora_adapters=\"\"} 1.7e9\n"
+        )
+        .to_string())
+    }
+
+    async fn models(&self, replica: &Replica) -> Result<Vec<ModelCard>, ProbeError> {
+        self.answer(replica).await?;
+        let mut cards = vec![ModelCard {
+            id: "m".into(),
+            root: Some("m".into()),
+            parent: None,
+        }];
+        let path = self.adapter_path.lock().clone();
+        if !path.is_empty() {
+            cards.push(ModelCard {
+                id: "m-lora".into(),
+                root: Some(path),
+                parent: Some("m".into()),
+            });
+        }
+        Ok(cards)
     }
 }
 
@@ -250,9 +278,50 @@ async fn failed_scrape_forgets_load_at_once() {
     assert_eq!(load.waiting, Some(4.0));
     assert_eq!(load.running, None);
     assert_eq!(load.kv_cache_usage, Some(0.1));
+    let slots = replica.adapter_slots(Instant::now(), staleness).unwrap();
+    assert!(slots.is_running("m-lora") && !slots.has_free_slot());
 
     prober.down.lock().insert("127.0.0.1:1".to_string());
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(replica.engine_load(Instant::now(), staleness), None);
+    assert_eq!(replica.adapter_slots(Instant::now(), staleness), None);
+    task.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn adapter_listings_follow_the_replica_and_survive_a_failed_ask() {
+    let pool = Arc::new(Pool::new(vec![spec(1, &["m"])], Duration::from_secs(2)));
+    let prober = Arc::new(FakeProber::default());
+    *prober.adapter_path.lock() = "/adapters/one".into();
+    let settings = ProbeSettings {
+        models_interval: Duration::from_secs(10),
+        ..settings()
+    };
+    let task = tokio::spawn(run_model_listings(
+        Arc::clone(&pool),
+        Arc::clone(&prober),
+        settings,
+    ));
+    let replica = Arc::clone(&pool.snapshot().replicas()[0]);
+    let path = |r: &Replica| {
+        r.adapters()
+            .and_then(|c| c.get("m-lora").map(|a| a.path.clone()))
+    };
+    assert_eq!(path(&replica), None, "nothing before the first answer");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(path(&replica).as_deref(), Some("/adapters/one"));
+    assert_eq!(
+        replica.adapters().unwrap().get("m").map(|a| a.base.clone()),
+        None
+    );
+
+    // A failed ask keeps the last listing; the next good one replaces it.
+    prober.down.lock().insert("127.0.0.1:1".to_string());
+    *prober.adapter_path.lock() = "/adapters/two".into();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(path(&replica).as_deref(), Some("/adapters/one"));
+    prober.down.lock().clear();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(path(&replica).as_deref(), Some("/adapters/two"));
     task.abort();
 }

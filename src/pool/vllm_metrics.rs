@@ -3,6 +3,7 @@
 //! counters in another, everything else skipped.
 
 use super::EngineLoad;
+use super::adapters::AdapterSlots;
 
 const WAITING: &str = "vllm:num_requests_waiting";
 const RUNNING: &str = "vllm:num_requests_running";
@@ -58,6 +59,79 @@ pub fn parse_cache_totals(text: &str) -> Option<CacheTotals> {
     Some(CacheTotals {
         hits: hits?,
         queries: queries?,
+    })
+}
+
+const LORA_INFO: &str = "vllm:lora_requests_info";
+
+/// At most this many adapter names are read from one label (vLLM's `max_loras` is small).
+const MAX_ADAPTERS_LISTED: usize = 256;
+
+/// The engine's adapter slots: vLLM exports `vllm:lora_requests_info` as a gauge set to the
+/// current time under labels `max_lora`, `running_lora_adapters` and `waiting_lora_adapters`
+/// (names comma-separated), and every label set it ever had stays on the page, so the sample
+/// with the largest value is the current one. `None` when the page has none (LoRA off) or its
+/// newest sample has no valid `max_lora`.
+pub fn parse_adapter_slots(text: &str) -> Option<AdapterSlots> {
+    let mut newest: Option<(f64, &str)> = None;
+    for line in text.lines().filter(|l| l.starts_with(LORA_INFO)) {
+        let Some(value) = sample_value(line, LORA_INFO) else {
+            continue;
+        };
+        if newest.is_none_or(|(best, _)| value > best) {
+            newest = Some((value, line));
+        }
+    }
+    let (_, line) = newest?;
+    let labels = &line[LORA_INFO.len()..];
+    let labels = labels.strip_prefix('{')?;
+    let labels = &labels[..closing_brace(labels)?];
+    let mut slots = AdapterSlots::default();
+    let mut max_loras = None;
+    for (key, value) in label_pairs(labels) {
+        let names = || {
+            value
+                .split(',')
+                .filter(|n| !n.is_empty())
+                .take(MAX_ADAPTERS_LISTED)
+                .map(str::to_owned)
+                .collect()
+        };
+        match key {
+            "max_lora" => max_loras = value.parse::<u32>().ok(),
+            "running_lora_adapters" => slots.running = names(),
+            "waiting_lora_adapters" => slots.waiting = names(),
+            _ => {}
+        }
+    }
+    slots.max_loras = max_loras?;
+    Some(slots)
+}
+
+/// The `key="value"` pairs of a label set (without its braces). Values are taken raw: the
+/// labels read here (numbers, adapter names) hold no escapes, and a value that does is only
+/// compared, never trusted further.
+fn label_pairs(labels: &str) -> impl Iterator<Item = (&str, &str)> {
+    let mut rest = labels;
+    std::iter::from_fn(move || {
+        let (key, after) = rest.split_once("=\"")?;
+        let mut end = None;
+        let mut escaped = false;
+        for (i, b) in after.bytes().enumerate() {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => {
+                    end = Some(i);
+                    break;
+                }
+                _ => {}
+            }
+        }
+        let end = end?;
+        let value = &after[..end];
+        rest = after[end + 1..].trim_start_matches([',', ' ']);
+        Some((key.trim(), value))
     })
 }
 
@@ -123,6 +197,30 @@ python_gc_objects_collected_total{generation="0"} 7.0
         assert_eq!(load.kv_cache_usage, None);
         let unlabelled = parse_engine_load("vllm:num_requests_running 7 1700000000000\n");
         assert_eq!(unlabelled.running, Some(7.0));
+    }
+
+    #[test]
+    fn the_newest_adapter_slots_sample_wins() {
+        let page = r#"# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql",waiting_lora_adapters=""} 1.7000000015e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql,chat",waiting_lora_adapters="math"} 1.7000000030e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7000000020e+09
+"#;
+        assert_eq!(
+            parse_adapter_slots(page),
+            Some(AdapterSlots {
+                max_loras: 2,
+                running: vec!["sql".into(), "chat".into()],
+                waiting: vec!["math".into()],
+            })
+        );
+        assert_eq!(parse_adapter_slots("vllm:num_requests_running 1\n"), None);
+        let no_limit =
+            r#"vllm:lora_requests_info{running_lora_adapters="a",waiting_lora_adapters=""} 1.0"#;
+        assert_eq!(parse_adapter_slots(no_limit), None);
+        let bad_limit = r#"vllm:lora_requests_info{max_lora="-1",running_lora_adapters="a"} 1.0"#;
+        assert_eq!(parse_adapter_slots(bad_limit), None);
     }
 
     #[test]

@@ -53,6 +53,7 @@ pub use profile::{PluginSpec, Profile, ProfileError, SchedulerArgs, SchedulerCon
 pub use registry::PluginResources;
 
 use crate::openai::{ParsedRequest, Prompt, RequestInput};
+use crate::pool::adapters::AdapterSlots;
 use crate::pool::{EngineLoad, InFlightGuard, Pool, Replica};
 
 /// A replica that passed the filters, with its load read once for the whole decision.
@@ -66,6 +67,8 @@ pub struct Candidate {
     /// The engine's waiting queue with what llmgw started and saw end since the scrape
     /// ([`Replica::waiting_estimate`]); `None` when unknown.
     pub waiting_estimate: Option<f64>,
+    /// The engine's LoRA adapter slots at the scrape; `None` when unknown or LoRA is off.
+    pub adapter_slots: Option<Arc<AdapterSlots>>,
 }
 
 impl Candidate {
@@ -75,8 +78,16 @@ impl Candidate {
             in_flight: replica.in_flight(),
             engine: replica.engine_load(now, staleness),
             waiting_estimate: replica.waiting_estimate(now, staleness),
+            adapter_slots: replica.adapter_slots(now, staleness),
             replica: Arc::clone(replica),
         }
+    }
+
+    /// Whether the replica's `/v1/models` lists `model` as a LoRA adapter.
+    pub fn lists_adapter(&self, model: &str) -> bool {
+        self.replica
+            .adapters()
+            .is_some_and(|catalog| catalog.get(model).is_some())
     }
 
     /// Requests in flight plus requests the engine reports waiting (unknown counts as 0).

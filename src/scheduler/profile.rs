@@ -8,12 +8,14 @@
 //!     filters:
 //!       - type: saturation
 //!         parameters: {max_waiting: 128, max_kv_cache_usage: 0.99, max_in_flight: 0}
+//!       - type: adapter_slots        # LoRA: not where every adapter slot holds another one
 //!     scorers:
 //!       - type: kv_cache             # precise: tokenize → blockhash → kvindex
 //!         weight: 2
 //!         parameters: {min_blocks: 1, speculative_ttl: 2s}
 //!         fallback:                  # asked when kv_cache abstains or matches nothing
 //!           type: prefix_tree
+//!       - {type: adapter_affinity, weight: 1} # LoRA: where the adapter is running
 //!       - {type: cache_footprint, weight: 2}  # a prompt found nowhere: the emptiest cache
 //!       - {type: queue, weight: 1}
 //!       - {type: in_flight, weight: 1}
@@ -101,17 +103,22 @@ pub struct Profile {
 }
 
 impl Default for Profile {
-    /// Saturation filter; precise KV affinity (approximate prefix tree as its fallback), and
+    /// Saturation and adapter-slot filters; precise KV affinity (approximate prefix tree as its
+    /// fallback), LoRA adapter affinity, and
     /// for a prompt neither finds the smallest cache footprint, weighed against queue,
     /// in-flight and KV-utilization load.
     fn default() -> Self {
         Profile {
-            filters: vec![PluginSpec::of("saturation")],
+            filters: vec![
+                PluginSpec::of("saturation"),
+                PluginSpec::of("adapter_slots"),
+            ],
             scorers: vec![
                 PluginSpec {
                     fallback: Some(Box::new(PluginSpec::of("prefix_tree"))),
                     ..PluginSpec::weighted("kv_cache", 2.0)
                 },
+                PluginSpec::weighted("adapter_affinity", 1.0),
                 PluginSpec::weighted("cache_footprint", 2.0),
                 PluginSpec::weighted("queue", 1.0),
                 PluginSpec::weighted("in_flight", 1.0),
@@ -153,7 +160,7 @@ impl SchedulerConfig {
         config.profile.scorers.retain(|s| {
             !matches!(
                 s.kind.as_str(),
-                "kv_cache" | "prefix_tree" | "cache_footprint"
+                "kv_cache" | "prefix_tree" | "cache_footprint" | "adapter_affinity"
             )
         });
         config

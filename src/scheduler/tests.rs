@@ -544,6 +544,7 @@ fn profiles_are_built_by_name_and_errors_name_the_key() {
         names("{}"),
         [
             ("kv_cache".into(), 2.0),
+            ("adapter_affinity".into(), 1.0),
             ("cache_footprint".into(), 2.0),
             ("queue".into(), 1.0),
             ("in_flight".into(), 1.0),
@@ -553,6 +554,7 @@ fn profiles_are_built_by_name_and_errors_name_the_key() {
     assert_eq!(
         names("weights: {queue: 3, kv_cache: 0}"),
         [
+            ("adapter_affinity".into(), 1.0),
             ("cache_footprint".into(), 2.0),
             ("queue".into(), 3.0),
             ("in_flight".into(), 1.0),

@@ -9,6 +9,11 @@
 //! (the `prefix_tree` by default) then decides. After each pick the chosen replica is credited
 //! with the prompt's blocks until its engine's events arrive.
 //!
+//! A LoRA adapter's request is hashed with its base model's settings and the adapter in every
+//! block (`("lora", name, path)`, vLLM ≥ 0.31), the path being where each candidate's
+//! `/v1/models` says it loaded the adapter from ([`crate::pool::adapters`]); candidates that
+//! loaded it from different paths are matched against their own hashes.
+//!
 //! Parameters: `min_blocks` (leading blocks a replica must hold before its cache counts,
 //! default 1), `speculative_ttl` (how long a pick credits the chosen replica, default 2s; 0
 //! off).
@@ -39,7 +44,7 @@ use tracing::Instrument;
 
 use super::cache_footprint::Projections;
 use super::{DecisionLabels, classify};
-use crate::blockhash::{BlockHasher, ExternalHash};
+use crate::blockhash::{BlockHasher, ExternalHash, LoraKey, RequestKeys};
 use crate::kvindex::{KvIndex, PrefixMatch, ReplicaSlot, SpeculativeBlocks};
 use crate::models::HashersByModel;
 use crate::openai::ParsedRequest;
@@ -132,10 +137,20 @@ struct KvCacheScorer {
     metrics: Arc<KvMetrics>,
 }
 
+/// Candidates whose engines hash the request's blocks alike.
+struct HashGroup {
+    /// The path the members loaded the request's adapter from; `None` for a base model.
+    adapter_path: Option<String>,
+    /// Indices into the candidates.
+    members: Vec<usize>,
+}
+
 /// What `score` hands to `after_pick`.
 struct Memo {
-    /// The prompt's external block hashes.
-    hashes: Arc<[ExternalHash]>,
+    /// The prompt's external block hashes as each candidate's engine computes them (an
+    /// adapter's depend on the path the candidate loaded it from; empty for a candidate that
+    /// does not list the adapter).
+    hashes: Vec<Arc<[ExternalHash]>>,
     /// Leading blocks each candidate holds (speculative ones included).
     held: Vec<u32>,
     prompt_tokens: usize,
@@ -159,22 +174,69 @@ impl KvCacheScorer {
         hasher: &BlockHasher,
         model: &str,
         tokens: &[u32],
-        salt: Option<&str>,
+        keys: RequestKeys<'_>,
     ) -> Arc<[ExternalHash]> {
-        let key = tokens_key(model, salt, tokens);
+        let key = tokens_key(model, keys, tokens);
         if let Some(hashes) = self.block_hashes.lock().get(&key) {
             return Arc::clone(hashes);
         }
         let mut hashes = Vec::new();
-        hasher.external_hashes_into(tokens, salt, &mut hashes);
+        hasher.request_hashes_into(tokens, keys, &mut hashes);
         let hashes: Arc<[ExternalHash]> = Arc::from(hashes);
         self.block_hashes.lock().put(key, Arc::clone(&hashes));
         hashes
     }
 
+    /// How the request's blocks are hashed for each candidate: one group for a base model; for
+    /// a LoRA adapter, one group per path the candidates loaded it from (vLLM ≥ 0.31 hashes the
+    /// path), a candidate that does not list the adapter in none. `Err` is why the precise tier
+    /// cannot answer.
+    fn hash_groups(
+        &self,
+        model: &str,
+        candidates: &[Candidate],
+    ) -> Result<(Arc<BlockHasher>, Vec<HashGroup>), &'static str> {
+        if let Some(hasher) = self.hashers.get(model) {
+            let group = HashGroup {
+                adapter_path: None,
+                members: (0..candidates.len()).collect(),
+            };
+            return Ok((Arc::clone(hasher), vec![group]));
+        }
+        let mut base: Option<String> = None;
+        let mut groups: Vec<HashGroup> = Vec::new();
+        for (i, candidate) in candidates.iter().enumerate() {
+            let Some(catalog) = candidate.replica.adapters() else {
+                continue;
+            };
+            let Some(adapter) = catalog.get(model) else {
+                continue;
+            };
+            match &base {
+                Some(known) if known != &adapter.base => continue,
+                Some(_) => {}
+                None => base = Some(adapter.base.clone()),
+            }
+            match groups
+                .iter_mut()
+                .find(|g| g.adapter_path.as_deref() == Some(adapter.path.as_str()))
+            {
+                Some(group) => group.members.push(i),
+                None => groups.push(HashGroup {
+                    adapter_path: Some(adapter.path.clone()),
+                    members: vec![i],
+                }),
+            }
+        }
+        let base = base.ok_or("unknown_settings")?;
+        let hasher = self.hashers.get(&base).ok_or("unknown_settings")?;
+        Ok((Arc::clone(hasher), groups))
+    }
+
     async fn score_precise(&self, request: &ParsedRequest, candidates: &[Candidate]) -> Answer {
-        let Some(hasher) = self.hashers.get(&request.model) else {
-            return Answer::Abstain("unknown_settings");
+        let (hasher, groups) = match self.hash_groups(&request.model, candidates) {
+            Ok(plan) => plan,
+            Err(reason) => return Answer::Abstain(reason),
         };
         let slots: Vec<Option<ReplicaSlot>> = candidates
             .iter()
@@ -203,34 +265,60 @@ impl KvCacheScorer {
         tokenize.record("tokens", tokens.len() as i64);
         drop(tokenize);
 
-        let hashes = tracing::debug_span!("hash", tokens = tokens.len() as i64).in_scope(|| {
-            self.block_hashes(hasher, &request.model, &tokens, request.cache_salt.as_deref())
-        });
-        tracing::Span::current().record("prompt_blocks", hashes.len() as i64);
-        let (matches, held) =
-            tracing::debug_span!("index_lookup", candidates = candidates.len() as i64).in_scope(
-                || {
-                    let mut matches: Vec<PrefixMatch> = Vec::with_capacity(candidates.len());
-                    self.index.match_prefix(&hashes, &slots, &mut matches);
-                    let mut held: Vec<u32> = matches.iter().map(|m| m.blocks).collect();
-                    self.speculative
-                        .raise_matches(&hashes, &slots, Instant::now(), &mut held);
-                    (matches, held)
-                },
-            );
+        let salt = request.cache_salt.as_deref();
+        let mut hashes: Vec<Arc<[ExternalHash]>> = vec![Arc::from([]); candidates.len()];
+        let mut weighted = vec![0f32; candidates.len()];
+        let mut stored = vec![0u32; candidates.len()];
+        let mut held = vec![0u32; candidates.len()];
+        let mut matches: Vec<PrefixMatch> = Vec::with_capacity(candidates.len());
+        let mut group_slots: Vec<Option<ReplicaSlot>> = vec![None; candidates.len()];
+        let mut group_held: Vec<u32> = vec![0; candidates.len()];
+        for group in &groups {
+            let keys = RequestKeys {
+                lora: group.adapter_path.as_deref().map(|path| LoraKey {
+                    name: &request.model,
+                    path,
+                }),
+                cache_salt: salt,
+            };
+            let group_hashes = tracing::debug_span!("hash", tokens = tokens.len() as i64)
+                .in_scope(|| self.block_hashes(&hasher, &request.model, &tokens, keys));
+            tracing::Span::current().record("prompt_blocks", group_hashes.len() as i64);
+            tracing::debug_span!("index_lookup", candidates = group.members.len() as i64)
+                .in_scope(|| {
+                    group_slots.fill(None);
+                    for &i in &group.members {
+                        group_slots[i] = slots[i];
+                    }
+                    self.index
+                        .match_prefix(&group_hashes, &group_slots, &mut matches);
+                    group_held.clear();
+                    group_held.extend(matches.iter().map(|m| m.blocks));
+                    self.speculative.raise_matches(
+                        &group_hashes,
+                        &group_slots,
+                        Instant::now(),
+                        &mut group_held,
+                    );
+                });
+            for &i in &group.members {
+                hashes[i] = Arc::clone(&group_hashes);
+                weighted[i] = matches[i].weighted;
+                stored[i] = matches[i].blocks;
+                held[i] = group_held[i];
+            }
+        }
 
-        let total = hashes.len().max(1) as f64;
-        let scores = matches
-            .iter()
-            .zip(&held)
-            .map(|(m, &held)| {
-                if held < self.min_blocks {
+        let scores = (0..candidates.len())
+            .map(|i| {
+                let total = hashes[i].len().max(1) as f64;
+                if held[i] < self.min_blocks {
                     0.0
-                } else if held > m.blocks {
+                } else if held[i] > stored[i] {
                     // Speculative blocks are assumed to be on the GPU.
-                    (m.weighted as f64 + f64::from(held - m.blocks)) / total
+                    (f64::from(weighted[i]) + f64::from(held[i] - stored[i])) / total
                 } else {
-                    m.weighted as f64 / total
+                    f64::from(weighted[i]) / total
                 }
             })
             .collect();
@@ -255,7 +343,10 @@ impl KvCacheScorer {
         );
         let now = Instant::now();
         let held = memo.held.get(pick.chosen).copied().unwrap_or(0);
-        let new_blocks = (memo.hashes.len() as u64).saturating_sub(u64::from(held));
+        let Some(hashes) = memo.hashes.get(pick.chosen).filter(|h| !h.is_empty()) else {
+            return;
+        };
+        let new_blocks = (hashes.len() as u64).saturating_sub(u64::from(held));
         self.projections.record(
             slot,
             self.index.block_count(slot),
@@ -263,7 +354,7 @@ impl KvCacheScorer {
             now,
             self.speculative_ttl,
         );
-        self.speculative.insert(slot, Arc::clone(&memo.hashes), now);
+        self.speculative.insert(slot, Arc::clone(hashes), now);
     }
 }
 
@@ -307,12 +398,20 @@ impl Scorer for KvCacheScorer {
     }
 }
 
-/// A 128-bit key of (model, salt, tokens): the model and salt seed an XXH3 over the tokens'
-/// little-endian bytes, fed through a stack buffer.
-fn tokens_key(model: &str, salt: Option<&str>, tokens: &[u32]) -> u128 {
+/// A 128-bit key of (model, adapter path, salt, tokens): the model, path and salt seed an XXH3
+/// over the tokens' little-endian bytes, fed through a stack buffer.
+fn tokens_key(model: &str, keys: RequestKeys<'_>, tokens: &[u32]) -> u128 {
     let mut seed = xxhash_rust::xxh3::Xxh3::new();
     seed.update(model.as_bytes());
-    match salt {
+    match keys.lora {
+        Some(lora) => {
+            seed.update(&[1]);
+            seed.update(&(lora.path.len() as u64).to_le_bytes());
+            seed.update(lora.path.as_bytes());
+        }
+        None => seed.update(&[0]),
+    }
+    match keys.cache_salt {
         Some(salt) => {
             seed.update(&[1]);
             seed.update(salt.as_bytes());
@@ -333,17 +432,28 @@ fn tokens_key(model: &str, salt: Option<&str>, tokens: &[u32]) -> u128 {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn the_hash_cache_key_separates_models_salts_and_tokens() {
+    fn the_hash_cache_key_separates_models_adapters_salts_and_tokens() {
         use super::tokens_key;
+        use crate::blockhash::{LoraKey, RequestKeys};
+        let salted = RequestKeys::salted;
+        let lora = |path| RequestKeys {
+            lora: Some(LoraKey { name: "m", path }),
+            cache_salt: None,
+        };
         let tokens: Vec<u32> = (0..600).collect();
-        let base = tokens_key("m", None, &tokens);
-        assert_eq!(base, tokens_key("m", None, &tokens));
-        assert_ne!(base, tokens_key("m2", None, &tokens));
-        assert_ne!(base, tokens_key("m", Some(""), &tokens));
-        assert_ne!(tokens_key("m", Some("a"), &tokens), tokens_key("m", Some("b"), &tokens));
+        let base = tokens_key("m", salted(None), &tokens);
+        assert_eq!(base, tokens_key("m", salted(None), &tokens));
+        assert_ne!(base, tokens_key("m2", salted(None), &tokens));
+        assert_ne!(base, tokens_key("m", salted(Some("")), &tokens));
+        assert_ne!(
+            tokens_key("m", salted(Some("a")), &tokens),
+            tokens_key("m", salted(Some("b")), &tokens)
+        );
+        assert_ne!(base, tokens_key("m", lora(""), &tokens));
+        assert_ne!(tokens_key("m", lora("/a"), &tokens), tokens_key("m", lora("/b"), &tokens));
         let mut other = tokens.clone();
         other[599] = 7;
-        assert_ne!(base, tokens_key("m", None, &other));
-        assert_ne!(base, tokens_key("m", None, &tokens[..599]));
+        assert_ne!(base, tokens_key("m", salted(None), &other));
+        assert_ne!(base, tokens_key("m", salted(None), &tokens[..599]));
     }
 }

@@ -6,6 +6,7 @@
 //! | `kv_cache` | affinity | tokenize → blockhash → kvindex (+ speculative picks) | `min_blocks`, `speculative_ttl` |
 //! | `prefix_tree` | affinity | the approximate prefix tree of routed prompt text | `chunk_bytes`, `max_nodes` |
 //! | `session_affinity` | affinity | a session header or cookie → the replica it went to last | `header`, `cookie`, `max_sessions`, `max_key_bytes` |
+//! | `adapter_affinity` | affinity | `vllm:lora_requests_info`: the adapter running, waiting, or a free slot | — |
 //! | `cache_footprint` | placement | kvindex block counts per replica + what recent picks will store | — |
 //! | `queue` | load | `vllm:num_requests_waiting` | — |
 //! | `in_flight` | load | llmgw's own in-flight count | — |
@@ -15,7 +16,7 @@
 
 use super::registry::{ScorerPlugin, plugins};
 
-plugins!(ScorerPlugin: kv_cache, prefix_tree, session_affinity, cache_footprint, queue, in_flight, kv_utilization);
+plugins!(ScorerPlugin: kv_cache, prefix_tree, session_affinity, adapter_affinity, cache_footprint, queue, in_flight, kv_utilization);
 
 /// The label of the affinity scorers' decision counters.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]

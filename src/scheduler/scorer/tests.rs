@@ -12,12 +12,13 @@ use axum::routing::post;
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 
-use crate::blockhash::{BlockHasher, ExternalHash, HashSettings};
+use crate::blockhash::{BlockHasher, ExternalHash, HashSettings, LoraKey, RequestKeys};
 use crate::kvindex::{IndexConfig, KvEventSink, KvIndex, Medium};
 use crate::metrics::state::StateCollector;
 use crate::models::HashersByModel;
 use crate::openai::{EndpointKind, ParsedRequest, parse_request};
-use crate::pool::{Health, Pool, ReplicaSpec};
+use crate::pool::adapters::{AdapterCatalog, AdapterSlots, ModelCard};
+use crate::pool::{EngineLoad, Health, Pool, ReplicaSpec};
 use crate::scheduler::{DecideError, PluginResources, Scheduler, SchedulerConfig, Scope};
 use crate::tokenize::{Tokenizer, TokenizerConfig};
 
@@ -95,7 +96,7 @@ async fn fixture(profile: &str, deadline_ms: u64) -> Fixture {
             .iter()
             .map(|&address| ReplicaSpec {
                 address,
-                models: vec!["m".to_owned(), "other".to_owned()],
+                models: vec!["m".to_owned(), "other".to_owned(), "sql".to_owned()],
                 node: None,
             })
             .collect(),
@@ -463,4 +464,142 @@ async fn new_prompts_spread_over_equal_caches_before_their_events_arrive() {
         f.pick(&completion("m", &"aaaa".repeat(5), None)).await,
         home
     );
+}
+
+/// Replica `i` lists adapter `sql` of base `m`, loaded from `path`.
+fn list_sql_adapter(f: &Fixture, i: usize, path: &str) {
+    let snapshot = f.pool.snapshot();
+    let replica = snapshot.find(f.endpoint(i)).expect("replica");
+    let card = |id: &str, root: &str, parent: Option<&str>| ModelCard {
+        id: id.into(),
+        root: Some(root.into()),
+        parent: parent.map(Into::into),
+    };
+    replica.set_adapters(AdapterCatalog::from_cards(&[
+        card("m", "m", None),
+        card("sql", path, Some("m")),
+    ]));
+}
+
+fn adapter_hashes_of(prompt: &str, path: &str) -> Vec<ExternalHash> {
+    let tokens: Vec<u32> = prompt.bytes().map(u32::from).collect();
+    let keys = RequestKeys {
+        lora: Some(LoraKey { name: "sql", path }),
+        cache_salt: None,
+    };
+    let mut out = Vec::new();
+    hasher().request_hashes_into(&tokens, keys, &mut out);
+    out
+}
+
+#[tokio::test]
+async fn an_adapter_request_matches_the_blocks_hashed_with_each_replicas_adapter_path() {
+    let f = affinity(2000, "0s").await;
+    let prompt = "abcdefghijklmnop"; // 4 blocks
+    list_sql_adapter(&f, 0, "/other/sql");
+    list_sql_adapter(&f, 1, "/adapters/sql");
+    list_sql_adapter(&f, 2, "/adapters/sql");
+    // Replica 1 holds the base model's blocks of the prompt, replica 2 the adapter's.
+    f.index
+        .stored(f.endpoint(1), &hashes_of(prompt, None), Medium::Gpu);
+    f.index.stored(
+        f.endpoint(2),
+        &adapter_hashes_of(prompt, "/adapters/sql"),
+        Medium::Gpu,
+    );
+    let request = completion("sql", prompt, None);
+    assert_eq!(f.pick(&request).await, f.endpoint(2));
+    assert_eq!(f.kv("hit"), 1.0);
+
+    // Replica 0 loaded the adapter from another path, so its engine hashes the prompt otherwise:
+    // the whole prompt under its own path beats two blocks under replica 2's.
+    f.index.removed(
+        f.endpoint(2),
+        &adapter_hashes_of(prompt, "/adapters/sql")[2..],
+        Medium::Gpu,
+    );
+    f.index.stored(
+        f.endpoint(0),
+        &adapter_hashes_of(prompt, "/other/sql"),
+        Medium::Gpu,
+    );
+    assert_eq!(f.pick(&request).await, f.endpoint(0));
+    assert_eq!(f.kv("hit"), 2.0);
+
+    // The base model never matches the adapter's blocks: only replica 1's count for it.
+    assert_eq!(f.pick(&completion("m", prompt, None)).await, f.endpoint(1));
+    assert_eq!(f.kv("hit"), 3.0);
+}
+
+#[tokio::test]
+async fn an_adapter_no_replica_lists_yet_falls_back_to_the_tree() {
+    let f = affinity(2000, "0s").await;
+    f.index
+        .stored(f.endpoint(1), &hashes_of("zzzz", None), Medium::Gpu);
+    f.pick(&completion("sql", "abcdefgh", None)).await;
+    assert_eq!(f.kv("unknown_settings"), 1.0);
+    assert_eq!(f.tree("miss"), 1.0);
+}
+
+/// Adapter-slot filter, adapter affinity, and an in-flight scorer the test can tip.
+const ADAPTERS: &str = "
+profile:
+  filters: [{type: adapter_slots}]
+  scorers:
+    - {type: adapter_affinity, weight: 1}
+    - {type: in_flight, weight: 4}
+";
+
+/// Replica `i`'s engine reports `running` adapters in `max_loras` slots.
+fn report_slots(f: &Fixture, i: usize, max_loras: u32, running: &[&str]) {
+    let snapshot = f.pool.snapshot();
+    let replica = snapshot.find(f.endpoint(i)).expect("replica");
+    let load = EngineLoad {
+        waiting: Some(0.0),
+        running: Some(running.len() as f64),
+        kv_cache_usage: Some(0.1),
+    };
+    let slots = AdapterSlots {
+        max_loras,
+        running: running.iter().map(|a| a.to_string()).collect(),
+        waiting: Vec::new(),
+    };
+    replica.record_scrape_with_adapters(load, Some(slots), tokio::time::Instant::now());
+}
+
+#[tokio::test]
+async fn adapter_requests_go_where_the_adapter_runs_and_never_wait_for_a_slot_if_avoidable() {
+    let f = fixture(ADAPTERS, 2000).await;
+    for i in 0..3 {
+        list_sql_adapter(&f, i, "/adapters/sql");
+    }
+    report_slots(&f, 0, 1, &["chat"]); // every slot holds another adapter
+    report_slots(&f, 1, 2, &["sql"]); // running here
+    report_slots(&f, 2, 2, &["chat"]); // a free slot
+    let request = completion("sql", "abcdefgh", None);
+    assert_eq!(f.pick(&request).await, f.endpoint(1));
+    let picks = |outcome: &str| {
+        f.metric(&format!(
+            "llmgw_adapter_affinity_total{{outcome=\"{outcome}\"}}"
+        ))
+    };
+    assert_eq!(picks("running"), 1.0);
+
+    // Replica 1 busy: load moves the request to the free slot, never to the full replica 0,
+    // however idle it is.
+    let _busy = f.hold(1, 4);
+    let _also = f.hold(2, 2);
+    assert_eq!(f.pick(&request).await, f.endpoint(2));
+    assert_eq!(picks("free_slot"), 1.0);
+
+    // Every slot everywhere full of other adapters: all stay candidates (a preference, not a
+    // refusal), and load decides.
+    report_slots(&f, 1, 1, &["chat"]);
+    report_slots(&f, 2, 1, &["chat"]);
+    assert_eq!(f.pick(&request).await, f.endpoint(0));
+    assert_eq!(picks("full"), 1.0);
+
+    // Base-model requests are not the adapter plugins' business.
+    f.pick(&completion("m", "abcdefgh", None)).await;
+    assert_eq!(picks("running") + picks("free_slot") + picks("full"), 3.0);
 }
