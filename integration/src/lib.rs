@@ -20,7 +20,7 @@ pub mod system;
 pub mod workload;
 
 use std::io::{BufRead as _, BufReader};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 

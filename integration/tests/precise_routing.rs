@@ -21,7 +21,7 @@ use llmgw::metrics::Metrics;
 use llmgw::models::HashersByModel;
 use llmgw::openai::{EndpointKind, parse_request};
 use llmgw::pool::drift::{DRIFT_ALERT, DRIFT_CLEAR};
-use llmgw::pool::monitor::{HttpProber, ProbeSettings, run_scrapes};
+use llmgw::pool::monitor::{HttpProber, ProbeSettings, run_model_listings, run_scrapes};
 use llmgw::pool::{Health, InFlightGuard, Pool, ReplicaSpec};
 use llmgw::scheduler::{Decision, PluginResources, Scheduler, SchedulerConfig, Scope};
 use llmgw::tokenize::{Tokenizer, TokenizerConfig};
@@ -131,6 +131,9 @@ struct FleetSpec {
     hash_seed: String,
     /// Whether the router scrapes the sims' `/metrics`, as `serve` does.
     scrape: bool,
+    /// Models each replica serves besides `MODEL` (LoRA adapters); the router then also asks
+    /// the sims' `/v1/models` for their paths, as `serve` does.
+    adapters: Vec<String>,
 }
 
 impl FleetSpec {
@@ -142,6 +145,7 @@ impl FleetSpec {
             hash_block: BLOCK,
             hash_seed: SEED.to_owned(),
             scrape: false,
+            adapters: Vec::new(),
         }
     }
 }
@@ -170,7 +174,9 @@ async fn fleet_from(spec: FleetSpec) -> Fleet {
         .iter()
         .map(|s| ReplicaSpec {
             address: s.addr,
-            models: vec![MODEL.to_owned()],
+            models: std::iter::once(MODEL.to_owned())
+                .chain(spec.adapters.iter().cloned())
+                .collect(),
             node: None,
         })
         .collect();
@@ -184,7 +190,14 @@ async fn fleet_from(spec: FleetSpec) -> Fleet {
             ..ProbeSettings::default()
         };
         let prober = Arc::new(HttpProber::new(settings.timeout).expect("prober"));
-        tokio::spawn(run_scrapes(Arc::clone(&pool), prober, settings));
+        tokio::spawn(run_scrapes(
+            Arc::clone(&pool),
+            Arc::clone(&prober),
+            settings,
+        ));
+        if !spec.adapters.is_empty() {
+            tokio::spawn(run_model_listings(Arc::clone(&pool), prober, settings));
+        }
     }
     let hasher = BlockHasher::new(&HashSettings::sha256_cbor(
         NonZeroUsize::new(spec.hash_block).expect("nonzero"),
@@ -427,6 +440,81 @@ async fn a_messages_conversation_follows_its_replica_through_the_index() {
     assert!(
         cached[1..].iter().all(|&c| c > 0),
         "engine-counted cache hits per turn: {cached:?}"
+    );
+}
+
+/// A LoRA adapter's conversation: the sims hash its blocks with the adapter's name and path (as
+/// vLLM does), the router learns the path from their `/v1/models` and hashes alike, so later
+/// turns follow their replica through the index and the engine counts the hits; the base model
+/// never matches the adapter's blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lora_adapter_conversation_follows_its_replica_through_the_index() {
+    let mut spec = FleetSpec::new(3, 2000);
+    for args in &mut spec.sim_args {
+        for arg in [
+            "--enable-lora",
+            "--max-loras",
+            "2",
+            "--lora-modules",
+            "sql=/adapters/sql",
+        ] {
+            args.push(arg.to_owned());
+        }
+    }
+    spec.scrape = true;
+    spec.adapters = vec!["sql".to_owned()];
+    let f = fleet_from(spec).await;
+    let listed = llmgw_integration::poll_until(Duration::from_secs(10), || async {
+        f.pool.snapshot().replicas().iter().all(|r| {
+            r.adapters()
+                .and_then(|c| c.get("sql").map(|a| a.path == "/adapters/sql"))
+                .unwrap_or(false)
+        })
+    })
+    .await;
+    assert!(listed, "the router learned every sim's adapter path");
+
+    let mut messages = vec![
+        json!({"role": "system", "content": long_prompt(21)}),
+        json!({"role": "user", "content": "Write the query, please."}),
+    ];
+    let mut owner = None;
+    let mut cached = Vec::new();
+    for turn in 0..4 {
+        let body = json!({"model": "sql", "messages": messages, "max_tokens": 8});
+        let (chosen, answer) = f.route("/v1/chat/completions", &body).await;
+        if let Some(owner) = owner {
+            assert_eq!(chosen, owner, "turn {turn}");
+        }
+        owner = Some(chosen);
+        assert_eq!(answer["model"], "sql");
+        cached.push(
+            answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0),
+        );
+        f.converge().await;
+        let reply = answer["choices"][0]["message"]["content"]
+            .as_str()
+            .expect("assistant text")
+            .to_owned();
+        messages.push(json!({"role": "assistant", "content": reply}));
+        messages.push(json!({"role": "user", "content": format!("And now {turn}?")}));
+    }
+    assert!(f.decisions("llmgw_kv_decisions_total", "hit") >= 3);
+    assert!(
+        cached[1..].iter().all(|&c| c > 0),
+        "engine-counted cache hits per turn: {cached:?}"
+    );
+
+    // The same conversation for the base model matches none of the adapter's blocks.
+    let hits = f.decisions("llmgw_kv_decisions_total", "hit");
+    let body = json!({"model": MODEL, "messages": messages, "max_tokens": 8});
+    let (_, answer) = f.route("/v1/chat/completions", &body).await;
+    assert_eq!(f.decisions("llmgw_kv_decisions_total", "hit"), hits);
+    assert_eq!(
+        answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(0)
     );
 }
 

@@ -239,6 +239,125 @@ async fn salted_requests_hash_the_salt_into_block_zero_and_publish_it() {
     );
 }
 
+/// LoRA adapters as vLLM 0.32 serves them: listed by `/v1/models`, served under their names,
+/// their blocks hashed with the adapter (name and path) so they never match the base model's,
+/// and published with `lora_id`, `lora_name` and the name as every block's extra key.
+#[tokio::test]
+async fn lora_adapters_are_listed_served_and_hashed_apart_from_the_base_model() {
+    use llmgw::blockhash::{LoraKey, RequestKeys};
+
+    let cfg = events_config("");
+    let sim = sim(&[
+        "--block-size",
+        "16",
+        "--kv-events-config",
+        &cfg,
+        "--enable-lora",
+        "--lora-modules",
+        "a=/adapters/a",
+        "b=/adapters/b",
+    ]);
+    let http = Http::new(&sim);
+
+    let (status, models) = http.client_get_json("/v1/models").await;
+    assert_eq!(status, 200);
+    let cards: Vec<(&str, &Value, &Value)> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["id"].as_str().unwrap(), &c["root"], &c["parent"]))
+        .collect();
+    assert_eq!(
+        cards,
+        vec![
+            ("tiny", &json!("llmgw-sim/tiny"), &Value::Null),
+            ("a", &json!("/adapters/a"), &json!("tiny")),
+            ("b", &json!("/adapters/b"), &json!("tiny")),
+        ]
+    );
+
+    let mut sub = subscribe(sim.events.as_deref().unwrap()).await;
+    let tokens = http.tokens(json!({"model": "a", "prompt": PROMPT})).await;
+    let lora = RequestKeys {
+        lora: Some(LoraKey {
+            name: "a",
+            path: "/adapters/a",
+        }),
+        cache_salt: None,
+    };
+    let expected: Vec<u64> = hasher(16)
+        .request_blocks(&tokens, lora)
+        .map(|d| d.external().0)
+        .collect();
+    assert!(expected.len() >= 2, "{} tokens", tokens.len());
+    let complete = |model: &str| {
+        http.post(
+            "/v1/completions",
+            json!({"model": model, "prompt": PROMPT, "max_tokens": 1}),
+        )
+    };
+    let cached = |v: &Value| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+
+    let (status, v) = complete("a").await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["model"], "a", "responses name the adapter");
+    assert_eq!(cached(&v), Some(0));
+    let batch = wire::decode_batch(&next_frames(&mut sub).await.payload).unwrap();
+    let [KvEvent::BlockStored(stored)] = &batch.events[..] else {
+        panic!("one BlockStored expected, got {:?}", batch.events);
+    };
+    let got: Vec<u64> = stored.block_hashes.iter().map(|h| h.0).collect();
+    assert_eq!(got, expected, "request_blocks with LoraKey a");
+    assert_eq!(stored.lora_id, Some(1));
+    assert_eq!(stored.lora_name.as_deref(), Some("a"));
+    let keys = stored.extra_keys.as_ref().unwrap();
+    assert_eq!(keys.len(), expected.len());
+    for key in keys {
+        assert_eq!(
+            key,
+            &wire::Value::Array(vec![wire::Value::Str("a".into())]),
+            "the adapter's name on every block"
+        );
+    }
+
+    // Again on a: a prefix hit.
+    let (_, v) = complete("a").await;
+    assert_eq!(v["model"], "a");
+    let hit_blocks = (tokens.len() as u64 - 1) / 16;
+    assert_eq!(cached(&v), Some(hit_blocks * 16));
+
+    // The base model and adapter b share none of a's blocks.
+    for model in ["tiny", "b"] {
+        let (status, v) = complete(model).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["model"], model);
+        assert_eq!(cached(&v), Some(0), "{model} must not hit a's blocks");
+    }
+    let metrics = http.get_text("/metrics").await;
+    let value = |name: &str| {
+        llmgw_integration::prom::sum(&metrics, name, &[("model_name", "tiny")]).unwrap()
+    };
+    assert_eq!(
+        value("vllm:prefix_cache_hits_total"),
+        (hit_blocks * 16) as f64,
+        "the only hits are a's second request"
+    );
+    // vllm:lora_requests_info: the series set last (largest value) names no adapter now that
+    // every request has finished.
+    let latest = llmgw_integration::prom::samples(&metrics)
+        .filter(|s| s.name == "vllm:lora_requests_info")
+        .max_by(|x, y| x.value.total_cmp(&y.value))
+        .expect("vllm:lora_requests_info with --enable-lora");
+    assert_eq!(latest.label("max_lora"), Some("1"));
+    assert_eq!(latest.label("running_lora_adapters"), Some(""));
+    assert_eq!(latest.label("waiting_lora_adapters"), Some(""));
+
+    // An unknown model is still vLLM's 404.
+    let (status, v) = complete("c").await;
+    assert_eq!(status, 404, "{v}");
+    assert_eq!(v["error"]["message"], "The model `c` does not exist.");
+}
+
 #[tokio::test]
 async fn array_events_with_raw_digest_hashes_decode_too() {
     let cfg = events_config("");

@@ -10,6 +10,7 @@ use clap::Parser;
 use llmgw::blockhash::{HashAlgo, SaltEncoding};
 
 use crate::events::EventFormat;
+use crate::lora::{LoraModule, parse_lora_module};
 use crate::publisher::KvEventsConfig;
 
 /// A simulated vLLM replica: vLLM's OpenAI server, prefix cache and KV events, without a GPU.
@@ -94,6 +95,23 @@ pub struct Cli {
     /// Data-parallel rank stamped into event batches and the `engine` metrics label.
     #[arg(long, default_value_t = 0)]
     pub data_parallel_rank: u32,
+
+    /// Serve LoRA adapters besides the base model.
+    #[arg(long)]
+    pub enable_lora: bool,
+
+    /// LoRA adapters, each `name=path` or JSON `{"name": …, "path": …, "base_model_name": …}`;
+    /// ids 1, 2, … in this order. Needs `--enable-lora`.
+    #[arg(long, num_args = 1.., value_parser = parse_lora_module, requires = "enable_lora")]
+    pub lora_modules: Vec<LoraModule>,
+
+    /// Most distinct adapters among the running requests at once.
+    #[arg(long, default_value_t = NonZeroUsize::MIN)]
+    pub max_loras: NonZeroUsize,
+
+    /// Accepted for compatibility (adapter weights are not simulated).
+    #[arg(long, default_value_t = 16)]
+    pub max_lora_rank: u32,
 
     // ---- simulator flags ----
     /// Prefill time per uncached prompt token, in microseconds.
@@ -264,6 +282,59 @@ mod tests {
         // spawn_sim passes --host/--port first; a test's own --port must win.
         let cli = Cli::try_parse_from(["llmgw-sim", "--port", "0", "--port", "8123"]).unwrap();
         assert_eq!(cli.port, 8123);
+    }
+
+    #[test]
+    fn lora_modules_take_both_forms_and_need_enable_lora() {
+        let cli = Cli::try_parse_from([
+            "llmgw-sim",
+            "--enable-lora",
+            "--lora-modules",
+            "a=/adapters/a",
+            r#"{"name":"b","path":"/adapters/b","base_model_name":"tiny"}"#,
+            "--max-loras",
+            "2",
+            "--served-model-name",
+            "tiny",
+        ])
+        .unwrap();
+        assert!(cli.enable_lora);
+        assert_eq!(cli.max_loras.get(), 2);
+        assert_eq!(cli.max_lora_rank, 16);
+        assert_eq!(
+            cli.lora_modules,
+            vec![
+                LoraModule {
+                    name: "a".into(),
+                    path: "/adapters/a".into(),
+                    base_model_name: None,
+                },
+                LoraModule {
+                    name: "b".into(),
+                    path: "/adapters/b".into(),
+                    base_model_name: Some("tiny".into()),
+                },
+            ]
+        );
+        assert_eq!(
+            cli.served_names(),
+            vec!["tiny"],
+            "the list ended at the next flag"
+        );
+
+        let plain = Cli::try_parse_from(["llmgw-sim", "--enable-lora"]).unwrap();
+        assert_eq!(plain.max_loras.get(), 1, "vLLM's default");
+        assert!(plain.lora_modules.is_empty());
+
+        // vLLM refuses adapters without --enable-lora, and malformed items.
+        assert!(Cli::try_parse_from(["llmgw-sim", "--lora-modules", "a=/adapters/a"]).is_err());
+        for bad in ["a=b=c", "{\"name\":\"a\"}", "{"] {
+            assert!(
+                Cli::try_parse_from(["llmgw-sim", "--enable-lora", "--lora-modules", bad]).is_err(),
+                "{bad}"
+            );
+        }
+        assert!(Cli::try_parse_from(["llmgw-sim", "--enable-lora", "--max-loras", "0"]).is_err());
     }
 
     #[test]

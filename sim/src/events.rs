@@ -8,6 +8,10 @@
 //! * [`EventFormat::Array`]: vLLM 0.20 – 0.23, events are tagged arrays with every declared
 //!   field present (`nil` for `None`).
 //!
+//! A LoRA request's BlockStored carries the adapter's `lora_id` and `lora_name` and, per block,
+//! the untagged extra keys vLLM publishes: `[NAME]`, or `[NAME, SALT]` on a salted block 0
+//! (`[SALT]` without an adapter); base-model events keep both LoRA fields nil.
+//!
 //! The batch is always the array `[ts, events, data_parallel_rank]`. Hashes are either the
 //! digest's last 8 bytes as a u64 (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`, vLLM's default) or
 //! the raw digest as msgpack bin.
@@ -15,8 +19,11 @@
 //! Pure functions over owned data; no concurrency.
 
 use std::str::FromStr;
+use std::sync::Arc;
 
 use llmgw::blockhash::BlockDigest;
+
+use crate::lora::LoraAdapter;
 
 /// How events are laid out inside a batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -61,6 +68,26 @@ pub struct Encoding {
     pub hashes: HashForm,
 }
 
+/// One of a block's extra keys, in vLLM's order (LoRA, then cache_salt). Published untagged:
+/// the adapter's name, the salt.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BlockKey {
+    /// The request's LoRA adapter (on every block of its requests).
+    Lora(Arc<LoraAdapter>),
+    /// The request's `cache_salt` (on block 0 only).
+    CacheSalt(String),
+}
+
+impl BlockKey {
+    /// The published (untagged) form.
+    pub fn published(&self) -> &str {
+        match self {
+            BlockKey::Lora(adapter) => &adapter.name,
+            BlockKey::CacheSalt(salt) => salt,
+        }
+    }
+}
+
 /// A block was cached: one or more consecutive full blocks of one request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BlockStored {
@@ -68,11 +95,28 @@ pub struct BlockStored {
     pub parent_block_hash: Option<BlockDigest>,
     pub token_ids: Vec<u32>,
     pub block_size: u32,
-    /// One entry per block: `None`, or the block's untagged extra keys (the cache_salt on
-    /// block 0). `None` for the whole field omits it (vLLM < 0.17 shape).
-    pub extra_keys: Option<Vec<Option<Vec<String>>>>,
+    /// One entry per block: `None`, or the block's extra keys (a LoRA request's adapter on
+    /// every block, then the cache_salt on block 0), published untagged. `None` for the whole
+    /// field omits it (vLLM < 0.17 shape). The event's `lora_id` and `lora_name` are those of
+    /// the adapter its blocks carry (all blocks of one event are one request's), nil without.
+    pub extra_keys: Option<Vec<Option<Vec<BlockKey>>>>,
     pub group_idx: Option<u32>,
     pub kv_cache_spec_kind: Option<&'static str>,
+}
+
+impl BlockStored {
+    /// The LoRA adapter whose blocks these are (`lora_id`, `lora_name`), if any.
+    pub fn lora(&self) -> Option<&LoraAdapter> {
+        self.extra_keys
+            .iter()
+            .flatten()
+            .flatten()
+            .flatten()
+            .find_map(|key| match key {
+                BlockKey::Lora(adapter) => Some(&**adapter),
+                BlockKey::CacheSalt(_) => None,
+            })
+    }
 }
 
 /// One KV cache event.
@@ -133,7 +177,7 @@ fn opt_uint(out: &mut Vec<u8>, v: Option<u64>) {
     }
 }
 
-fn extra_keys(out: &mut Vec<u8>, keys: &Option<Vec<Option<Vec<String>>>>) {
+fn extra_keys(out: &mut Vec<u8>, keys: &Option<Vec<Option<Vec<BlockKey>>>>) {
     match keys {
         None => mp::nil(out),
         Some(per_block) => {
@@ -144,12 +188,23 @@ fn extra_keys(out: &mut Vec<u8>, keys: &Option<Vec<Option<Vec<String>>>>) {
                     Some(items) => {
                         mp::array_len(out, items.len());
                         for item in items {
-                            mp::str(out, item);
+                            mp::str(out, item.published());
                         }
                     }
                 }
             }
         }
+    }
+}
+
+fn lora_id(out: &mut Vec<u8>, lora: Option<&LoraAdapter>) {
+    opt_uint(out, lora.map(|a| u64::from(a.id)));
+}
+
+fn lora_name(out: &mut Vec<u8>, lora: Option<&LoraAdapter>) {
+    match lora {
+        Some(a) => mp::str(out, &a.name),
+        None => mp::nil(out),
     }
 }
 
@@ -165,9 +220,10 @@ fn encode_event(out: &mut Vec<u8>, event: &KvEvent, enc: Encoding) {
             }
             tokens(out, &s.token_ids);
             mp::uint(out, u64::from(s.block_size));
-            mp::nil(out); // lora_id
+            let lora = s.lora();
+            lora_id(out, lora);
             mp::str(out, MEDIUM_GPU);
-            mp::nil(out); // lora_name
+            lora_name(out, lora);
             extra_keys(out, &s.extra_keys);
             opt_uint(out, s.group_idx.map(u64::from));
             match s.kv_cache_spec_kind {
@@ -199,12 +255,13 @@ fn encode_event(out: &mut Vec<u8>, event: &KvEvent, enc: Encoding) {
             tokens(out, &s.token_ids);
             mp::str(out, "block_size");
             mp::uint(out, u64::from(s.block_size));
+            let lora = s.lora();
             mp::str(out, "lora_id");
-            mp::nil(out);
+            lora_id(out, lora);
             mp::str(out, "medium");
             mp::str(out, MEDIUM_GPU);
             mp::str(out, "lora_name");
-            mp::nil(out);
+            lora_name(out, lora);
             if s.extra_keys.is_some() {
                 mp::str(out, "extra_keys");
                 extra_keys(out, &s.extra_keys);
@@ -487,7 +544,10 @@ mod tests {
     fn salt_extra_keys_are_published_untagged_on_block_zero() {
         let (mut batch, _) = sample(None);
         if let KvEvent::BlockStored(s) = &mut batch.events[0] {
-            s.extra_keys = Some(vec![Some(vec!["tenant-a".into()]), None]);
+            s.extra_keys = Some(vec![
+                Some(vec![BlockKey::CacheSalt("tenant-a".into())]),
+                None,
+            ]);
         }
         let bytes = batch.encode(Encoding::default());
         let value = rmpv::decode::read_value(&mut &bytes[..]).unwrap();
@@ -498,6 +558,78 @@ mod tests {
             .unwrap();
         assert_eq!(keys[0][0].as_str(), Some("tenant-a"));
         assert!(keys[1].is_nil());
+    }
+
+    #[test]
+    fn lora_blocks_publish_the_adapter_and_its_name_on_every_block() {
+        let (mut batch, _) = sample(None);
+        let adapter = Arc::new(LoraAdapter {
+            id: 2,
+            name: "sql".into(),
+            path: "/adapters/sql".into(),
+            base_model_name: None,
+        });
+        if let KvEvent::BlockStored(s) = &mut batch.events[0] {
+            s.extra_keys = Some(vec![
+                Some(vec![
+                    BlockKey::Lora(Arc::clone(&adapter)),
+                    BlockKey::CacheSalt("tenant-a".into()),
+                ]),
+                Some(vec![BlockKey::Lora(Arc::clone(&adapter))]),
+            ]);
+        }
+        // Map form: the fields by name.
+        let bytes = batch.encode(Encoding::default());
+        let value = rmpv::decode::read_value(&mut &bytes[..]).unwrap();
+        let stored = value[1][0].as_map().unwrap();
+        let field = |name: &str| {
+            stored
+                .iter()
+                .find(|(k, _)| k.as_str() == Some(name))
+                .map(|(_, v)| v.clone())
+                .unwrap()
+        };
+        assert_eq!(field("lora_id").as_u64(), Some(2));
+        assert_eq!(field("lora_name").as_str(), Some("sql"));
+        let keys = field("extra_keys");
+        let strs = |v: &rmpv::Value| -> Vec<String> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_str().unwrap().to_owned())
+                .collect()
+        };
+        assert_eq!(strs(&keys[0]), ["sql", "tenant-a"], "lora first, then salt");
+        assert_eq!(strs(&keys[1]), ["sql"]);
+        // Array form: lora_id at 5, lora_name at 7 (after medium).
+        let enc = Encoding {
+            format: EventFormat::Array,
+            hashes: HashForm::Int,
+        };
+        let bytes = batch.encode(enc);
+        let value = rmpv::decode::read_value(&mut &bytes[..]).unwrap();
+        let event = &value[1][0];
+        assert_eq!(event[5].as_u64(), Some(2));
+        assert_eq!(event[6].as_str(), Some(MEDIUM_GPU));
+        assert_eq!(event[7].as_str(), Some("sql"));
+        assert_eq!(strs(&event[8][1]), ["sql"]);
+        // The agent reads them back.
+        let decoded = llmgw_agent::wire::decode_batch(&bytes).unwrap();
+        let llmgw_agent::wire::KvEvent::BlockStored(b) = &decoded.events[0] else {
+            panic!("BlockStored expected");
+        };
+        assert_eq!((b.lora_id, b.lora_name.as_deref()), (Some(2), Some("sql")));
+        // A base-model event keeps them nil.
+        let (batch, _) = sample(None);
+        let value = rmpv::decode::read_value(&mut &batch.encode(Encoding::default())[..]).unwrap();
+        let stored = value[1][0].as_map().unwrap();
+        for name in ["lora_id", "lora_name"] {
+            let (_, v) = stored
+                .iter()
+                .find(|(k, _)| k.as_str() == Some(name))
+                .unwrap();
+            assert!(v.is_nil(), "{name}");
+        }
     }
 
     fn digest_strategy() -> impl proptest::strategy::Strategy<Value = BlockDigest> {
@@ -520,23 +652,45 @@ mod tests {
             proptest::collection::vec(any::<u32>(), 0..40),
             1u32..128,
             proptest::option::of("[a-z]{1,40}"),
+            proptest::option::of((1u32..300, "[a-z0-9-]{1,40}")),
         )
-            .prop_map(|(block_hashes, parent, token_ids, block_size, salt)| {
-                let extra_keys = Some(
-                    (0..block_hashes.len())
-                        .map(|i| salt.clone().filter(|_| i == 0).map(|s| vec![s]))
-                        .collect(),
-                );
-                KvEvent::BlockStored(BlockStored {
-                    block_hashes,
-                    parent_block_hash: parent,
-                    token_ids,
-                    block_size,
-                    extra_keys,
-                    group_idx: Some(0),
-                    kv_cache_spec_kind: Some("full_attention"),
-                })
-            });
+            .prop_map(
+                |(block_hashes, parent, token_ids, block_size, salt, lora)| {
+                    let lora = lora.map(|(id, name)| {
+                        Arc::new(LoraAdapter {
+                            id,
+                            path: format!("/adapters/{name}"),
+                            name,
+                            base_model_name: None,
+                        })
+                    });
+                    let extra_keys = Some(
+                        (0..block_hashes.len())
+                            .map(|i| {
+                                let keys: Vec<BlockKey> = lora
+                                    .iter()
+                                    .map(|a| BlockKey::Lora(Arc::clone(a)))
+                                    .chain(
+                                        salt.iter()
+                                            .filter(|_| i == 0)
+                                            .map(|s| BlockKey::CacheSalt(s.clone())),
+                                    )
+                                    .collect();
+                                (!keys.is_empty()).then_some(keys)
+                            })
+                            .collect(),
+                    );
+                    KvEvent::BlockStored(BlockStored {
+                        block_hashes,
+                        parent_block_hash: parent,
+                        token_ids,
+                        block_size,
+                        extra_keys,
+                        group_idx: Some(0),
+                        kv_cache_spec_kind: Some("full_attention"),
+                    })
+                },
+            );
         prop_oneof![
             stored,
             (
@@ -581,6 +735,17 @@ mod tests {
                         proptest::prop_assert_eq!(a.block_size, b.block_size);
                         proptest::prop_assert_eq!(b.group_idx, Some(0));
                         proptest::prop_assert_eq!(b.kv_cache_spec_kind.as_deref(), Some("full_attention"));
+                        proptest::prop_assert_eq!(b.lora_id, a.lora().map(|l| i64::from(l.id)));
+                        proptest::prop_assert_eq!(b.lora_name.as_deref(), a.lora().map(|l| l.name.as_str()));
+                        let published: Vec<Option<Vec<String>>> = a.extra_keys.iter().flatten().map(|k| {
+                            k.as_ref().map(|k| k.iter().map(|x| x.published().to_owned()).collect())
+                        }).collect();
+                        let decoded: Vec<Option<Vec<String>>> = b.extra_keys.iter().flatten().map(|v| match v {
+                            wire::Value::Nil => None,
+                            wire::Value::Array(items) => Some(items.iter().map(|x| x.as_str().unwrap_or("?").to_owned()).collect()),
+                            other => Some(vec![format!("{other:?}")]),
+                        }).collect();
+                        proptest::prop_assert_eq!(published, decoded);
                     }
                     (KvEvent::BlockRemoved { block_hashes, group_idx }, wire::KvEvent::BlockRemoved(b)) => {
                         proptest::prop_assert_eq!(ext(block_hashes), b.block_hashes.iter().map(|h| h.0).collect::<Vec<_>>());

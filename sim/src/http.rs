@@ -23,6 +23,7 @@ use tokio::sync::mpsc;
 
 use crate::engine::{EngineHandle, Finished, Output, Submit};
 use crate::error::ApiError;
+use crate::lora::LoraAdapter;
 use crate::metrics::{self, MetricsInfo};
 use crate::publisher::Faults;
 use crate::tokenizer::{ChatOptions, SimTokenizer, TokenizerError};
@@ -33,6 +34,8 @@ pub const REPLICA_HEADER: &str = "x-llmgw-sim-replica";
 /// Everything the handlers share.
 pub struct AppState {
     pub names: Vec<String>,
+    /// LoRA adapters (`--lora-modules`), served under their own names.
+    pub adapters: Vec<Arc<LoraAdapter>>,
     pub root: String,
     pub max_model_len: usize,
     pub tokenizer: Arc<SimTokenizer>,
@@ -53,9 +56,23 @@ impl AppState {
     }
 
     fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
-        match model {
-            Some(m) if !self.names.iter().any(|n| n == m) => Err(ApiError::model_not_found(m)),
-            _ => Ok(()),
+        self.resolve_model(model).map(|_| ())
+    }
+
+    /// The adapter a request's `model` names (`None`: the base model), or vLLM's 404 for a
+    /// name it does not serve. An adapter's name wins over a base name, as in vLLM's
+    /// `_maybe_get_adapters`.
+    fn resolve_model(&self, model: Option<&str>) -> Result<Option<Arc<LoraAdapter>>, ApiError> {
+        let Some(m) = model else {
+            return Ok(None);
+        };
+        if let Some(adapter) = self.adapters.iter().find(|a| a.name == m) {
+            return Ok(Some(Arc::clone(adapter)));
+        }
+        if self.names.iter().any(|n| n == m) {
+            Ok(None)
+        } else {
+            Err(ApiError::model_not_found(m))
         }
     }
 
@@ -512,15 +529,34 @@ fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
-async fn generate(
-    state: Arc<AppState>,
-    api: Api,
+/// What to generate, and for whom.
+struct GenerateRequest {
     prompt: Vec<u32>,
     max_tokens: usize,
     cache_salt: Option<String>,
+    /// The adapter serving it (`None`: the base model).
+    lora: Option<Arc<LoraAdapter>>,
     stream: bool,
     include_usage: bool,
+}
+
+async fn generate(
+    state: Arc<AppState>,
+    api: Api,
+    req: GenerateRequest,
 ) -> Result<Response, ApiError> {
+    let GenerateRequest {
+        prompt,
+        max_tokens,
+        cache_salt,
+        lora,
+        stream,
+        include_usage,
+    } = req;
+    // vLLM names the adapter in responses to its requests.
+    let model = lora
+        .as_ref()
+        .map_or_else(|| state.served().to_owned(), |a| a.name.clone());
     let (tx, mut rx) = mpsc::unbounded_channel();
     state
         .engine
@@ -528,6 +564,7 @@ async fn generate(
             prompt,
             max_tokens,
             cache_salt,
+            lora,
             out: tx,
         })
         .map_err(|e| ApiError::internal(e.to_string()))?;
@@ -540,7 +577,7 @@ async fn generate(
         api,
         id: state.request_id(prefix),
         created: unix_secs(),
-        model: state.served().to_owned(),
+        model,
         include_usage,
     };
     if !stream {
@@ -619,12 +656,12 @@ fn unix_secs() -> u64 {
 async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let result = async {
         let req: CompletionRequest = parse(&body)?;
-        state.check_model(req.sampling.model.as_deref())?;
+        let lora = state.resolve_model(req.sampling.model.as_deref())?;
         let prompt = state.prompt_tokens(&req.prompt, req.add_special_tokens)?;
         let requested = req.sampling.max_tokens;
         respond(
             &state,
-            (Api::Completions, req.sampling),
+            (Api::Completions, req.sampling, lora),
             prompt,
             requested,
             Some(16),
@@ -638,7 +675,7 @@ async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Respons
 async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let result = async {
         let req: ChatRequest = parse(&body)?;
-        state.check_model(req.sampling.model.as_deref())?;
+        let lora = state.resolve_model(req.sampling.model.as_deref())?;
         let prompt = state.chat_tokens(
             &req.messages,
             ChatOptions {
@@ -648,7 +685,14 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Re
             },
         )?;
         let requested = req.max_completion_tokens.or(req.sampling.max_tokens);
-        respond(&state, (Api::Chat, req.sampling), prompt, requested, None).await
+        respond(
+            &state,
+            (Api::Chat, req.sampling, lora),
+            prompt,
+            requested,
+            None,
+        )
+        .await
     }
     .await;
     result.unwrap_or_else(IntoResponse::into_response)
@@ -666,7 +710,7 @@ async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         let parsed = llmgw::openai::parse_request(llmgw::openai::EndpointKind::Messages, &body)
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
         let limits: Limits = parse(&body)?;
-        state.check_model(Some(&parsed.model))?;
+        let lora = state.resolve_model(Some(&parsed.model))?;
         let llmgw::openai::RequestInput::Chat(chat) = &parsed.input else {
             return Err(ApiError::internal("a messages request is a chat"));
         };
@@ -690,7 +734,7 @@ async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         };
         respond(
             &state,
-            (Api::Messages, sampling),
+            (Api::Messages, sampling, lora),
             prompt,
             limits.max_tokens,
             None,
@@ -705,7 +749,7 @@ async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
 /// `requested` tokens at most, `default` when the request names none.
 async fn respond(
     state: &Arc<AppState>,
-    (api, sampling): (Api, Sampling),
+    (api, sampling, lora): (Api, Sampling, Option<Arc<LoraAdapter>>),
     prompt: Vec<u32>,
     requested: Option<i64>,
     default: Option<usize>,
@@ -721,11 +765,14 @@ async fn respond(
     generate(
         Arc::clone(state),
         api,
-        prompt,
-        max_tokens,
-        sampling.cache_salt,
-        sampling.stream,
-        include_usage,
+        GenerateRequest {
+            prompt,
+            max_tokens,
+            cache_salt: sampling.cache_salt,
+            lora,
+            stream: sampling.stream,
+            include_usage,
+        },
     )
     .await
 }
@@ -825,36 +872,44 @@ async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response
 // ---------------------------------------------------------------------------------------------
 // Server endpoints
 
+/// `/v1/models`: the base model's names, then each LoRA adapter (vLLM's `show_available_models`:
+/// an adapter's `root` is its path, its `parent` its `base_model_name` or the first served name,
+/// its `max_model_len` null).
 async fn models(State(state): State<Arc<AppState>>) -> Response {
-    let data: Vec<Value> = state
+    let card = |id: &str, root: &str, parent: Option<&str>, max_model_len: Option<usize>| {
+        json!({
+            "id": id,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "vllm",
+            "root": root,
+            "parent": parent,
+            "max_model_len": max_model_len,
+            "permission": [{
+                "id": format!("modelperm-{:032x}", state.created),
+                "object": "model_permission",
+                "created": state.created,
+                "allow_create_engine": false,
+                "allow_sampling": true,
+                "allow_logprobs": true,
+                "allow_search_indices": false,
+                "allow_view": true,
+                "allow_fine_tuning": false,
+                "organization": "*",
+                "group": null,
+                "is_blocking": false,
+            }],
+        })
+    };
+    let base = state
         .names
         .iter()
-        .map(|name| {
-            json!({
-                "id": name,
-                "object": "model",
-                "created": state.created,
-                "owned_by": "vllm",
-                "root": state.root,
-                "parent": null,
-                "max_model_len": state.max_model_len,
-                "permission": [{
-                    "id": format!("modelperm-{:032x}", state.created),
-                    "object": "model_permission",
-                    "created": state.created,
-                    "allow_create_engine": false,
-                    "allow_sampling": true,
-                    "allow_logprobs": true,
-                    "allow_search_indices": false,
-                    "allow_view": true,
-                    "allow_fine_tuning": false,
-                    "organization": "*",
-                    "group": null,
-                    "is_blocking": false,
-                }],
-            })
-        })
-        .collect();
+        .map(|name| card(name, &state.root, None, Some(state.max_model_len)));
+    let adapters = state.adapters.iter().map(|a| {
+        let parent = a.base_model_name.as_deref().unwrap_or(state.served());
+        card(&a.name, &a.path, Some(parent), None)
+    });
+    let data: Vec<Value> = base.chain(adapters).collect();
     Json(json!({"object": "list", "data": data})).into_response()
 }
 
@@ -874,7 +929,11 @@ async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Response {
 }
 
 async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
-    let text = metrics::render(&state.metrics, &state.engine.stats());
+    let text = metrics::render(
+        &state.metrics,
+        &state.engine.stats(),
+        &state.engine.lora_info(),
+    );
     (
         [(
             header::CONTENT_TYPE,
@@ -968,6 +1027,113 @@ mod tests {
     use super::*;
     use crate::engine::{Engine, EngineConfig, LatencyModel};
 
+    /// Handler state over a fresh engine (call inside a runtime).
+    fn test_state(adapters: Vec<Arc<LoraAdapter>>) -> AppState {
+        let tokenizer = Arc::new(SimTokenizer::builtin().unwrap());
+        let max_loras = (!adapters.is_empty()).then_some(1);
+        let engine = Engine::spawn(
+            EngineConfig {
+                num_blocks: 64,
+                max_num_seqs: 4,
+                prefix_caching: true,
+                kv_events: false,
+                latency: LatencyModel::default(),
+                output_len: 3,
+                hasher: BlockHasher::new(&HashSettings::sha256_cbor(
+                    NonZeroUsize::new(16).unwrap(),
+                    None,
+                ))
+                .unwrap(),
+                vocab: tokenizer.word_ids().into(),
+                data_parallel_rank: 0,
+                max_loras,
+            },
+            None,
+        );
+        AppState {
+            names: vec!["tiny".into(), "alias".into()],
+            adapters,
+            root: "org/tiny".into(),
+            max_model_len: 128,
+            tokenizer,
+            engine,
+            faults: Arc::new(Faults::default()),
+            metrics: MetricsInfo {
+                model_name: "tiny".into(),
+                engine: "0".into(),
+                block_size: 16,
+                num_gpu_blocks: 64,
+                prefix_caching: true,
+                hash_algo: "sha256_cbor".into(),
+                created: 0.0,
+                max_loras,
+            },
+            replica: HeaderValue::from_static("test"),
+            created: 0,
+            next_id: AtomicU64::new(0),
+            tokenize_delay_ms: AtomicU64::new(0),
+        }
+    }
+
+    #[tokio::test]
+    async fn adapters_are_listed_after_the_base_model_and_served_by_name() {
+        let adapter = |id: u32, name: &str, base: Option<&str>| {
+            Arc::new(LoraAdapter {
+                id,
+                name: name.into(),
+                path: format!("/adapters/{name}"),
+                base_model_name: base.map(str::to_owned),
+            })
+        };
+        let state = Arc::new(test_state(vec![
+            adapter(1, "sql", None),
+            adapter(2, "alias", Some("org/base")),
+        ]));
+        let body = models(State(Arc::clone(&state))).await;
+        let bytes = axum::body::to_bytes(body.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        let v: Value = serde_json::from_slice(&bytes).unwrap();
+        let cards: Vec<(&str, &str, &Value, &Value)> = v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| {
+                (
+                    c["id"].as_str().unwrap(),
+                    c["root"].as_str().unwrap(),
+                    &c["parent"],
+                    &c["max_model_len"],
+                )
+            })
+            .collect();
+        assert_eq!(
+            cards,
+            vec![
+                ("tiny", "org/tiny", &Value::Null, &json!(128)),
+                ("alias", "org/tiny", &Value::Null, &json!(128)),
+                ("sql", "/adapters/sql", &json!("tiny"), &Value::Null),
+                ("alias", "/adapters/alias", &json!("org/base"), &Value::Null),
+            ]
+        );
+        assert_eq!(v["data"][2]["owned_by"], "vllm");
+        assert_eq!(v["data"][2]["permission"][0]["object"], "model_permission");
+
+        let resolved = |m: Option<&str>| state.resolve_model(m).map(|a| a.map(|a| a.id));
+        assert_eq!(resolved(None), Ok(None));
+        assert_eq!(resolved(Some("tiny")), Ok(None));
+        assert_eq!(resolved(Some("sql")), Ok(Some(1)));
+        assert_eq!(
+            resolved(Some("alias")),
+            Ok(Some(2)),
+            "an adapter's name wins"
+        );
+        assert_eq!(
+            resolved(Some("nope")),
+            Err(ApiError::model_not_found("nope"))
+        );
+    }
+
     /// An in-process server on 127.0.0.1:0 (its own runtime thread), for robustness tests.
     fn serve() -> (String, std::thread::JoinHandle<()>) {
         let (tx, rx) = std::sync::mpsc::channel();
@@ -977,46 +1143,7 @@ mod tests {
                 .build()
                 .unwrap();
             rt.block_on(async move {
-                let tokenizer = Arc::new(SimTokenizer::builtin().unwrap());
-                let engine = Engine::spawn(
-                    EngineConfig {
-                        num_blocks: 64,
-                        max_num_seqs: 4,
-                        prefix_caching: true,
-                        kv_events: false,
-                        latency: LatencyModel::default(),
-                        output_len: 3,
-                        hasher: BlockHasher::new(&HashSettings::sha256_cbor(
-                            NonZeroUsize::new(16).unwrap(),
-                            None,
-                        ))
-                        .unwrap(),
-                        vocab: tokenizer.word_ids().into(),
-                        data_parallel_rank: 0,
-                    },
-                    None,
-                );
-                let state = Arc::new(AppState {
-                    names: vec!["tiny".into()],
-                    root: "tiny".into(),
-                    max_model_len: 128,
-                    tokenizer,
-                    engine,
-                    faults: Arc::new(Faults::default()),
-                    metrics: MetricsInfo {
-                        model_name: "tiny".into(),
-                        engine: "0".into(),
-                        block_size: 16,
-                        num_gpu_blocks: 64,
-                        prefix_caching: true,
-                        hash_algo: "sha256_cbor".into(),
-                        created: 0.0,
-                    },
-                    replica: HeaderValue::from_static("test"),
-                    created: 0,
-                    next_id: AtomicU64::new(0),
-                    tokenize_delay_ms: AtomicU64::new(0),
-                });
+                let state = Arc::new(test_state(Vec::new()));
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                 tx.send(format!("http://{}", listener.local_addr().unwrap()))
                     .unwrap();

@@ -7,6 +7,7 @@
 //! | [`tokenizer`] | HF `tokenizers` BPE + chat template (minijinja) |
 //! | [`engine`] | scheduler loop, latency model, [`engine::pool`] block pool with prefix caching |
 //! | [`events`] | KV events and their msgpack encoding (map and array forms) |
+//! | [`lora`] | LoRA adapters (`--enable-lora --lora-modules`) and `vllm:lora_requests_info` |
 //! | [`publisher`] | ZMQ PUB (topic, seq, payload) and replay ROUTER |
 //! | [`http`] | OpenAI routes, `/tokenize`, `/metrics`, `/debug/blocks`, `/sim/*` faults |
 //! | [`metrics`], [`error`] | Prometheus text; vLLM's error JSON |
@@ -25,6 +26,7 @@ pub mod engine;
 pub mod error;
 pub mod events;
 pub mod http;
+pub mod lora;
 pub mod metrics;
 pub mod publisher;
 pub mod tokenizer;
@@ -53,6 +55,8 @@ pub enum SimError {
     Hash(#[from] llmgw::blockhash::BlockHashError),
     #[error(transparent)]
     Publisher(#[from] publisher::PublisherError),
+    #[error(transparent)]
+    Lora(#[from] lora::LoraError),
     #[error("cannot listen on {addr}: {source}")]
     Listen {
         addr: String,
@@ -93,6 +97,8 @@ pub async fn run(cli: Cli) -> Result<(), SimError> {
             capacity: usable * block_size,
         });
     }
+    let adapters = lora::load_adapters(&cli.lora_modules, cli.enable_lora)?;
+    let max_loras = cli.enable_lora.then_some(cli.max_loras.get());
     let seed = Cli::python_hash_seed().or_else(|| match cli.prefix_caching_hash_algo {
         // vLLM ≥ 0.29 seeds xxhash randomly when PYTHONHASHSEED is unset.
         HashAlgo::XxhashCbor => Some(format!(
@@ -173,6 +179,7 @@ pub async fn run(cli: Cli) -> Result<(), SimError> {
             hasher,
             vocab: tokenizer.word_ids().into(),
             data_parallel_rank: cli.data_parallel_rank,
+            max_loras,
         },
         events_tx,
     );
@@ -206,8 +213,10 @@ pub async fn run(cli: Cli) -> Result<(), SimError> {
             prefix_caching: cli.prefix_caching(),
             hash_algo: cli.prefix_caching_hash_algo.to_string(),
             created,
+            max_loras,
         },
         names,
+        adapters,
         root: cli.model_tag.clone().unwrap_or_else(|| cli.model.clone()),
         max_model_len: cli.max_model_len,
         tokenize_delay_ms: std::sync::atomic::AtomicU64::new(cli.sim_tokenize_delay_ms),

@@ -5,6 +5,7 @@
 use std::fmt::Write as _;
 
 use crate::engine::StatsSnapshot;
+use crate::lora::LoraInfoSample;
 
 /// Static facts for the metric labels.
 #[derive(Debug, Clone)]
@@ -17,6 +18,8 @@ pub struct MetricsInfo {
     pub hash_algo: String,
     /// Process start, seconds since the epoch (for `_created`).
     pub created: f64,
+    /// `--max-loras` with `--enable-lora` (`vllm:lora_requests_info` is exported only then).
+    pub max_loras: Option<usize>,
 }
 
 fn py_bool(b: bool) -> &'static str {
@@ -31,8 +34,8 @@ fn float(v: f64) -> String {
     }
 }
 
-/// Renders the exposition text.
-pub fn render(info: &MetricsInfo, s: &StatsSnapshot) -> String {
+/// Renders the exposition text; `lora` are the series of `vllm:lora_requests_info`.
+pub fn render(info: &MetricsInfo, s: &StatsSnapshot, lora: &[LoraInfoSample]) -> String {
     let labels = format!(
         "model_name=\"{}\",engine=\"{}\"",
         escape(&info.model_name),
@@ -97,6 +100,25 @@ pub fn render(info: &MetricsInfo, s: &StatsSnapshot) -> String {
         info.hash_algo,
         info.engine,
     );
+    if let Some(max_lora) = info.max_loras {
+        // vLLM's v1 logger: labels (max_lora, waiting_lora_adapters, running_lora_adapters),
+        // in that declaration order; the value is when the series was last set.
+        let _ = writeln!(
+            out,
+            "# HELP vllm:lora_requests_info Running stats on lora requests."
+        );
+        let _ = writeln!(out, "# TYPE vllm:lora_requests_info gauge");
+        for series in lora {
+            let _ = writeln!(
+                out,
+                "vllm:lora_requests_info{{max_lora=\"{max_lora}\",waiting_lora_adapters=\"{}\",\
+                 running_lora_adapters=\"{}\"}} {}",
+                escape(&series.waiting),
+                escape(&series.running),
+                float(series.value),
+            );
+        }
+    }
     out
 }
 
@@ -120,6 +142,7 @@ mod tests {
             prefix_caching: true,
             hash_algo: "sha256_cbor".into(),
             created: 1.7e9,
+            max_loras: None,
         };
         let s = StatsSnapshot {
             running: 2,
@@ -129,7 +152,7 @@ mod tests {
             prefix_cache_hits: 64,
             steps: 0,
         };
-        let text = render(&info, &s);
+        let text = render(&info, &s, &[]);
         for line in [
             "vllm:num_requests_running{model_name=\"tiny\",engine=\"0\"} 2.0",
             "vllm:num_requests_waiting{model_name=\"tiny\",engine=\"0\"} 1.0",
@@ -145,5 +168,56 @@ mod tests {
         }
         assert!(text.contains("vllm:cache_config_info{block_size=\"16\""));
         assert!(text.contains("prefix_caching_hash_algo=\"sha256_cbor\""));
+        assert!(
+            !text.contains("lora_requests_info"),
+            "exported only with --enable-lora"
+        );
+    }
+
+    #[test]
+    fn lora_requests_info_is_one_series_per_label_set_valued_by_time() {
+        let info = MetricsInfo {
+            model_name: "tiny".into(),
+            engine: "0".into(),
+            block_size: 16,
+            num_gpu_blocks: 48,
+            prefix_caching: true,
+            hash_algo: "sha256_cbor".into(),
+            created: 1.7e9,
+            max_loras: Some(2),
+        };
+        let s = StatsSnapshot {
+            running: 0,
+            waiting: 0,
+            kv_cache_usage: 0.0,
+            prefix_cache_queries: 0,
+            prefix_cache_hits: 0,
+            steps: 0,
+        };
+        let series = [
+            LoraInfoSample {
+                running: "a,b".into(),
+                waiting: "a,b".into(),
+                value: 1_733_000_000.25,
+            },
+            LoraInfoSample {
+                running: String::new(),
+                waiting: String::new(),
+                value: 1_733_000_001.0,
+            },
+        ];
+        let text = render(&info, &s, &series);
+        for line in [
+            "# TYPE vllm:lora_requests_info gauge",
+            "vllm:lora_requests_info{max_lora=\"2\",waiting_lora_adapters=\"a,b\",\
+             running_lora_adapters=\"a,b\"} 1733000000.25",
+            "vllm:lora_requests_info{max_lora=\"2\",waiting_lora_adapters=\"\",\
+             running_lora_adapters=\"\"} 1733000001.0",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
     }
 }

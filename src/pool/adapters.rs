@@ -138,10 +138,15 @@ impl AdapterCatalog {
 /// The engine's adapter slots at its last scrape (`vllm:lora_requests_info`): at most
 /// `max_loras` distinct adapters among its running requests; a request for another one waits
 /// until a slot frees.
+///
+/// vLLM ≥ 0.30 writes every adapter with a request in flight into **both** labels (with its
+/// running and its waiting count, and only the names are exported: `LoRARequestStates`), so
+/// there `running` is every active adapter, waiting ones included, and counting it against
+/// `max_loras` errs towards "full". Older engines list them apart.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AdapterSlots {
     pub max_loras: u32,
-    /// Adapters of running requests (loaded in a slot).
+    /// Adapters of running requests (with vLLM ≥ 0.30: of every request in flight).
     pub running: Vec<String>,
     /// Adapters of waiting requests.
     pub waiting: Vec<String>,

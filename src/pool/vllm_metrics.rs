@@ -201,18 +201,19 @@ python_gc_objects_collected_total{generation="0"} 7.0
 
     #[test]
     fn the_newest_adapter_slots_sample_wins() {
+        // As vLLM 0.32 writes it: every adapter with a request in flight in both lists.
         let page = r#"# HELP vllm:lora_requests_info Running stats on lora requests.
 # TYPE vllm:lora_requests_info gauge
-vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql",waiting_lora_adapters=""} 1.7000000015e+09
-vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql,chat",waiting_lora_adapters="math"} 1.7000000030e+09
-vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7000000020e+09
+vllm:lora_requests_info{max_lora="2",waiting_lora_adapters="sql",running_lora_adapters="sql"} 1.7000000015e+09
+vllm:lora_requests_info{max_lora="2",waiting_lora_adapters="sql,chat",running_lora_adapters="sql,chat"} 1.7000000030e+09
+vllm:lora_requests_info{max_lora="2",waiting_lora_adapters="",running_lora_adapters=""} 1.7000000020e+09
 "#;
         assert_eq!(
             parse_adapter_slots(page),
             Some(AdapterSlots {
                 max_loras: 2,
                 running: vec!["sql".into(), "chat".into()],
-                waiting: vec!["math".into()],
+                waiting: vec!["sql".into(), "chat".into()],
             })
         );
         assert_eq!(parse_adapter_slots("vllm:num_requests_running 1\n"), None);

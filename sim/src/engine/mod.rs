@@ -5,17 +5,22 @@
 //! [`Command`]s over an unbounded channel, the actor pattern. HTTP handlers hold an
 //! [`EngineHandle`]; each request gets its own output channel. Gauges and counters for
 //! `/metrics` are published by the engine task into [`EngineStats`] atomics that anyone may
-//! read without locking. Nothing is shared mutably across tasks.
+//! read without locking; the one exception, `vllm:lora_requests_info`'s label sets, sits
+//! behind a short lock written once per step and read by `/metrics`. Nothing else is shared
+//! mutably across tasks.
 //!
 //! Each loop iteration is one *engine step*, as in vLLM:
 //! 1. every running request computes its pending tokens and samples one more (decode);
 //! 2. waiting requests are admitted first-come first-served while the running batch is below
 //!    `max_num_seqs` and the pool has blocks: a prefix-cache lookup, then allocation (which may
 //!    evict LRU cached blocks), then the prompt's full blocks are cached; the first token is
-//!    sampled in the same step;
+//!    sampled in the same step. With LoRA on, a request whose adapter is not among the running
+//!    requests' while `max_loras` adapters already run is skipped (it keeps its place; later
+//!    requests may be admitted past it), as vLLM's scheduler does;
 //! 3. the step "takes" `step_overhead + uncached_prompt_tokens × prefill_per_token +
 //!    decode_per_step` (slept on tokio's clock, so paused-time tests are exact);
-//! 4. the step's KV events go out as one batch, then outputs are delivered.
+//! 4. the step's KV events go out as one batch, then outputs are delivered, then the stats
+//!    (and, with LoRA on, `vllm:lora_requests_info`) are updated.
 //!
 //! Blocks are cached as soon as their tokens are computed: prompt blocks at prefill, blocks
 //! filled by generated tokens one step after their last token was sampled (the last sampled
@@ -27,12 +32,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use llmgw::blockhash::{BlockDigest, BlockHasher};
+use llmgw::blockhash::{BlockDigest, BlockHasher, RequestKeys};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use self::pool::{BlockId, BlockPool};
-use crate::events::{BlockStored, EventBatch, KvEvent};
+use crate::events::{BlockKey, BlockStored, EventBatch, KvEvent};
+use crate::lora::{LoraActivity, LoraAdapter, LoraInfoGauge, LoraInfoSample};
 
 /// The latency model (all zero: as fast as the CPU allows).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -75,6 +81,9 @@ pub struct EngineConfig {
     /// Token ids the model samples from.
     pub vocab: Arc<[u32]>,
     pub data_parallel_rank: u32,
+    /// `--max-loras` when LoRA is enabled (`--enable-lora`), else `None`: at most this many
+    /// distinct adapters among the running requests.
+    pub max_loras: Option<usize>,
 }
 
 /// Why a request finished (OpenAI's `finish_reason`).
@@ -117,7 +126,23 @@ pub struct Submit {
     /// At least 1.
     pub max_tokens: usize,
     pub cache_salt: Option<String>,
+    /// The LoRA adapter serving it (`None`: the base model).
+    pub lora: Option<Arc<LoraAdapter>>,
     pub out: mpsc::UnboundedSender<Output>,
+}
+
+impl Submit {
+    /// What the request adds to its blocks' hashes.
+    fn keys(&self) -> RequestKeys<'_> {
+        request_keys(self.lora.as_deref(), self.cache_salt.as_deref())
+    }
+}
+
+fn request_keys<'a>(lora: Option<&'a LoraAdapter>, cache_salt: Option<&'a str>) -> RequestKeys<'a> {
+    RequestKeys {
+        lora: lora.map(LoraAdapter::key),
+        cache_salt,
+    }
 }
 
 /// What the engine hands the event publisher.
@@ -147,6 +172,7 @@ pub struct EngineStats {
     prefix_queries: AtomicU64,
     prefix_hits: AtomicU64,
     steps: AtomicU64,
+    lora_info: parking_lot::Mutex<LoraInfoGauge>,
 }
 
 /// A consistent-enough copy of [`EngineStats`].
@@ -223,6 +249,11 @@ impl EngineHandle {
     pub fn stats(&self) -> StatsSnapshot {
         self.stats.snapshot()
     }
+
+    /// Every series of `vllm:lora_requests_info` (empty unless LoRA is on).
+    pub fn lora_info(&self) -> Vec<LoraInfoSample> {
+        self.stats.lora_info.lock().samples()
+    }
 }
 
 struct Running {
@@ -234,6 +265,7 @@ struct Running {
     /// Prompt digests computed at arrival, used at prefill.
     prompt_digests: Vec<BlockDigest>,
     cache_salt: Option<String>,
+    lora: Option<Arc<LoraAdapter>>,
     max_tokens: usize,
     target: usize,
     generated: usize,
@@ -252,6 +284,8 @@ pub struct Engine {
     events: Option<mpsc::Sender<EngineEvent>>,
     stats: Arc<EngineStats>,
     stalled_until: Option<Instant>,
+    /// Adapters with a waiting or running request, for `vllm:lora_requests_info`.
+    lora_activity: LoraActivity,
 }
 
 impl Engine {
@@ -269,6 +303,7 @@ impl Engine {
             events,
             stats: Arc::clone(&stats),
             stalled_until: None,
+            lora_activity: LoraActivity::default(),
         };
         engine.publish_stats();
         tokio::spawn(engine.run(rx));
@@ -324,6 +359,7 @@ impl Engine {
                 let _ = out.send(output);
             }
             self.publish_stats();
+            self.record_lora_info();
         }
     }
 
@@ -338,6 +374,9 @@ impl Engine {
     async fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Submit(req) => {
+                if let Some(adapter) = &req.lora {
+                    self.lora_activity.arrived(adapter);
+                }
                 self.waiting.push_back(req);
                 self.publish_stats();
             }
@@ -361,6 +400,7 @@ impl Engine {
                 }
                 self.pool = BlockPool::new(self.cfg.num_blocks);
                 self.pending_events.clear();
+                self.lora_activity.clear();
                 self.stalled_until = None;
                 for counter in [&self.stats.prefix_queries, &self.stats.prefix_hits] {
                     counter.store(0, Ordering::Relaxed);
@@ -382,6 +422,27 @@ impl Engine {
             .store(self.waiting.len() as u64, Ordering::Relaxed);
         s.usage_bits
             .store(self.pool.usage().to_bits(), Ordering::Relaxed);
+    }
+
+    /// vLLM's per-step `vllm:lora_requests_info` update: the adapters with requests left, as
+    /// labels, set to the current time.
+    fn record_lora_info(&mut self) {
+        if self.cfg.max_loras.is_none() {
+            return;
+        }
+        let (running, waiting) = (&self.running, &self.waiting);
+        self.lora_activity.retain(|adapter| {
+            running
+                .iter()
+                .filter_map(|r| r.lora.as_deref())
+                .chain(waiting.iter().filter_map(|w| w.lora.as_deref()))
+                .any(|a| a.id == adapter.id)
+        });
+        let (running, waiting) = self.lora_activity.labels();
+        self.stats
+            .lora_info
+            .lock()
+            .set(&running, &waiting, unix_now());
     }
 
     /// One scheduler step: decode the running batch, admit waiting requests, cache the blocks
@@ -415,26 +476,47 @@ impl Engine {
             decoded = true;
         }
 
-        // 2. Admit waiting requests, FCFS.
+        // 2. Admit waiting requests, FCFS; with LoRA on, a request whose adapter would exceed
+        // max_loras is skipped and keeps its place (vLLM's `skipped_waiting_requests`).
+        let mut scheduled_loras: Vec<u32> = self
+            .running
+            .iter()
+            .filter_map(|r| r.lora.as_ref().map(|a| a.id))
+            .collect();
+        scheduled_loras.sort_unstable();
+        scheduled_loras.dedup();
+        let mut i = 0;
         while self.running.len() < self.cfg.max_num_seqs {
-            let Some(req) = self.waiting.front() else {
+            let Some(req) = self.waiting.get(i) else {
                 break;
             };
+            if let (Some(max_loras), Some(adapter)) = (self.cfg.max_loras, &req.lora)
+                && scheduled_loras.len() >= max_loras
+                && !scheduled_loras.contains(&adapter.id)
+            {
+                i += 1;
+                continue;
+            }
             match self.admit_check(req) {
                 Admit::Yes {
                     hit,
                     new_blocks,
                     prompt_digests,
                 } => {
-                    let Some(req) = self.waiting.pop_front() else {
+                    let Some(req) = self.waiting.remove(i) else {
                         break;
                     };
+                    if let Some(adapter) = &req.lora
+                        && !scheduled_loras.contains(&adapter.id)
+                    {
+                        scheduled_loras.push(adapter.id);
+                    }
                     prefill_tokens += self.admit(req, hit, new_blocks, prompt_digests, &mut step);
                     decoded = true;
                 }
                 Admit::NotNow => break,
                 Admit::Never(msg) => {
-                    if let Some(req) = self.waiting.pop_front() {
+                    if let Some(req) = self.waiting.remove(i) {
                         step.outputs.push((req.out, Output::Failed(msg)));
                     }
                 }
@@ -481,7 +563,7 @@ impl Engine {
         let prompt_digests: Vec<BlockDigest> = if self.cfg.prefix_caching {
             self.cfg
                 .hasher
-                .prompt_blocks(&req.prompt, req.cache_salt.as_deref())
+                .request_blocks(&req.prompt, req.keys())
                 .collect()
         } else {
             Vec::new()
@@ -540,7 +622,11 @@ impl Engine {
         let mut blocks = hit;
         let digests = prompt_digests[..blocks.len()].to_vec();
         blocks.extend(new);
-        let seed = seed_of(&req.prompt, req.cache_salt.as_deref());
+        let seed = seed_of(
+            &req.prompt,
+            req.cache_salt.as_deref(),
+            req.lora.as_deref().map(|a| a.name.as_str()),
+        );
         let mut tokens = req.prompt;
         tokens.reserve(req.max_tokens.min(self.cfg.output_len.max(1)));
         self.running.push(Running {
@@ -551,6 +637,7 @@ impl Engine {
             digests,
             prompt_digests,
             cache_salt: req.cache_salt,
+            lora: req.lora,
             max_tokens: req.max_tokens,
             generated: 0,
             cached_tokens,
@@ -580,11 +667,11 @@ impl Engine {
             let digest = match r.prompt_digests.get(b) {
                 Some(d) => *d,
                 None => {
+                    // A block filled by generated tokens: the request's keys as on its prompt
+                    // blocks (the LoRA adapter on every block, the salt on block 0 only).
                     let block = &r.tokens[b * bs..(b + 1) * bs];
-                    match r.digests.last() {
-                        Some(parent) => self.cfg.hasher.hash_block(Some(parent), block, None),
-                        None => self.cfg.hasher.first_block(block, r.cache_salt.as_deref()),
-                    }
+                    let keys = request_keys(r.lora.as_deref(), r.cache_salt.as_deref());
+                    self.cfg.hasher.request_block(r.digests.last(), block, keys)
                 }
             };
             self.pool.cache(r.blocks[b], digest);
@@ -592,9 +679,15 @@ impl Engine {
         }
         if self.cfg.kv_events {
             let extra_keys = (first..full)
-                .map(|b| match (&r.cache_salt, b) {
-                    (Some(salt), 0) => Some(vec![salt.clone()]),
-                    _ => None,
+                .map(|b| {
+                    let mut keys = Vec::new();
+                    if let Some(adapter) = &r.lora {
+                        keys.push(BlockKey::Lora(Arc::clone(adapter)));
+                    }
+                    if let (Some(salt), 0) = (&r.cache_salt, b) {
+                        keys.push(BlockKey::CacheSalt(salt.clone()));
+                    }
+                    (!keys.is_empty()).then_some(keys)
                 })
                 .collect();
             events.push(KvEvent::BlockStored(BlockStored {
@@ -647,14 +740,21 @@ fn unix_now() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Same prompt (and salt) → same answer on every replica, like greedy decoding.
-fn seed_of(prompt: &[u32], salt: Option<&str>) -> u64 {
+/// Same prompt (salt and adapter) → same answer on every replica, like greedy decoding; an
+/// adapter answers differently from the base model.
+fn seed_of(prompt: &[u32], salt: Option<&str>, lora: Option<&str>) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &t in prompt {
         h = (h ^ u64::from(t)).wrapping_mul(0x0100_0000_01b3);
     }
     for b in salt.unwrap_or_default().bytes() {
         h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    if let Some(name) = lora {
+        h = (h ^ 0xff).wrapping_mul(0x0100_0000_01b3);
+        for b in name.bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
     }
     h
 }

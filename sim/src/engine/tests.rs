@@ -20,6 +20,7 @@ fn config(num_blocks: usize, latency: LatencyModel) -> EngineConfig {
         .unwrap(),
         vocab: (100..200).collect::<Vec<u32>>().into(),
         data_parallel_rank: 0,
+        max_loras: None,
     }
 }
 
@@ -53,6 +54,7 @@ async fn run(
             prompt,
             max_tokens,
             cache_salt: salt.map(str::to_owned),
+            lora: None,
             out: tx,
         })
         .unwrap();
@@ -250,6 +252,7 @@ async fn restart_fails_requests_in_flight_and_empties_the_cache() {
             prompt: (0..200).collect(),
             max_tokens: 4,
             cache_salt: None,
+            lora: None,
             out: otx,
         })
         .unwrap();
@@ -275,4 +278,220 @@ async fn stall_delays_the_next_step() {
     engine.stall(MS * 500).unwrap();
     let r = run(&engine, (0..8).collect(), 1, None).await;
     assert!(r.first_token_after >= MS * 499, "{:?}", r.first_token_after);
+}
+
+fn adapter(id: u32, name: &str) -> Arc<LoraAdapter> {
+    Arc::new(LoraAdapter {
+        id,
+        name: name.into(),
+        path: format!("/adapters/{name}"),
+        base_model_name: None,
+    })
+}
+
+fn submit(
+    engine: &EngineHandle,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    salt: Option<&str>,
+    lora: Option<&Arc<LoraAdapter>>,
+) -> mpsc::UnboundedReceiver<Output> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    engine
+        .submit(Submit {
+            prompt,
+            max_tokens,
+            cache_salt: salt.map(str::to_owned),
+            lora: lora.cloned(),
+            out: tx,
+        })
+        .unwrap();
+    rx
+}
+
+/// Reads a request's outputs to the end: its tokens and how it finished.
+async fn finish(rx: &mut mpsc::UnboundedReceiver<Output>) -> (Vec<u32>, Finished) {
+    let mut tokens = Vec::new();
+    loop {
+        match rx.recv().await.unwrap() {
+            Output::Token(t) => tokens.push(t),
+            Output::Finished(f) => return (tokens, f),
+            Output::Failed(msg) => panic!("failed: {msg}"),
+        }
+    }
+}
+
+fn stored_events(batches: &[EventBatch]) -> Vec<&BlockStored> {
+    batches
+        .iter()
+        .flat_map(|b| &b.events)
+        .filter_map(|e| match e {
+            KvEvent::BlockStored(s) => Some(s),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn lora_blocks_hash_the_adapter_into_every_block_and_publish_it() {
+    use llmgw::blockhash::{LoraKey, RequestKeys};
+
+    let (tx, mut rx) = mpsc::channel(64);
+    let mut cfg = config(64, LatencyModel::default());
+    cfg.max_loras = Some(2);
+    let hasher = cfg.hasher.clone();
+    let engine = Engine::spawn(cfg, Some(tx));
+    let sql = adapter(1, "sql");
+    let key = LoraKey {
+        name: "sql",
+        path: "/adapters/sql",
+    };
+    // 30 prompt tokens + 4 generated: block 0 from the prompt, block 1 filled by generation.
+    let prompt: Vec<u32> = (0..30).collect();
+    let mut out = submit(&engine, prompt.clone(), 4, Some("tenant-a"), Some(&sql));
+    let (generated, _) = finish(&mut out).await;
+    let all: Vec<u32> = prompt.iter().chain(&generated).copied().collect();
+    let keys = RequestKeys {
+        lora: Some(key),
+        cache_salt: Some("tenant-a"),
+    };
+    let expected: Vec<u64> = hasher
+        .request_blocks(&all[..32], keys)
+        .map(|d| d.external().0)
+        .collect();
+    let got = batches(&mut rx);
+    assert_eq!(
+        stored(&got),
+        expected,
+        "prompt block, then the generated one"
+    );
+    let base: Vec<u64> = hasher
+        .prompt_blocks(&all[..32], Some("tenant-a"))
+        .map(|d| d.external().0)
+        .collect();
+    assert!(
+        expected.iter().all(|h| !base.contains(h)),
+        "an adapter's blocks never match the base model's"
+    );
+    let events = stored_events(&got);
+    for s in &events {
+        assert_eq!(s.lora().map(|a| (a.id, a.name.as_str())), Some((1, "sql")));
+    }
+    let published = |s: &BlockStored| -> Vec<Option<Vec<String>>> {
+        s.extra_keys
+            .iter()
+            .flatten()
+            .map(|k| {
+                k.as_ref()
+                    .map(|k| k.iter().map(|x| x.published().to_owned()).collect())
+            })
+            .collect()
+    };
+    assert_eq!(
+        published(events[0]),
+        vec![Some(vec!["sql".to_owned(), "tenant-a".to_owned()])]
+    );
+    assert_eq!(published(events[1]), vec![Some(vec!["sql".to_owned()])]);
+
+    // On the wire, as the agent reads it.
+    let batch = crate::events::EventBatch {
+        ts: 1.0,
+        events: got.iter().flat_map(|b| b.events.clone()).collect(),
+        data_parallel_rank: Some(0),
+    };
+    let decoded =
+        llmgw_agent::wire::decode_batch(&batch.encode(crate::events::Encoding::default())).unwrap();
+    for event in &decoded.events {
+        let llmgw_agent::wire::KvEvent::BlockStored(b) = event else {
+            panic!("BlockStored expected, got {event:?}");
+        };
+        assert_eq!((b.lora_id, b.lora_name.as_deref()), (Some(1), Some("sql")));
+    }
+
+    // The same prompt on the base model or another adapter hits none of them; on the same
+    // adapter it does.
+    let mut out = submit(&engine, all.clone(), 1, Some("tenant-a"), None);
+    assert_eq!(finish(&mut out).await.1.cached_tokens, 0);
+    let other = adapter(2, "chat");
+    let mut out = submit(&engine, all.clone(), 1, Some("tenant-a"), Some(&other));
+    assert_eq!(finish(&mut out).await.1.cached_tokens, 0);
+    let mut out = submit(&engine, all.clone(), 1, Some("tenant-a"), Some(&sql));
+    assert_eq!(finish(&mut out).await.1.cached_tokens, 32);
+    for s in stored_events(&batches(&mut rx)) {
+        match s.lora() {
+            None => assert_eq!(
+                published(s).first().cloned().flatten(),
+                Some(vec!["tenant-a".to_owned()]),
+                "a salted base block 0 publishes [SALT]"
+            ),
+            Some(a) => assert_eq!(a.name, "chat"),
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn max_loras_holds_back_a_second_adapter_until_the_first_finishes() {
+    let mut cfg = config(64, latency());
+    cfg.max_loras = Some(1);
+    let engine = Engine::spawn(cfg, None);
+    let (a, b) = (adapter(1, "a"), adapter(2, "b"));
+    let mut ra = submit(&engine, (0..20).collect(), 4, None, Some(&a));
+    let mut rb = submit(&engine, (100..120).collect(), 4, None, Some(&b));
+    let mut rc = submit(&engine, (200..220).collect(), 4, None, None);
+
+    // The first step ran a and, past b, the base-model request c.
+    assert!(matches!(ra.recv().await, Some(Output::Token(_))));
+    assert!(matches!(rc.recv().await, Some(Output::Token(_))));
+    assert!(
+        rb.try_recv().is_err(),
+        "b waits while a holds the only slot"
+    );
+    let stats = engine.stats();
+    assert_eq!((stats.running, stats.waiting), (2, 1));
+    let latest = |engine: &EngineHandle| {
+        engine
+            .lora_info()
+            .into_iter()
+            .max_by(|x, y| x.value.total_cmp(&y.value))
+            .unwrap()
+    };
+    let info = latest(&engine);
+    // vLLM ≥ 0.30 names every adapter with a request in both labels.
+    assert_eq!(
+        (info.running.as_str(), info.waiting.as_str()),
+        ("a,b", "a,b")
+    );
+
+    let (_, fa) = finish(&mut ra).await;
+    assert_eq!(fa.completion_tokens, 4);
+    assert!(
+        rb.try_recv().is_err(),
+        "b has not started in the step a finished in"
+    );
+    let (tokens, fb) = finish(&mut rb).await;
+    assert_eq!((tokens.len(), fb.completion_tokens), (4, 4));
+    finish(&mut rc).await;
+    let info = latest(&engine);
+    assert_eq!((info.running.as_str(), info.waiting.as_str()), ("", ""));
+    assert!(
+        engine
+            .lora_info()
+            .iter()
+            .any(|s| s.running == "b" && s.waiting == "b"),
+        "b alone once a finished: {:?}",
+        engine.lora_info()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_lora_there_is_no_lora_info_and_no_slot_limit() {
+    let engine = Engine::spawn(config(64, LatencyModel::default()), None);
+    let (a, b) = (adapter(1, "a"), adapter(2, "b"));
+    let mut ra = submit(&engine, (0..20).collect(), 2, None, Some(&a));
+    let mut rb = submit(&engine, (100..120).collect(), 2, None, Some(&b));
+    assert!(matches!(ra.recv().await, Some(Output::Token(_))));
+    assert!(matches!(rb.try_recv(), Ok(Output::Token(_))), "same step");
+    finish(&mut ra).await;
+    finish(&mut rb).await;
+    assert!(engine.lora_info().is_empty());
 }

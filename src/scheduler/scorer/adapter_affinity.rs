@@ -1,7 +1,8 @@
 //! `adapter_affinity`: for a LoRA adapter's request, prefers the replicas where the adapter is
 //! active, as the engine's `vllm:lora_requests_info` says at the last scrape: running there
 //! scores 1 (its weights are loaded and its requests batch together), waiting there 0.75 (it is
-//! about to be loaded), a free adapter slot 0.5 (it can be loaded without waiting), and every
+//! about to be loaded; only engines before vLLM 0.30 tell waiting from running, see
+//! [`AdapterSlots`]), a free adapter slot 0.5 (it can be loaded without waiting), and every
 //! slot taken by other adapters 0. Unknown slots score 0. Base-model requests abstain
 //! (`not_an_adapter`), as do adapters no candidate lists in its `/v1/models`.
 //!
