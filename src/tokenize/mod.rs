@@ -378,6 +378,18 @@ impl Tokenizer {
         request: &ParsedRequest,
         replicas: &[&str],
     ) -> Result<Tokens, TokenizeError> {
+        self.tokens_with(request, &request.model, replicas).await
+    }
+
+    /// [`Tokenizer::tokens`] with the in-process tokenizer of `local_model`: a LoRA adapter's
+    /// request is tokenized by its base model's tokenizer and chat template, as vLLM does
+    /// (replicas are still asked with the adapter's name).
+    pub async fn tokens_with(
+        &self,
+        request: &ParsedRequest,
+        local_model: &str,
+        replicas: &[&str],
+    ) -> Result<Tokens, TokenizeError> {
         match &request.input {
             RequestInput::Completion(Prompt::TokenIds(ids)) => {
                 return Ok(Arc::from(ids.as_slice()));
@@ -390,7 +402,7 @@ impl Tokenizer {
         }
         // Writing the body once gives both the cache key and the bytes to send.
         let body = tokenize_body(request);
-        if let Some((local, kind)) = self.local_for(request) {
+        if let Some((local, kind)) = self.local_for(request, local_model) {
             return self
                 .tokens_locally(&local, kind, request, body, replicas)
                 .await;
@@ -432,9 +444,13 @@ impl Tokenizer {
 }
 
 impl Tokenizer {
-    /// The local tokenizer that may answer `request`, if any.
-    fn local_for(&self, request: &ParsedRequest) -> Option<(Arc<LocalModel>, LocalKind)> {
-        let local = self.local.get(&request.model)?;
+    /// The local tokenizer of `model` that may answer `request`, if any.
+    fn local_for(
+        &self,
+        request: &ParsedRequest,
+        model: &str,
+    ) -> Option<(Arc<LocalModel>, LocalKind)> {
+        let local = self.local.get(model)?;
         let kind = match &request.input {
             RequestInput::Completion(Prompt::Text(_)) => LocalKind::Completion,
             // Tools and template kwargs reach templates in ways not reproduced here.

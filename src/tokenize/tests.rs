@@ -391,6 +391,14 @@ async fn a_local_tokenizer_answers_completions_without_a_call() {
         t.tokens(&other, &[]).await.unwrap_err(),
         TokenizeError::NoReplica
     );
+    // A LoRA adapter of "m" is tokenized by m's tokenizer, in process.
+    let body = json!({"model": "sql", "prompt": "Licensed under the Apache License"}).to_string();
+    let adapter = parse_request(EndpointKind::Completions, body.as_bytes()).expect("parses");
+    let got = t
+        .tokens_with(&adapter, "m", &[])
+        .await
+        .expect("no replica needed");
+    assert_eq!(&got[..], &want[..]);
 }
 
 #[test]

@@ -137,6 +137,15 @@ struct KvCacheScorer {
     metrics: Arc<KvMetrics>,
 }
 
+/// How a request's blocks are hashed: its (base) model's hasher, and the candidates grouped by
+/// what else goes into the hashes.
+struct HashPlan {
+    hasher: Arc<BlockHasher>,
+    /// The request's model, or an adapter's base model (whose tokenizer it uses).
+    base_model: String,
+    groups: Vec<HashGroup>,
+}
+
 /// Candidates whose engines hash the request's blocks alike.
 struct HashGroup {
     /// The path the members loaded the request's adapter from; `None` for a base model.
@@ -191,17 +200,21 @@ impl KvCacheScorer {
     /// a LoRA adapter, one group per path the candidates loaded it from (vLLM ≥ 0.31 hashes the
     /// path), a candidate that does not list the adapter in none. `Err` is why the precise tier
     /// cannot answer.
-    fn hash_groups(
+    fn hash_plan(
         &self,
         model: &str,
         candidates: &[Candidate],
-    ) -> Result<(Arc<BlockHasher>, Vec<HashGroup>), &'static str> {
+    ) -> Result<HashPlan, &'static str> {
         if let Some(hasher) = self.hashers.get(model) {
             let group = HashGroup {
                 adapter_path: None,
                 members: (0..candidates.len()).collect(),
             };
-            return Ok((Arc::clone(hasher), vec![group]));
+            return Ok(HashPlan {
+                hasher: Arc::clone(hasher),
+                base_model: model.to_owned(),
+                groups: vec![group],
+            });
         }
         let mut base: Option<String> = None;
         let mut groups: Vec<HashGroup> = Vec::new();
@@ -230,11 +243,19 @@ impl KvCacheScorer {
         }
         let base = base.ok_or("unknown_settings")?;
         let hasher = self.hashers.get(&base).ok_or("unknown_settings")?;
-        Ok((Arc::clone(hasher), groups))
+        Ok(HashPlan {
+            hasher: Arc::clone(hasher),
+            base_model: base,
+            groups,
+        })
     }
 
     async fn score_precise(&self, request: &ParsedRequest, candidates: &[Candidate]) -> Answer {
-        let (hasher, groups) = match self.hash_groups(&request.model, candidates) {
+        let HashPlan {
+            hasher,
+            base_model,
+            groups,
+        } = match self.hash_plan(&request.model, candidates) {
             Ok(plan) => plan,
             Err(reason) => return Answer::Abstain(reason),
         };
@@ -252,7 +273,7 @@ impl KvCacheScorer {
         let tokenize = tracing::debug_span!("tokenize", tokens = tracing::field::Empty);
         let tokens = match self
             .tokenizer
-            .tokens(request, &addresses)
+            .tokens_with(request, &base_model, &addresses)
             .instrument(tokenize.clone())
             .await
         {
