@@ -164,14 +164,17 @@ bench-overload: $(ENVOY)
 VLLM_VENV := $(CURDIR)/.venv-vllm
 VLLM_VERSION := 0.32.0
 E2E_MODEL := $(CURDIR)/target/e2e-vllm/tiny-model
+E2E_LORA := $(CURDIR)/target/e2e-vllm/tiny-lora
 .PHONY: e2e-vllm
 e2e-vllm: $(ENVOY)
 	@start=$$(date +%s); e2e/install_vllm.sh $(VLLM_VENV) $(VLLM_VERSION) && \
 	  echo "e2e-vllm: vLLM install step took $$(( $$(date +%s) - start )) s"
 	@start=$$(date +%s); $(VLLM_VENV)/bin/python e2e/make_tiny_model.py $(E2E_MODEL) && \
 	  echo "e2e-vllm: model build took $$(( $$(date +%s) - start )) s"
+	$(VLLM_VENV)/bin/python e2e/make_tiny_lora.py $(E2E_MODEL) $(E2E_LORA)
 	$(CARGO) build --workspace --bins
 	LLMGW_E2E_VLLM_PYTHON=$(VLLM_VENV)/bin/python LLMGW_E2E_VLLM_MODEL=$(E2E_MODEL) \
+	  LLMGW_E2E_VLLM_LORA=$(E2E_LORA) \
 	  $(CARGO) test -p llmgw-integration --test e2e_vllm -- --ignored --nocapture
 
 # Golden vectors made with vLLM's own code (fixtures/, read by the router's tests): how vLLM turns

@@ -8,8 +8,9 @@
 //! are beside it. `docs/e2e-vllm.md` says what it proves.
 //!
 //! Opt-in: ignored by `cargo test`, and it needs `LLMGW_E2E_VLLM_PYTHON` (the python of a
-//! virtual environment with vLLM) and `LLMGW_E2E_VLLM_MODEL` (the model directory), which
-//! `make e2e-vllm` sets after installing both. `make test` never runs it.
+//! virtual environment with vLLM) and `LLMGW_E2E_VLLM_MODEL` (the model directory), plus
+//! `LLMGW_E2E_VLLM_LORA` (a LoRA adapter's directory, `e2e/make_tiny_lora.py`) for the LoRA
+//! check, which `make e2e-vllm` sets after building them. `make test` never runs it.
 
 #![allow(
     clippy::unwrap_used,
@@ -29,6 +30,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
+use llmgw::blockhash::{BlockHasher, HashSettings, LoraKey, RequestKeys};
 use llmgw_integration::agent::AgentCommand;
 use llmgw_integration::envoy::EnvoyCommand;
 use llmgw_integration::prom;
@@ -39,6 +41,8 @@ use parking_lot::Mutex;
 use serde_json::{Value, json};
 
 const MODEL: &str = "tiny";
+/// The LoRA adapter every engine serves (`e2e/make_tiny_lora.py`, `--lora-modules`).
+const ADAPTER: &str = "sql";
 const SEED: &str = "1729";
 /// vLLM's CPU attention backend needs a multiple of 32.
 const BLOCK: usize = 32;
@@ -54,6 +58,9 @@ const CONVERGE: Duration = Duration::from_secs(20);
 struct Settings {
     python: PathBuf,
     model: PathBuf,
+    /// The LoRA adapter's directory (`LLMGW_E2E_VLLM_LORA`, absolute); `None`: the engines
+    /// serve no adapter and the LoRA check fails saying so.
+    lora: Option<PathBuf>,
     /// Longest wait for one vLLM start-up (`LLMGW_E2E_VLLM_STARTUP_S`, default 900).
     startup: Duration,
     out: PathBuf,
@@ -64,6 +71,10 @@ impl Settings {
     fn from_env() -> Option<Settings> {
         let python = PathBuf::from(std::env::var_os("LLMGW_E2E_VLLM_PYTHON")?);
         let model = PathBuf::from(std::env::var_os("LLMGW_E2E_VLLM_MODEL")?);
+        // vLLM hashes the path as given, and lists it as given in /v1/models: make it absolute
+        // so that what the test expects does not depend on the engine's working directory.
+        let lora = std::env::var_os("LLMGW_E2E_VLLM_LORA")
+            .map(|p| std::path::absolute(PathBuf::from(p)).expect("an absolute LoRA path"));
         let startup = std::env::var("LLMGW_E2E_VLLM_STARTUP_S")
             .ok()
             .and_then(|s| s.parse().ok())
@@ -71,6 +82,7 @@ impl Settings {
         Some(Settings {
             python,
             model,
+            lora,
             startup,
             out: repo_root().join("target/e2e-vllm"),
         })
@@ -183,12 +195,25 @@ struct Reported {
     cleared: u64,
     /// Times the sequence went back (the engine restarted): the state was dropped.
     restarts: u64,
-    /// Chain roots whose block 0 carries extra keys (the salt).
+    /// Chain roots of base-model requests whose block 0 carries extra keys (the salt).
     salted_roots: u64,
     /// Removals of hashes never stored (should stay 0).
     unknown_removals: u64,
     /// Lines that were not a decoded batch.
     errors: Vec<String>,
+    /// Every BlockStored event that named a LoRA adapter, in arrival order.
+    adapter_stored: Vec<AdapterStored>,
+}
+
+/// A BlockStored event of a LoRA adapter's request, as the engine published it.
+#[derive(Debug, Clone)]
+struct AdapterStored {
+    lora_name: String,
+    lora_id: Option<i64>,
+    block_hashes: Vec<u64>,
+    parent: Option<u64>,
+    token_ids: Vec<u32>,
+    extra_keys: Value,
 }
 
 impl Reported {
@@ -222,7 +247,25 @@ impl Reported {
             };
             match event["type"].as_str() {
                 Some("BlockStored") => {
+                    if let Some(name) = event["lora_name"].as_str() {
+                        self.adapter_stored.push(AdapterStored {
+                            lora_name: name.to_owned(),
+                            lora_id: event["lora_id"].as_i64(),
+                            block_hashes: hashes().collect(),
+                            parent: event["parent_block_hash"].as_u64(),
+                            token_ids: event["token_ids"]
+                                .as_array()
+                                .into_iter()
+                                .flatten()
+                                .filter_map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                                .collect(),
+                            extra_keys: event["extra_keys"].clone(),
+                        });
+                    }
+                    // An adapter's blocks carry its name in every block's extra keys (vLLM
+                    // publishes the bare name; it hashes ("lora", name, path)).
                     if event["parent_block_hash"].is_null()
+                        && event["lora_name"].is_null()
                         && event["extra_keys"].get(0).is_some_and(|k| !k.is_null())
                     {
                         self.salted_roots += 1;
@@ -363,8 +406,15 @@ impl Engine {
             .args(["--max-model-len", &MAX_MODEL_LEN.to_string()])
             .args(["--num-gpu-blocks-override", &ENGINE_BLOCKS.to_string()])
             .args(["--max-num-seqs", "4"])
-            .arg("--enable-prompt-tokens-details")
-            .env("VLLM_TARGET_DEVICE", "cpu")
+            .arg("--enable-prompt-tokens-details");
+        if let Some(lora) = &settings.lora {
+            // One adapter slot, rank 8 (e2e/make_tiny_lora.py). vLLM's CPU platform turns
+            // torch.compile off when LoRA is on.
+            cmd.args(["--enable-lora", "--max-loras", "1", "--max-lora-rank", "8"])
+                .arg("--lora-modules")
+                .arg(format!("{ADAPTER}={}", lora.display()));
+        }
+        cmd.env("VLLM_TARGET_DEVICE", "cpu")
             .env("VLLM_CPU_KVCACHE_SPACE", "1")
             .env("VLLM_SERVER_DEV_MODE", "1")
             .env("VLLM_NO_USAGE_STATS", "1")
@@ -427,12 +477,20 @@ struct Router {
     grpc: SocketAddr,
     admin: SocketAddr,
     feed: SocketAddr,
+    log: PathBuf,
     _process: ChildGuard,
 }
 
-fn start_router(out: &Path, model: &Path, replicas: &[(SocketAddr, &str)]) -> Result<Router> {
+fn start_router(
+    out: &Path,
+    model: &Path,
+    adapter: bool,
+    replicas: &[(SocketAddr, &str)],
+) -> Result<Router> {
     let mut router = RouterCommand::new()
         .args(["--health-interval", "500ms", "--feed-grace", "5s"])
+        // The LoRA check waits for the adapter's path from each engine's /v1/models: ask often.
+        .args(["--models-interval", "1s"])
         // Real /tokenize on a busy 2-core machine takes more than the default 50 ms; stay
         // under Envoy's 1 s ext_proc message timeout.
         .args(["--tokenize-deadline", "800ms"])
@@ -450,16 +508,22 @@ fn start_router(out: &Path, model: &Path, replicas: &[(SocketAddr, &str)]) -> Re
         ]);
     for (addr, node) in replicas {
         router = router.replica(MODEL, *addr, Some(node));
+        if adapter {
+            // The same address under the adapter's name: one replica serving both.
+            router = router.replica(ADAPTER, *addr, Some(node));
+        }
     }
+    let log = out.join("router.log");
     let process = router
         .env("RUST_LOG", "info")
-        .stderr(File::create(out.join("router.log"))?)
+        .stderr(File::create(&log)?)
         .spawn()
         .context("starting llmgw-router")?;
     Ok(Router {
         grpc: process.addrs.grpc,
         admin: process.addrs.admin,
         feed: process.addrs.feed,
+        log,
         _process: process.guard,
     })
 }
@@ -501,6 +565,8 @@ struct Stack {
     router: Router,
     a: Engine,
     b: Engine,
+    /// Where the engines loaded the LoRA adapter from (`--lora-modules`), if they serve it.
+    lora: Option<PathBuf>,
 }
 
 /// An answer from vLLM, directly or through Envoy.
@@ -652,6 +718,14 @@ impl Stack {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// Which engine an upstream header names.
+    fn engine_name<'u>(&self, upstream: Option<&'u str>) -> &'u str {
+        [&self.a, &self.b]
+            .into_iter()
+            .find(|e| Some(e.replica().as_str()) == upstream)
+            .map_or(upstream.unwrap_or("?"), |e| e.name)
     }
 
     async fn replica_healthy(&self, engine: &Engine) -> Result<bool> {
@@ -846,6 +920,7 @@ async fn start(settings: &Settings) -> Result<(Stack, String)> {
     let router = start_router(
         &settings.out,
         &settings.model,
+        settings.lora.is_some(),
         &[(pa.http, "node-a"), (pb.http, "node-b")],
     )?;
     let t0 = Instant::now();
@@ -865,6 +940,7 @@ async fn start(settings: &Settings) -> Result<(Stack, String)> {
         router,
         a,
         b,
+        lora: settings.lora.clone(),
     };
     let s = &stack;
     let ready = s
@@ -926,6 +1002,12 @@ async fn checks(report: &mut Report, s: &Stack) {
         .run(
             "salted request not routed by the unsalted blocks",
             salted(s),
+        )
+        .await;
+    report
+        .run(
+            "LoRA adapter: engine's blocks == router's adapter hashes, routed by them, not base",
+            lora_adapter(s),
         )
         .await;
     report
@@ -1366,5 +1448,311 @@ async fn kill_b(s: &Stack) -> Result<String> {
         up.as_secs_f64(),
         startup.as_secs_f64(),
         orphans.len()
+    ))
+}
+
+/// An adapter's entry in an engine's `GET /v1/models`: (`root`, `parent`).
+async fn listed_adapter(s: &Stack, engine: &Engine) -> Result<(String, String)> {
+    let v: Value = s
+        .http
+        .get(engine.url("/v1/models"))
+        .send()
+        .await?
+        .json()
+        .await?;
+    let card = v["data"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["id"] == ADAPTER)
+        .with_context(|| {
+            format!(
+                "engine {}'s /v1/models lists no {ADAPTER}: {v}",
+                engine.name
+            )
+        })?;
+    Ok((
+        card["root"].as_str().unwrap_or_default().to_owned(),
+        card["parent"].as_str().unwrap_or_default().to_owned(),
+    ))
+}
+
+/// vLLM's own `/tokenize` of a completion prompt for `model` (a base model or an adapter).
+async fn engine_tokens(s: &Stack, engine: &Engine, model: &str, prompt: &str) -> Result<Vec<u32>> {
+    let a = s
+        .direct(
+            engine,
+            "/tokenize",
+            &json!({"model": model, "prompt": prompt}),
+        )
+        .await?;
+    serde_json::from_value(a.body["tokens"].clone())
+        .with_context(|| format!("/tokenize answered {}", a.body))
+}
+
+/// The adapter BlockStored events an engine published since the `from`th, in order, with
+/// their hashes and the tokens they carry, flattened.
+fn adapter_blocks(engine: &Engine, from: usize) -> (Vec<AdapterStored>, Vec<u64>, Vec<u32>) {
+    let events: Vec<AdapterStored> = engine.tail.reported.lock().adapter_stored[from..].to_vec();
+    let hashes = events.iter().flat_map(|e| e.block_hashes.clone()).collect();
+    let tokens = events.iter().flat_map(|e| e.token_ids.clone()).collect();
+    (events, hashes, tokens)
+}
+
+/// A LoRA adapter's request, on real vLLM: (a) the blocks the engine publishes for it (with
+/// `lora_name`) have exactly the hashes the router computes for it (`request_hashes_into` with
+/// `("lora", name, path)`, the path as the engine's `/v1/models` lists it) over the engine's own
+/// `/tokenize` tokens; (b) the same prompt again is routed to that engine by the precise tier,
+/// and vLLM confirms the hit; (c) the same prompt for the base model is not a hit of the
+/// adapter's blocks (neither in the router nor in vLLM).
+async fn lora_adapter(s: &Stack) -> Result<String> {
+    let configured = s.lora.as_ref().context(
+        "LLMGW_E2E_VLLM_LORA unset: the engines serve no adapter (make e2e-vllm builds one with \
+         e2e/make_tiny_lora.py)",
+    )?;
+    // What each engine lists, and when the router has it (it logs each replica's first listing).
+    let mut roots = Vec::new();
+    for e in [&s.a, &s.b] {
+        let (root, parent) = listed_adapter(s, e).await?;
+        ensure!(
+            parent == MODEL,
+            "engine {} lists {ADAPTER} with parent {parent:?}, expected {MODEL}",
+            e.name
+        );
+        roots.push(root);
+    }
+    let log = &s.router.log;
+    let listed = s
+        .wait_for(
+            "the router lists the adapter for both replicas",
+            Duration::from_secs(30),
+            move || async move {
+                let text = std::fs::read_to_string(log).unwrap_or_default();
+                let lines: Vec<&str> = text
+                    .lines()
+                    .filter(|l| l.contains("LoRA adapters listed"))
+                    .collect();
+                Ok([&s.a, &s.b]
+                    .iter()
+                    .all(|e| lines.iter().any(|l| l.contains(&e.replica()))))
+            },
+        )
+        .await?;
+
+    let prompt = document("lora-sql-adapter", 250);
+    let hasher = BlockHasher::new(&HashSettings::sha256_cbor(
+        BLOCK.try_into().expect("a block size"),
+        Some(SEED),
+    ))?;
+    let (hit0, miss0) = kv_decisions(s).await?;
+    let events0 = [&s.a, &s.b].map(|e| e.tail.reported.lock().adapter_stored.len());
+    let first = s
+        .routed(
+            "/v1/completions",
+            &json!({"model": ADAPTER, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                    "ignore_eos": true}),
+        )
+        .await?;
+    ensure!(
+        first.body["model"] == ADAPTER,
+        "the adapter's request was answered as model {}",
+        first.body["model"]
+    );
+    let upstream = first.upstream.clone().context("no upstream header")?;
+    let (engine, from, root) = if upstream == s.b.replica() {
+        (&s.b, events0[1], &roots[1])
+    } else {
+        (&s.a, events0[0], &roots[0])
+    };
+    ensure!(
+        Path::new(root) == configured.as_path(),
+        "engine {} lists {ADAPTER}'s root as {root:?}, loaded from {}",
+        engine.name,
+        configured.display()
+    );
+    let (hit1, miss1) = kv_decisions(s).await?;
+
+    // (a) The decisive check: the router's hashes of the adapter's prompt are the engine's.
+    let tokens = engine_tokens(s, engine, ADAPTER, &prompt).await?;
+    let base_tokens = engine_tokens(s, engine, MODEL, &prompt).await?;
+    ensure!(
+        tokens == base_tokens,
+        "/tokenize gives the adapter {} tokens and the base model {}",
+        tokens.len(),
+        base_tokens.len()
+    );
+    let lora = LoraKey {
+        name: ADAPTER,
+        path: root,
+    };
+    let mut expected = Vec::new();
+    hasher.request_hashes_into(
+        &tokens,
+        RequestKeys {
+            lora: Some(lora),
+            cache_salt: None,
+        },
+        &mut expected,
+    );
+    let expected: Vec<u64> = expected.into_iter().map(|h| h.0).collect();
+    let mut base = Vec::new();
+    hasher.request_hashes_into(&tokens, RequestKeys::salted(None), &mut base);
+    let base: Vec<u64> = base.into_iter().map(|h| h.0).collect();
+    ensure!(!expected.is_empty(), "the prompt fills no block");
+    let n = expected.len();
+    let deadline = Instant::now() + CONVERGE;
+    let (events, published, published_tokens) = loop {
+        let got = adapter_blocks(engine, from);
+        if got.1.len() >= n || Instant::now() >= deadline {
+            break got;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    ensure!(
+        !events.is_empty(),
+        "engine {} published no BlockStored event naming an adapter for the {ADAPTER} request \
+         ({} prompt tokens, {n} full blocks)",
+        engine.name,
+        tokens.len()
+    );
+    let names: BTreeSet<&str> = events.iter().map(|e| e.lora_name.as_str()).collect();
+    ensure!(
+        names == BTreeSet::from([ADAPTER]),
+        "the adapter's blocks were published with lora_name {names:?}"
+    );
+    ensure!(
+        events[0].parent.is_none(),
+        "the adapter's first published event has parent {:?}",
+        events[0].parent
+    );
+    let common = published.len().min(n);
+    ensure!(
+        published.len() >= n || published[..] != expected[..common],
+        "engine {} published only {common} of the {n} adapter blocks within {CONVERGE:?} (those \
+         equal llmgw's)",
+        engine.name
+    );
+    let block_tokens = &tokens[..n * BLOCK];
+    ensure!(
+        published_tokens.len() >= block_tokens.len()
+            && published_tokens[..block_tokens.len()] == *block_tokens,
+        "the engine's adapter blocks carry other tokens than its /tokenize gives: first \
+         difference at {:?} of {} (published {} tokens)",
+        published_tokens
+            .iter()
+            .zip(block_tokens)
+            .position(|(a, b)| a != b),
+        block_tokens.len(),
+        published_tokens.len()
+    );
+    if published.len() < n || published[..n] != expected[..] {
+        let at = published
+            .iter()
+            .zip(&expected)
+            .position(|(a, b)| a != b)
+            .unwrap_or(common);
+        bail!(
+            "MISMATCH: engine {} published {} adapter block hashes for the {ADAPTER} prompt \
+             ({} tokens, {n} full blocks, path {root:?}); the first difference is block {at}: \
+             published {:?}, llmgw computes {:?} (base-model hash of that block {:?}); \
+             published hashes {:?}; llmgw's {:?}; first event's extra_keys {}, lora_id {:?}",
+            engine.name,
+            published.len(),
+            tokens.len(),
+            published.get(at),
+            expected.get(at),
+            base.get(at),
+            &published[..common],
+            expected,
+            events[0].extra_keys,
+            events[0].lora_id
+        );
+    }
+    // And the router's index holds them (router == agent mirror == tail).
+    let expected_set: BTreeSet<u64> = expected.iter().copied().collect();
+    s.converge(engine, |set| expected_set.is_subset(set))
+        .await
+        .context("the adapter's blocks in the router's index")?;
+    let agent_metrics = s
+        .get_text(&format!("http://{}/metrics", engine.agent_admin))
+        .await?;
+    let mismatches =
+        prom::sum(&agent_metrics, "llmgw_agent_hash_mismatches_total", &[]).unwrap_or(0.0);
+    ensure!(
+        mismatches == 0.0,
+        "the agent of {} counted {mismatches} hash mismatches",
+        engine.name
+    );
+
+    // (b) The same prompt again: the precise tier routes it to the engine holding its blocks.
+    let hits0 = s
+        .vllm_metric(engine, "vllm:prefix_cache_hits_total")
+        .await?;
+    let second = s
+        .routed(
+            "/v1/completions",
+            &json!({"model": ADAPTER, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                    "ignore_eos": true}),
+        )
+        .await?;
+    ensure_upstream(&second, engine).context("the adapter's second request")?;
+    let (hit2, miss2) = kv_decisions(s).await?;
+    ensure!(
+        hit2 > hit1,
+        "the adapter's second request was not a precise hit (hit +{}, miss +{})",
+        hit2 - hit1,
+        miss2 - miss1
+    );
+    let hits = hits_rise(s, engine, hits0, BLOCK as f64).await?;
+    ensure!(
+        second.cached_tokens() >= BLOCK as u64,
+        "vLLM reports {} cached tokens for the adapter's second request",
+        second.cached_tokens()
+    );
+
+    // (c) The base model's request for the same prompt: the adapter's blocks are not its.
+    ensure!(
+        base.iter().all(|h| !expected_set.contains(h)),
+        "a base-model block hash of the prompt equals an adapter block hash"
+    );
+    let plain = s.routed("/v1/completions", &completion(&prompt, 8)).await?;
+    let (hit3, miss3) = kv_decisions(s).await?;
+    ensure!(
+        hit3 == hit2 && miss3 > miss2,
+        "the base model's request for the adapter's prompt counted as a precise hit (hit +{}, \
+         miss +{})",
+        hit3 - hit2,
+        miss3 - miss2
+    );
+    ensure!(
+        plain.cached_tokens() == 0,
+        "vLLM served the base model's request from cache ({} tokens)",
+        plain.cached_tokens()
+    );
+    Ok(format!(
+        "{ADAPTER} listed by A and B (root {root}, parent {MODEL}); the router had listed it \
+         for both {:.1} s later; 1st {ADAPTER} request (precise miss: hit +{}, miss +{}) served \
+         by {}, which published {} BlockStored event(s) with lora_name {ADAPTER:?} (lora_id {}, \
+         block 0 extra_keys {}): its {n} prompt blocks' hashes == llmgw's request_hashes_into \
+         over vLLM's /tokenize ({} tokens) with (\"lora\", {ADAPTER:?}, root), none == the base \
+         model's, token_ids == /tokenize, router index == tail == agent; 2nd: routed to {} by a \
+         precise hit (+{}), vllm:prefix_cache_hits_total +{hits}, cached_tokens {}; the same \
+         prompt as base model {MODEL}: precise miss (hit +0, miss +{}), served by {}, 0 cached \
+         tokens",
+        listed.as_secs_f64(),
+        hit1 - hit0,
+        miss1 - miss0,
+        engine.name,
+        events.len(),
+        events[0]
+            .lora_id
+            .map_or_else(|| "none".to_owned(), |id| id.to_string()),
+        events[0].extra_keys.get(0).unwrap_or(&Value::Null),
+        tokens.len(),
+        engine.name,
+        hit2 - hit1,
+        second.cached_tokens(),
+        miss3 - miss2,
+        s.engine_name(plain.upstream.as_deref())
     ))
 }
