@@ -163,6 +163,14 @@ mod tests {
                 .capacity(),
             crate::flowcontrol::FlowMetrics::unregistered(""),
         ));
+        let replica = Arc::clone(&pool.snapshot().replicas()[0]);
+        replica.set_adapters(crate::pool::adapters::AdapterCatalog::from_cards(&[
+            crate::pool::adapters::ModelCard {
+                id: "sql".into(),
+                root: Some("/adapters/sql".into()),
+                parent: Some("m".into()),
+            },
+        ]));
         let state = Arc::new(AdminState {
             metrics: Arc::new(Metrics::new(Arc::clone(&pool))),
             pool,
@@ -200,6 +208,11 @@ mod tests {
             .json()
             .await
             .expect("json");
+        assert_eq!(
+            debug["replicas"][0]["adapters"],
+            serde_json::json!({"sql": "/adapters/sql"}),
+            "the adapter paths its blocks are hashed with"
+        );
         let flow = &debug["flow_control"];
         assert_eq!(flow["objectives"], serde_json::json!({"chat": 5}));
         assert_eq!(flow["queue_timeout_ms"], 30000);

@@ -126,6 +126,13 @@ impl AdapterCatalog {
         self.by_name.get(name)
     }
 
+    /// Each adapter's name and path.
+    pub fn paths(&self) -> impl Iterator<Item = (String, String)> + '_ {
+        self.by_name
+            .iter()
+            .map(|(name, adapter)| (name.clone(), adapter.path.clone()))
+    }
+
     pub fn len(&self) -> usize {
         self.by_name.len()
     }
@@ -143,7 +150,7 @@ impl AdapterCatalog {
 /// running and its waiting count, and only the names are exported: `LoRARequestStates`), so
 /// there `running` is every active adapter, waiting ones included, and counting it against
 /// `max_loras` errs towards "full". Older engines list them apart.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct AdapterSlots {
     pub max_loras: u32,
     /// Adapters of running requests (with vLLM ≥ 0.30: of every request in flight).

@@ -494,6 +494,13 @@ pub struct ReplicaView {
     pub in_flight: u32,
     /// `None` when the last scrape is missing or stale.
     pub engine: Option<EngineLoad>,
+    /// The LoRA adapters its `/v1/models` listed: name → the path their blocks are hashed
+    /// with (empty before the first listing, or when it serves none).
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub adapters: std::collections::BTreeMap<String, String>,
+    /// Active adapters and slots, from `vllm:lora_requests_info`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adapter_slots: Option<AdapterSlots>,
 }
 
 impl PoolSnapshot {
@@ -508,6 +515,11 @@ impl PoolSnapshot {
                 health: r.health(),
                 in_flight: r.in_flight(),
                 engine: r.engine_load(now, staleness),
+                adapters: r
+                    .adapters()
+                    .map(|catalog| catalog.paths().collect())
+                    .unwrap_or_default(),
+                adapter_slots: r.adapter_slots(now, staleness).as_deref().cloned(),
             })
             .collect()
     }
