@@ -1,12 +1,16 @@
 """Golden vectors made with vLLM's own code (the venv `make e2e-vllm` installs), for the
 router's tests: how vLLM turns an Anthropic `/v1/messages` request into the chat messages and
-tools its chat template renders (AnthropicServingMessages.to_chat_completion_request), and the
+tools its chat template renders (AnthropicServingMessages.to_chat_completion_request), how it
+turns an OpenAI `/v1/responses` request into the same (OnlineRenderer.render_responses's steps:
+construct_tool_dicts, construct_input_messages, ResponsesRequest.build_chat_params, then
+parse_chat_messages for the conversation the template reads), and the
 block hashes of LoRA adapter requests (a v1 Request with a LoRARequest, hashed by the engine's
 own get_request_block_hasher with sha256_cbor, PYTHONHASHSEED=1729).
 
 Usage: .venv-vllm/bin/python e2e/make_fixtures.py fixtures/   (make fixtures-vllm)
 """
 
+import copy
 import json
 import os
 import sys
@@ -129,6 +133,169 @@ def anthropic_cases():
     }
 
 
+def responses_cases():
+    weather = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+        "strict": True,
+    }
+    return {
+        "string_input": {"model": "m", "input": "Hello there"},
+        "instructions": {
+            "model": "m",
+            "instructions": "You are terse.",
+            "max_output_tokens": 16,
+            "input": "Hi",
+        },
+        "empty_instructions": {"model": "m", "instructions": "", "input": "Hi"},
+        "multi_turn_items": {
+            "model": "m",
+            "instructions": "Be kind.",
+            "input": [
+                {"role": "user", "content": "first question"},
+                {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+                 "content": [{"type": "output_text", "text": "first answer", "annotations": []},
+                             {"type": "output_text", "text": "dropped: vLLM reads the first part", "annotations": []}]},
+                {"type": "message", "role": "user", "content": [
+                    {"type": "input_text", "text": "part one"}, {"type": "input_text", "text": "part two"}]},
+                {"role": "assistant", "content": "second answer"},
+                {"role": "assistant", "content": [{"type": "input_text", "text": "more"}]},
+                {"role": "developer", "content": "Answer in French."},
+                {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "Late system."}]},
+                {"role": "user", "content": "caf\u00e9 \U0001F600 \"q\" \\ \n"},
+            ],
+        },
+        "function_call_round_trip": {
+            "model": "m",
+            "instructions": "Use tools.",
+            "tools": [
+                weather,
+                {"type": "function", "name": "noop", "parameters": None, "strict": False},
+                {"type": "web_search_preview"},
+            ],
+            "tool_choice": "auto",
+            "input": [
+                {"role": "user", "content": "Weather in Paris and Rome?"},
+                {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+                 "arguments": "{\"city\": \"Paris\"}", "status": "completed"},
+                {"type": "function_call", "call_id": "call_2", "name": "get_weather",
+                 "arguments": "{\"city\":\"Rome\",\"days\":2}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+                {"type": "function_call_output", "call_id": "call_2", "output": "rain"},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny, then rain."}]},
+                {"role": "user", "content": "Thanks"},
+            ],
+        },
+        "reasoning_items": {
+            "model": "m",
+            "input": [
+                {"role": "user", "content": "2+2?"},
+                {"type": "reasoning", "id": "rs_1", "summary": [],
+                 "content": [{"type": "reasoning_text", "text": "Add them."}]},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4"}]},
+                {"role": "user", "content": "and 3+3?"},
+                {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "Summed."}]},
+                {"type": "function_call", "call_id": "c", "name": "calc", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": "6"},
+                {"type": "reasoning", "id": "rs_3", "summary": []},
+            ],
+        },
+        "cache_salt_stream": {
+            "model": "m",
+            "stream": True,
+            "cache_salt": "tenant-a",
+            "store": False,
+            "input": [{"role": "user", "content": "Hi"}],
+        },
+        "chat_template_kwargs_and_reasoning": {
+            "model": "m",
+            "chat_template_kwargs": {"enable_thinking": False, "custom": [1, "x"]},
+            "reasoning": {"effort": "high"},
+            "input": "Think hard.",
+        },
+        "reasoning_effort": {"model": "m", "reasoning": {"effort": "low", "summary": "auto"}, "input": "x"},
+        "reasoning_effort_none": {"model": "m", "reasoning": {"effort": "none"}, "input": "x"},
+        "partial_final_message": {
+            "model": "m",
+            "input": [
+                {"role": "user", "content": "Write a haiku"},
+                {"type": "message", "role": "assistant", "status": "incomplete",
+                 "content": [{"type": "output_text", "text": "Autumn moonlight"}]},
+            ],
+        },
+        "namespace_and_custom_tools": {
+            "model": "m",
+            "tools": [
+                {"type": "namespace", "name": "fs", "description": "Files", "tools": [
+                    {"type": "function", "name": "read", "description": "Read a file",
+                     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}},
+                ]},
+                {"type": "custom", "name": "apply_patch", "description": "Apply a patch"},
+            ],
+            "input": [
+                {"role": "user", "content": "patch it"},
+                {"type": "function_call", "call_id": "c1", "namespace": "fs", "name": "read",
+                 "arguments": "{\"path\": \"a\"}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "text"},
+                {"type": "custom_tool_call", "call_id": "c2", "name": "apply_patch", "input": "*** patch \u00e9"},
+                {"type": "custom_tool_call_output", "call_id": "c2", "output": "done"},
+            ],
+        },
+    }
+
+
+def responses_fixture_cases():
+    import types
+
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+    from vllm.entrypoints.openai.responses.utils import (
+        construct_input_messages,
+        construct_tool_dicts,
+    )
+    from vllm.renderers.chat_utils import parse_chat_messages
+
+    # Text-only conversations: the multimodal tracker reads no more of the model's config.
+    model_config = types.SimpleNamespace(multimodal_config=None, enable_prompt_embeds=False)
+    cases = []
+    for name, request in responses_cases().items():
+        parsed = ResponsesRequest.model_validate(copy.deepcopy(request))
+        tools = construct_tool_dicts(parsed.tools, parsed.tool_choice)
+        messages = construct_input_messages(
+            request_instructions=parsed.instructions, request_input=parsed.input
+        )
+        params = parsed.build_chat_params(None, "auto")
+        kwargs = dict(params.chat_template_kwargs)
+        add_generation_prompt = kwargs.pop("add_generation_prompt")
+        continue_final_message = kwargs.pop("continue_final_message")
+        conversations = {}
+        for content_format in ("string", "openai"):
+            conversation, _, _ = parse_chat_messages(
+                copy.deepcopy(messages), model_config, content_format
+            )
+            conversations[content_format] = conversation
+        cases.append({
+            "name": name,
+            "request": request,
+            "body": json.dumps(request, ensure_ascii=False),
+            "messages": messages,
+            "conversation_string": conversations["string"],
+            "conversation_openai": conversations["openai"],
+            "tools": None if tools is None else [strip_none(t) for t in tools],
+            "chat_template_kwargs": kwargs or None,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "cache_salt": parsed.cache_salt,
+            "stream": bool(parsed.stream),
+        })
+    return cases
+
+
 def lora_block_hash_cases():
     from vllm.lora.request import LoRARequest
     from vllm.sampling_params import SamplingParams
@@ -206,6 +373,16 @@ def main(out_dir: Path):
     path = out_dir / f"vllm-{vllm.__version__}-anthropic-messages.json"
     path.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
     print(f"wrote {path}: {len(cases)} cases")
+
+    responses = {
+        "made_by": f"vllm {vllm.__version__}: ResponsesRequest, construct_tool_dicts, "
+                   "construct_input_messages, build_chat_params, parse_chat_messages "
+                   "(e2e/make_fixtures.py)",
+        "cases": responses_fixture_cases(),
+    }
+    path = out_dir / f"vllm-{vllm.__version__}-responses.json"
+    path.write_text(json.dumps(responses, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {path}: {len(responses['cases'])} cases")
 
     lora = {
         "made_by": f"vllm {vllm.__version__}: Request(lora_request=LoRARequest(...)).block_hashes "

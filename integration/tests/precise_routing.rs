@@ -443,6 +443,57 @@ async fn a_messages_conversation_follows_its_replica_through_the_index() {
     );
 }
 
+/// An agent's `/v1/responses` conversation (instructions, function calls and their outputs,
+/// output text items) is tokenized through `/tokenize` as the chat vLLM renders for it, so its
+/// later turns find their replica's cache through the KV index, and the engine confirms the hits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_conversation_follows_its_replica_through_the_index() {
+    let f = fleet(3, 2000, Duration::from_secs(2)).await;
+    let mut input = vec![json!({"role": "user", "content": "List the files, please."})];
+    let mut owner = None;
+    let mut cached = Vec::new();
+    for turn in 0..4 {
+        let body = json!({"model": MODEL, "max_output_tokens": 8, "store": false,
+            "instructions": long_prompt(13),
+            "tools": [{"type": "function", "name": "ls", "description": "List files",
+                "parameters": {"type": "object", "properties": {"dir": {"type": "string"}}}}],
+            "input": input});
+        let (chosen, answer) = f.route("/v1/responses", &body).await;
+        if let Some(owner) = owner {
+            assert_eq!(chosen, owner, "turn {turn}");
+        }
+        owner = Some(chosen);
+        assert_eq!(answer["object"], "response", "{answer}");
+        cached.push(
+            answer["usage"]["input_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0),
+        );
+        f.converge().await;
+        let reply = answer["output"][0]["content"][0]["text"]
+            .as_str()
+            .expect("assistant text")
+            .to_owned();
+        input.push(
+            json!({"type": "message", "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": reply, "annotations": []}]}),
+        );
+        input.push(
+            json!({"type": "function_call", "call_id": format!("call_{turn}"),
+            "name": "ls", "arguments": format!("{{\"dir\": \"src/{turn}\"}}")}),
+        );
+        input.push(
+            json!({"type": "function_call_output", "call_id": format!("call_{turn}"),
+            "output": format!("a.rs\nb{turn}.rs")}),
+        );
+    }
+    assert!(f.decisions("llmgw_kv_decisions_total", "hit") >= 3);
+    assert!(
+        cached[1..].iter().all(|&c| c > 0),
+        "engine-counted cache hits per turn: {cached:?}"
+    );
+}
+
 /// A LoRA adapter's conversation: the sims hash its blocks with the adapter's name and path (as
 /// vLLM does), the router learns the path from their `/v1/models` and hashes alike, so later
 /// turns follow their replica through the index and the engine counts the hits; the base model

@@ -848,6 +848,122 @@ async fn messages_speak_anthropic_and_share_cached_prefixes() {
 }
 
 #[tokio::test]
+async fn responses_speak_the_responses_api_and_share_cached_prefixes() {
+    let sim = sim(&["--block-size", "16"]);
+    let http = Http::new(&sim);
+    let (_, models) = http.client_get_json("/v1/models").await;
+    let model = models["data"][0]["id"]
+        .as_str()
+        .expect("a model")
+        .to_owned();
+    // The conversation vLLM renders for this request: instructions first, then the user's turn.
+    let chat = json!([
+        {"role": "system", "content": PROMPT},
+        {"role": "user", "content": "What does section 4 say?"},
+    ]);
+    let tokens = http.tokens(json!({"messages": chat})).await;
+    let turn1 = json!({"model": model, "max_output_tokens": 8, "instructions": PROMPT,
+        "input": [{"type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "What does section 4 say?"}]}]});
+    let (status, v) = http.post("/v1/responses", turn1.clone()).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "response", "{v}");
+    assert_eq!(v["status"], "incomplete", "{v}");
+    assert_eq!(
+        v["incomplete_details"]["reason"], "max_output_tokens",
+        "{v}"
+    );
+    assert_eq!(v["usage"]["input_tokens"], tokens.len(), "{v}");
+    assert_eq!(v["usage"]["output_tokens"], 8, "{v}");
+    let message = &v["output"][0];
+    assert_eq!(
+        (message["type"].as_str(), message["role"].as_str()),
+        (Some("message"), Some("assistant")),
+        "{v}"
+    );
+    let answer = message["content"][0]["text"]
+        .as_str()
+        .expect("text")
+        .to_owned();
+
+    // The next turn, streamed, reads the first from the cache.
+    let mut turn2 = turn1.clone();
+    let input = turn2["input"].as_array_mut().expect("input");
+    input.push(
+        json!({"type": "message", "role": "assistant", "status": "completed",
+        "content": [{"type": "output_text", "text": answer, "annotations": []}]}),
+    );
+    input.push(json!({"role": "user", "content": "And section 5?"}));
+    turn2["stream"] = json!(true);
+    let text = http
+        .client
+        .post(format!("{}/v1/responses", http.base))
+        .json(&turn2)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let events: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("event: "))
+        .collect();
+    assert_eq!(events.first(), Some(&"response.created"), "{text}");
+    assert_eq!(events.last(), Some(&"response.completed"), "{text}");
+    assert!(events.contains(&"response.output_text.delta"), "{text}");
+    let data: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .collect();
+    let numbers: Vec<u64> = data
+        .iter()
+        .filter_map(|d| d["sequence_number"].as_u64())
+        .collect();
+    assert_eq!(
+        numbers,
+        (0..data.len() as u64).collect::<Vec<_>>(),
+        "{text}"
+    );
+    let deltas: String = data
+        .iter()
+        .filter(|d| d["type"] == "response.output_text.delta")
+        .filter_map(|d| d["delta"].as_str())
+        .collect();
+    let completed = &data.last().expect("events")["response"];
+    assert_eq!(
+        completed["output"][0]["content"][0]["text"], deltas,
+        "{text}"
+    );
+    let cached = completed["usage"]["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached >= (tokens.len() as u64 / 16 - 1) * 16,
+        "cached {cached}: {completed}"
+    );
+
+    // Errors in OpenAI's shape.
+    for (body, status) in [
+        (
+            json!({"model": model, "input": [{"role": "robot", "content": "x"}]}),
+            400,
+        ),
+        (json!({"model": model}), 400),
+        (json!({"model": "nope", "input": "x"}), 404),
+        (
+            json!({"model": model, "input": "x", "previous_response_id": "resp_1"}),
+            404,
+        ),
+    ] {
+        let (got, e) = http.post("/v1/responses", body).await;
+        assert_eq!(got, status, "{e}");
+        assert!(e["error"]["message"].as_str().is_some(), "{e}");
+    }
+}
+
+#[tokio::test]
 async fn bad_input_gets_vllm_statuses_and_error_bodies() {
     let sim = sim(&["--max-model-len", "64"]);
     let http = Http::new(&sim);

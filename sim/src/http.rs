@@ -89,6 +89,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(messages))
+        .route("/v1/responses", post(responses))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/v1/models", get(models))
@@ -315,6 +316,8 @@ enum Api {
     Chat,
     /// Anthropic's `/v1/messages`, as vLLM answers it.
     Messages,
+    /// OpenAI's `/v1/responses`, as vLLM answers it.
+    Responses,
 }
 
 struct Generation {
@@ -323,6 +326,10 @@ struct Generation {
     created: u64,
     model: String,
     include_usage: bool,
+    /// `/v1/responses` stream events are numbered.
+    sequence: AtomicU64,
+    /// The text streamed so far (`/v1/responses` repeats it whole at the end).
+    streamed: parking_lot::Mutex<String>,
 }
 
 impl Generation {
@@ -392,7 +399,80 @@ impl Generation {
                 "stop_sequence": null,
                 "usage": Self::messages_usage(f),
             }),
+            Api::Responses => self.response(Some((text, f))),
         }
+    }
+
+    /// A `/v1/responses` response object: in progress (`None`), or finished with its text.
+    fn response(&self, done: Option<(String, &Finished)>) -> Value {
+        let (status, incomplete, output, usage) = match done {
+            None => ("in_progress", Value::Null, json!([]), Value::Null),
+            Some((text, f)) => {
+                let length = f.reason.as_str() == "length";
+                (
+                    if length { "incomplete" } else { "completed" },
+                    if length {
+                        json!({"reason": "max_output_tokens"})
+                    } else {
+                        Value::Null
+                    },
+                    json!([self.output_message(&text, "completed")]),
+                    json!({
+                        "input_tokens": f.prompt_tokens,
+                        "input_tokens_details": {"cached_tokens": f.cached_tokens},
+                        "output_tokens": f.completion_tokens,
+                        "output_tokens_details": {"reasoning_tokens": 0},
+                        "total_tokens": f.prompt_tokens + f.completion_tokens,
+                    }),
+                )
+            }
+        };
+        json!({
+            "id": self.id,
+            "created_at": self.created,
+            "incomplete_details": incomplete,
+            "instructions": null,
+            "metadata": null,
+            "model": self.model,
+            "object": "response",
+            "output": output,
+            "parallel_tool_calls": true,
+            "temperature": 1.0,
+            "tool_choice": "auto",
+            "tools": [],
+            "top_p": 1.0,
+            "background": false,
+            "previous_response_id": null,
+            "reasoning": null,
+            "service_tier": "auto",
+            "status": status,
+            "text": null,
+            "truncation": "disabled",
+            "usage": usage,
+        })
+    }
+
+    /// The one output message of a `/v1/responses` answer.
+    fn output_message(&self, text: &str, status: &str) -> Value {
+        let content = if status == "completed" {
+            json!([{"type": "output_text", "text": text, "annotations": [], "logprobs": null}])
+        } else {
+            json!([])
+        };
+        json!({
+            "id": format!("msg_{}", self.id),
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": content,
+        })
+    }
+
+    /// One `/v1/responses` stream event, numbered.
+    fn response_event(&self, name: &str, mut data: Value) -> Bytes {
+        data["type"] = Value::from(name);
+        data["sequence_number"] = Value::from(self.sequence.fetch_add(1, Ordering::Relaxed));
+        Self::event(name, &data)
     }
 
     /// Anthropic's names for why generation stopped.
@@ -441,6 +521,30 @@ impl Generation {
                 ));
                 Some(Bytes::from(out))
             }
+            Api::Responses => {
+                let mut out = self
+                    .response_event("response.created", json!({"response": self.response(None)}))
+                    .to_vec();
+                for (name, data) in [
+                    (
+                        "response.in_progress",
+                        json!({"response": self.response(None)}),
+                    ),
+                    (
+                        "response.output_item.added",
+                        json!({"output_index": 0, "item": self.output_message("", "in_progress")}),
+                    ),
+                    (
+                        "response.content_part.added",
+                        json!({"output_index": 0, "content_index": 0,
+                            "item_id": format!("msg_{}", self.id),
+                            "part": {"type": "output_text", "text": "", "annotations": []}}),
+                    ),
+                ] {
+                    out.extend_from_slice(&self.response_event(name, data));
+                }
+                Some(Bytes::from(out))
+            }
         }
     }
 
@@ -452,6 +556,14 @@ impl Generation {
                 &json!({"type": "content_block_delta", "index": 0,
                     "delta": {"type": "text_delta", "text": text}}),
             ),
+            Api::Responses => {
+                self.streamed.lock().push_str(text);
+                self.response_event(
+                    "response.output_text.delta",
+                    json!({"output_index": 0, "content_index": 0,
+                    "item_id": format!("msg_{}", self.id), "delta": text, "logprobs": []}),
+                )
+            }
             _ => sse(&self.delta(text, None)),
         }
     }
@@ -479,6 +591,37 @@ impl Generation {
                     &json!({"type": "message_stop"}),
                 ));
             }
+            Api::Responses => {
+                if !text.is_empty() {
+                    out.extend_from_slice(&self.delta_frame(text));
+                }
+                let whole = self.streamed.lock().clone();
+                let item_id = format!("msg_{}", self.id);
+                let part = json!({"type": "output_text", "text": whole, "annotations": []});
+                for (name, data) in [
+                    (
+                        "response.output_text.done",
+                        json!({"output_index": 0, "content_index": 0, "item_id": item_id,
+                            "text": whole, "logprobs": []}),
+                    ),
+                    (
+                        "response.content_part.done",
+                        json!({"output_index": 0, "content_index": 0, "item_id": item_id,
+                            "part": part}),
+                    ),
+                    (
+                        "response.output_item.done",
+                        json!({"output_index": 0,
+                            "item": self.output_message(&whole, "completed")}),
+                    ),
+                    (
+                        "response.completed",
+                        json!({"response": self.response(Some((whole.clone(), f)))}),
+                    ),
+                ] {
+                    out.extend_from_slice(&self.response_event(name, data));
+                }
+            }
             _ => {
                 out.extend_from_slice(&sse(&self.delta(text, Some(f.reason.as_str()))));
                 if self.include_usage {
@@ -493,7 +636,7 @@ impl Generation {
     fn chunk(&self, choice: Value) -> Value {
         let object = match self.api {
             Api::Completions => "text_completion",
-            Api::Chat | Api::Messages => "chat.completion.chunk",
+            Api::Chat | Api::Messages | Api::Responses => "chat.completion.chunk",
         };
         json!({
             "id": self.id,
@@ -510,7 +653,7 @@ impl Generation {
                 "index": 0, "text": text, "logprobs": null,
                 "finish_reason": finish, "stop_reason": null,
             })),
-            Api::Chat | Api::Messages => self.chunk(json!({
+            Api::Chat | Api::Messages | Api::Responses => self.chunk(json!({
                 "index": 0, "delta": {"content": text}, "logprobs": null,
                 "finish_reason": finish, "stop_reason": null,
             })),
@@ -572,6 +715,7 @@ async fn generate(
         Api::Completions => "cmpl",
         Api::Chat => "chatcmpl",
         Api::Messages => "msg",
+        Api::Responses => "resp",
     };
     let resp = Generation {
         api,
@@ -579,6 +723,8 @@ async fn generate(
         created: unix_secs(),
         model,
         include_usage,
+        sequence: AtomicU64::new(0),
+        streamed: parking_lot::Mutex::default(),
     };
     if !stream {
         let mut tokens = Vec::new();
@@ -743,6 +889,61 @@ async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     }
     .await;
     result.unwrap_or_else(|e| e.into_anthropic_response())
+}
+
+/// `/v1/responses`: the conversation as vLLM renders it (the router's own conversion, checked
+/// against vLLM's in the router's tests), generated like a chat, answered in the Responses
+/// API's shape (JSON, or its SSE events when `stream` is set).
+async fn responses(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    #[derive(Deserialize)]
+    struct Limits {
+        max_output_tokens: Option<i64>,
+    }
+    let result = async {
+        let parsed = llmgw::openai::parse_request(llmgw::openai::EndpointKind::Responses, &body)
+            .map_err(|e| ApiError::bad_request(e.to_string()).with_param("input"))?;
+        let limits: Limits = parse(&body)?;
+        let lora = state.resolve_model(Some(&parsed.model))?;
+        let llmgw::openai::RequestInput::Chat(chat) = &parsed.input else {
+            return Err(ApiError::internal("a responses request is a chat"));
+        };
+        if chat.unreproducible == Some("previous_response_id") {
+            // Nothing is stored here (vLLM without VLLM_ENABLE_RESPONSES_API_STORE).
+            return Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: "Response with id not found.".into(),
+                param: Some("previous_response_id".into()),
+            });
+        }
+        let conversation: Vec<Value> = serde_json::from_str(chat.messages.get())
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+        let prompt = state.chat_tokens(
+            &conversation,
+            ChatOptions {
+                add_generation_prompt: chat.add_generation_prompt.unwrap_or(true),
+                continue_final_message: chat.continue_final_message.unwrap_or(false),
+                add_special_tokens: false,
+            },
+        )?;
+        let sampling = Sampling {
+            model: Some(parsed.model.clone()),
+            max_tokens: limits.max_output_tokens,
+            stream: parsed.stream,
+            stream_options: None,
+            cache_salt: parsed.cache_salt.clone(),
+            n: None,
+        };
+        respond(
+            &state,
+            (Api::Responses, sampling, lora),
+            prompt,
+            limits.max_output_tokens,
+            None,
+        )
+        .await
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
 }
 
 /// Validates a request's generation settings against its prompt and generates the answer:

@@ -509,7 +509,10 @@ fn tools_json(tools: &[Tool<'_>]) -> String {
 
 /// The request's template kwargs with vLLM's `reasoning_effort` (and `enable_thinking`, unless
 /// set) added.
-fn with_reasoning_effort(kwargs: Option<&str>, effort: &str) -> Result<String, ParseError> {
+pub(super) fn with_reasoning_effort(
+    kwargs: Option<&str>,
+    effort: &str,
+) -> Result<String, ParseError> {
     let mut map: serde_json::Map<String, Value> = match kwargs {
         Some(raw) => serde_json::from_str::<Option<_>>(raw)
             .map_err(|e| invalid("chat_template_kwargs", e))?

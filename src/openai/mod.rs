@@ -10,11 +10,18 @@
 //! ([`PromptText`]) and decoded into a `String` only on first use: load-based routing never needs
 //! its characters. Token-id prompts are read into integers in the same single pass.
 //!
+//! Two endpoints are not OpenAI chats but are routed as the chat vLLM renders for them:
+//! Anthropic's `/v1/messages` ([`anthropic`]) and OpenAI's Responses API, `/v1/responses`
+//! ([`responses`]). Each is converted into the conversation vLLM's own code builds (checked
+//! against vectors made with that code), and marked `unreproducible` where vLLM renders from
+//! state the router does not have.
+//!
 //! Pure functions, no shared state: safe to call from any task. A [`PromptText`] decodes at
 //! most once, thread-safely ([`OnceLock`]).
 
 mod anthropic;
 mod pyjson;
+mod responses;
 mod skim;
 mod usage;
 
@@ -35,6 +42,8 @@ pub enum EndpointKind {
     ChatCompletions,
     /// `POST /v1/messages` (Anthropic's Messages API, as vLLM serves it)
     Messages,
+    /// `POST /v1/responses` (OpenAI's Responses API, as vLLM serves it)
+    Responses,
 }
 
 impl EndpointKind {
@@ -47,6 +56,7 @@ impl EndpointKind {
             "/v1/completions" => Some(EndpointKind::Completions),
             "/v1/chat/completions" => Some(EndpointKind::ChatCompletions),
             "/v1/messages" => Some(EndpointKind::Messages),
+            "/v1/responses" => Some(EndpointKind::Responses),
             _ => None,
         }
     }
@@ -57,6 +67,7 @@ impl EndpointKind {
             EndpointKind::Completions => "completions",
             EndpointKind::ChatCompletions => "chat_completions",
             EndpointKind::Messages => "messages",
+            EndpointKind::Responses => "responses",
         }
     }
 
@@ -64,7 +75,9 @@ impl EndpointKind {
     pub fn error_style(self) -> ErrorStyle {
         match self {
             EndpointKind::Messages => ErrorStyle::Anthropic,
-            EndpointKind::Completions | EndpointKind::ChatCompletions => ErrorStyle::OpenAi,
+            EndpointKind::Completions | EndpointKind::ChatCompletions | EndpointKind::Responses => {
+                ErrorStyle::OpenAi
+            }
         }
     }
 }
@@ -210,7 +223,7 @@ pub struct ChatInput {
     /// vLLM's `continue_final_message`.
     pub continue_final_message: Option<bool>,
     /// Set when vLLM renders this conversation in a way the router cannot reproduce (see
-    /// `anthropic`): its tokens are not trusted for the KV index, and the prefix tree routes it.
+    /// `anthropic` and `responses`): its tokens are not trusted for the KV index, and the prefix tree routes it.
     pub unreproducible: Option<&'static str>,
 }
 
@@ -261,6 +274,18 @@ pub enum ParseError {
     InvalidRole,
     #[error("a message's \"content\" must be a string or an array of content blocks")]
     InvalidContent,
+    #[error("request body has no \"input\"")]
+    MissingInput,
+    #[error("\"input\" must be a string or an array of input items")]
+    InvalidInput,
+    #[error("an input item must be an object with a \"type\" or a \"role\"")]
+    InvalidItem,
+    #[error(
+        "an input message's \"role\" must be \"user\", \"assistant\", \"system\" or \"developer\""
+    )]
+    InvalidInputRole,
+    #[error("a tool must have a \"name\"")]
+    InvalidTool,
 }
 
 impl From<SkimError> for ParseError {
@@ -361,8 +386,10 @@ pub fn parse_request(kind: EndpointKind, body: &[u8]) -> Result<ParsedRequest, P
             what: "invalid UTF-8",
         })
     })?;
-    if kind == EndpointKind::Messages {
-        return anthropic::parse_messages(text);
+    match kind {
+        EndpointKind::Messages => return anthropic::parse_messages(text),
+        EndpointKind::Responses => return responses::parse_responses(text),
+        EndpointKind::Completions | EndpointKind::ChatCompletions => {}
     }
     let mut members = Members::default();
     skim::walk_object(body, |key, start| members.read(text, key, start))?;
@@ -399,6 +426,7 @@ pub fn parse_request(kind: EndpointKind, body: &[u8]) -> Result<ParsedRequest, P
         }
         // Parsed above, before the OpenAI walk.
         EndpointKind::Messages => return anthropic::parse_messages(text),
+        EndpointKind::Responses => return responses::parse_responses(text),
     };
     Ok(ParsedRequest {
         kind,

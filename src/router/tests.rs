@@ -203,6 +203,47 @@ async fn messages_are_routed_and_refused_in_anthropics_shape() {
 }
 
 #[tokio::test]
+async fn responses_are_routed_and_refused_in_openais_shape() {
+    let pool = pool();
+    let router = router(&pool, false);
+    let routed = router
+        .pick(post(
+            "/v1/responses",
+            r#"{"model":"tiny","instructions":"s","input":[{"role":"user","content":"hi"}]}"#,
+        ))
+        .await
+        .expect("routed");
+    assert!(routed.destination.starts_with("127.0.0.1:800"));
+    for (body, status, kind) in [
+        (
+            r#"{"model":"tiny","input":[{"role":"robot","content":"x"}]}"#,
+            400,
+            "invalid_request_error",
+        ),
+        (r#"{"model":"tiny"}"#, 400, "invalid_request_error"),
+        ("{oops", 400, "invalid_request_error"),
+        (r#"{"model":"big","input":"x"}"#, 404, "not_found_error"),
+    ] {
+        let rejection = router
+            .pick(post("/v1/responses", body))
+            .await
+            .expect_err(body);
+        assert_eq!(rejection.status, status, "{body}");
+        assert_eq!(rejection.style, crate::openai::ErrorStyle::OpenAi);
+        let error: serde_json::Value =
+            serde_json::from_slice(&crate::extproc::error_body(&rejection)).expect("JSON");
+        assert_eq!(error["error"]["code"], status, "{error}");
+        assert_eq!(error["error"]["type"], kind, "{error}");
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{error}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn non_completions_go_to_any_ready_replica() {
     let pool = pool();
     let router = router(&pool, false);
