@@ -179,9 +179,8 @@ e2e-vllm: $(ENVOY)
 
 # Golden vectors made with vLLM's own code (fixtures/, read by the router's tests): how vLLM turns
 # an Anthropic /v1/messages request and an OpenAI /v1/responses request into the chat it renders,
-# and the block hashes of LoRA adapter
-# requests (name and path in every block's extra keys). Opt-in: needs the venv e2e-vllm
-# installs; the files are committed, so `make test` never runs vLLM.
+# and the block hashes of LoRA adapter requests (name and path in every block's extra keys).
+# Opt-in: needs the venv e2e-vllm installs; the files are committed, so `make test` never runs vLLM.
 .PHONY: fixtures-vllm
 fixtures-vllm:
 	e2e/install_vllm.sh $(VLLM_VENV) $(VLLM_VERSION)
