@@ -17,6 +17,9 @@ use crate::SimHandle;
 #[derive(Debug, Clone)]
 pub struct WorkloadConfig {
     pub model: String,
+    /// LoRA adapters of `model` the tenants use (0: none): tenant `t` asks for
+    /// [`adapter_name`]`(t % adapters)` instead of the base model.
+    pub adapters: usize,
     pub tenants: usize,
     /// Conversations in flight at once.
     pub concurrency: usize,
@@ -32,12 +35,28 @@ impl Default for WorkloadConfig {
     fn default() -> Self {
         WorkloadConfig {
             model: "tiny".to_owned(),
+            adapters: 0,
             tenants: 4,
             concurrency: 8,
             turns_per_conversation: 5,
             duration: Duration::from_secs(30),
             max_requests: 0,
             max_tokens: 12,
+        }
+    }
+}
+
+/// The name of LoRA adapter `i` in workloads with adapters.
+pub fn adapter_name(i: usize) -> String {
+    format!("adapter-{i}")
+}
+
+impl WorkloadConfig {
+    /// The model a tenant's requests name: an adapter's when the workload has adapters.
+    pub fn model_of(&self, tenant: usize) -> String {
+        match self.adapters {
+            0 => self.model.clone(),
+            n => adapter_name(tenant % n),
         }
     }
 }
@@ -249,6 +268,7 @@ async fn conversation(
         json!({"role": "system", "content": system_prompt(tenant)}),
         json!({"role": "user", "content": format!("Conversation {id}: what is rule {}?", id % 45)}),
     ];
+    let model = config.model_of(tenant);
     for turn in 0..config.turns_per_conversation {
         if started.elapsed() >= config.duration {
             return true;
@@ -257,7 +277,7 @@ async fn conversation(
             return false;
         }
         let mut body = json!({
-            "model": config.model,
+            "model": model,
             "messages": messages,
             "max_tokens": config.max_tokens,
             "stream": true,

@@ -121,6 +121,33 @@ struct Args {
     /// Envoy spreads the requests' ext_proc streams over them round robin.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=8))]
     routers: u8,
+    /// LoRA adapters of the model (0: none): every sim serves them (`--enable-lora`), tenant
+    /// `t` talks to adapter `t % adapters`, and each adapter's blocks are its own (vLLM hashes
+    /// the adapter into every block).
+    #[arg(long, default_value_t = 0)]
+    adapters: usize,
+    /// With --adapters: distinct adapters each sim runs at once (`--max-loras`); a request for
+    /// another waits for a slot.
+    #[arg(long, default_value_t = 2)]
+    max_loras: usize,
+}
+
+/// The sims' `--enable-lora` flags for `args.adapters` adapters with `max_loras` slots.
+fn lora_sim_args(args: &Args, max_loras: usize) -> Vec<String> {
+    if args.adapters == 0 {
+        return Vec::new();
+    }
+    let mut flags = vec![
+        "--enable-lora".to_owned(),
+        "--max-loras".to_owned(),
+        max_loras.to_string(),
+        "--lora-modules".to_owned(),
+    ];
+    flags.extend((0..args.adapters).map(|i| {
+        let name = workload::adapter_name(i);
+        format!("{name}=/adapters/{name}")
+    }));
+    flags
 }
 
 fn main() -> anyhow::Result<()> {
@@ -233,13 +260,17 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     let table = markdown_table(&reports);
     let machine_after = machine_state();
     let report = format!(
-        "{table}\n{ceiling}{calibration}; {} replicas × {} blocks; {} tenants, {} turns per \
+        "{table}\n{ceiling}{calibration}; {} replicas × {} blocks; {} tenants{}, {} turns per \
          conversation; {} s per policy, first {} s not measured; seed {}; {} llmgw router(s) \
          per llmgw policy, extra flags {:?}.\n\
          machine before: {machine_before}\nmachine after: {machine_after}\n{}",
         args.replicas,
         args.blocks_per_replica,
         args.tenants,
+        match args.adapters {
+            0 => String::new(),
+            n => format!(" over {n} LoRA adapters ({} slots per sim)", args.max_loras),
+        },
         args.turns,
         args.seconds,
         args.warmup_seconds,
@@ -277,6 +308,7 @@ fn start_sims(args: &Args) -> Vec<SimHandle> {
     (0..args.replicas)
         .map(|_| {
             let mut sim_args = cache_sim_args(MODEL, BLOCK_SIZE, args.blocks_per_replica, events);
+            sim_args.extend(lora_sim_args(args, args.max_loras));
             sim_args.extend(args.sim_args.iter().cloned());
             spawn_sim_with_env(sim_args, [("PYTHONHASHSEED", SEED)])
         })
@@ -295,7 +327,7 @@ async fn measure_ceiling(
         .min(8192)
         .to_string();
     let block_size = BLOCK_SIZE.to_string();
-    let sim_args: Vec<&str> = vec![
+    let mut sim_args: Vec<String> = [
         "--served-model-name",
         MODEL,
         "--block-size",
@@ -305,7 +337,11 @@ async fn measure_ceiling(
         "--max-model-len",
         &max_model_len,
         "--sim-no-latency",
-    ];
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    // Every adapter in a slot of its own: the ceiling waits for no adapter.
+    sim_args.extend(lora_sim_args(args, args.adapters.max(1)));
     let sim = spawn_sim_with_env(sim_args, [("PYTHONHASHSEED", SEED)]);
     let stack = Stack {
         url: sim.url(),
@@ -339,6 +375,7 @@ async fn measure_capacity(
     let duration = Duration::from_secs(args.calibrate_seconds);
     let config = WorkloadConfig {
         tenants: args.tenants,
+        adapters: args.adapters,
         turns_per_conversation: args.turns,
         concurrency: args.calibrate_concurrency,
         duration,
@@ -424,13 +461,18 @@ async fn start_stack(
             ];
             // Replicas belong to the agent's node only where an agent runs: otherwise the
             // router would wait for that node's blocks before it is ready.
+            let models: Vec<String> = std::iter::once(MODEL.to_owned())
+                .chain((0..args.adapters).map(workload::adapter_name))
+                .collect();
             for r in &replicas {
-                let spec = if policy.uses_agent() {
-                    format!("{MODEL}={r}@{NODE}")
-                } else {
-                    format!("{MODEL}={r}")
-                };
-                flags.extend(["--replica".to_owned(), spec]);
+                for model in &models {
+                    let spec = if policy.uses_agent() {
+                        format!("{model}={r}@{NODE}")
+                    } else {
+                        format!("{model}={r}")
+                    };
+                    flags.extend(["--replica".to_owned(), spec]);
+                }
             }
             match policy {
                 Policy::LeastLoaded => {
@@ -664,6 +706,7 @@ async fn measure_policy(
     let results = Arc::new(Mutex::new(Results::default()));
     let config = WorkloadConfig {
         tenants: args.tenants,
+        adapters: args.adapters,
         turns_per_conversation: args.turns,
         duration,
         ..WorkloadConfig::default()
