@@ -30,6 +30,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
+use super::converted::{Conversion, invalid, read_body};
 use super::{ChatInput, EndpointKind, ParseError, ParsedRequest, RawJson, RequestInput, pyjson};
 
 /// Claude Code's per-request attribution, which vLLM leaves out of the prompt.
@@ -144,42 +145,16 @@ struct OutputConfig {
 }
 
 /// The conversation so far, and whether vLLM's rendering of it can be reproduced.
-struct Conversion {
-    messages: Vec<Value>,
-    unreproducible: Option<&'static str>,
-}
-
-impl Conversion {
-    fn cannot_reproduce(&mut self, why: &'static str) {
-        self.unreproducible.get_or_insert(why);
-    }
-}
-
-fn invalid(field: &'static str, source: serde_json::Error) -> ParseError {
-    ParseError::InvalidField { field, source }
-}
-
 /// Parses a `/v1/messages` body into the chat request vLLM renders for it.
 pub fn parse_messages(body: &str) -> Result<ParsedRequest, ParseError> {
-    // Well-formed JSON, one object: the skimmer's errors say where it is not.
-    let bytes = body.as_bytes();
-    super::skim::walk_object(bytes, |_, start| super::skim::value_end(bytes, start))?;
-    let request: Request<'_> = serde_json::from_str(body).map_err(|e| invalid("request", e))?;
-    let model = request
-        .model
-        .filter(|m| !m.is_empty())
-        .ok_or(ParseError::MissingModel)?
-        .into_owned();
+    let (request, model) = read_body(body, |r: &mut Request<'_>| r.model.take())?;
     let messages = request
         .messages
         .ok_or(ParseError::MissingMessages)?
         .into_iter()
         .map(Message::read)
         .collect::<Result<Vec<_>, _>>()?;
-    let mut conversion = Conversion {
-        messages: Vec::with_capacity(messages.len() + 1),
-        unreproducible: None,
-    };
+    let mut conversion = Conversion::with_capacity(messages.len() + 1);
     if let Some(system) = request.system {
         let text = system_text(system)?;
         if !text.is_empty() {

@@ -20,6 +20,7 @@
 //! most once, thread-safely ([`OnceLock`]).
 
 mod anthropic;
+mod converted;
 mod pyjson;
 mod responses;
 mod skim;

@@ -41,6 +41,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
+use super::converted::{Conversion, invalid, read_body};
 use super::{ChatInput, EndpointKind, ParseError, ParsedRequest, RawJson, RequestInput};
 
 /// The separator vLLM puts between a namespace and its function's name.
@@ -130,16 +131,7 @@ struct TextPart {
 }
 
 /// The conversation so far, and whether vLLM's rendering of it can be reproduced.
-struct Conversion {
-    messages: Vec<Value>,
-    unreproducible: Option<&'static str>,
-}
-
 impl Conversion {
-    fn cannot_reproduce(&mut self, why: &'static str) {
-        self.unreproducible.get_or_insert(why);
-    }
-
     /// The last message, when it is the assistant's: what vLLM merges a call, reasoning or
     /// text into.
     fn last_assistant(&mut self) -> Option<&mut Map<String, Value>> {
@@ -185,29 +177,14 @@ impl Conversion {
     }
 }
 
-fn invalid(field: &'static str, source: serde_json::Error) -> ParseError {
-    ParseError::InvalidField { field, source }
-}
-
 /// Parses a `/v1/responses` body into the chat request vLLM renders for it.
 pub fn parse_responses(body: &str) -> Result<ParsedRequest, ParseError> {
-    // Well-formed JSON, one object: the skimmer's errors say where it is not.
-    let bytes = body.as_bytes();
-    super::skim::walk_object(bytes, |_, start| super::skim::value_end(bytes, start))?;
-    let request: Request<'_> = serde_json::from_str(body).map_err(|e| invalid("request", e))?;
-    let model = request
-        .model
-        .filter(|m| !m.is_empty())
-        .ok_or(ParseError::MissingModel)?
-        .into_owned();
+    let (request, model) = read_body(body, |r: &mut Request<'_>| r.model.take())?;
     let input = request
         .input
         .filter(|i| i.get() != "null")
         .ok_or(ParseError::MissingInput)?;
-    let mut conversion = Conversion {
-        messages: Vec::new(),
-        unreproducible: None,
-    };
+    let mut conversion = Conversion::default();
     if request.previous_response_id.is_some() {
         conversion.cannot_reproduce("previous_response_id");
     }
