@@ -109,6 +109,7 @@ impl Router {
             .in_scope(|| parse_request(kind, body))
             .map_err(|error| {
                 self.metrics.record(Outcome::BadRequest);
+                tracing::info!(endpoint = kind.as_str(), %error, "request refused: 400, unparsable body");
                 Rejection::new(400, "invalid_request_error", error.to_string())
             })?;
         span.record("model", parsed.model.as_str());
@@ -244,6 +245,13 @@ impl Router {
             DecideError::BadRequest(_) => (400, "invalid_request_error", Outcome::BadRequest),
         };
         self.metrics.record(outcome);
+        // The client's mistakes name what was wrong; capacity refusals are counted, not logged
+        // one by one (an overload would flood the log).
+        if status < 429 {
+            tracing::info!(status, %error, "request refused");
+        } else {
+            tracing::debug!(status, %error, "request refused");
+        }
         Rejection::new(status, error_type, error.to_string())
     }
 }

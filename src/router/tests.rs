@@ -87,10 +87,43 @@ async fn completions_and_chat_are_routed_and_counted() {
     assert!(cpu_sum > 0.0 && cpu_sum < 1.0, "{cpu_sum}");
 }
 
+/// What the log says while the guard lives (this thread only: the tests' runtimes are
+/// current-thread).
+#[derive(Clone, Default)]
+struct CapturedLog(Arc<parking_lot::Mutex<Vec<u8>>>);
+
+impl std::io::Write for CapturedLog {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl CapturedLog {
+    fn start(&self) -> tracing::subscriber::DefaultGuard {
+        let log = self.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::INFO)
+            .with_ansi(false)
+            .with_writer(move || log.clone())
+            .finish();
+        tracing::subscriber::set_default(subscriber)
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock()).into_owned()
+    }
+}
+
 #[tokio::test]
 async fn bad_inputs_get_their_statuses() {
     let pool = pool();
     let router = router(&pool, false);
+    let log = CapturedLog::default();
+    let _logging = log.start();
     assert_eq!(
         status_of(&router, post("/v1/completions", "{oops")).await,
         400
@@ -140,6 +173,18 @@ async fn bad_inputs_get_their_statuses() {
         .await,
         503
     );
+    // The client's mistakes are logged, naming what was wrong; capacity refusals are not.
+    let logged = log.text();
+    assert!(
+        logged.contains("request refused: 400, unparsable body")
+            && logged.contains(r#"request body has no "model""#),
+        "{logged}"
+    );
+    assert!(
+        logged.contains(r#"status=404 error=model "big" is not served by any replica"#),
+        "{logged}"
+    );
+    assert!(!logged.contains("status=429"), "{logged}");
     let text = router.metrics.encode().unwrap();
     for outcome in [
         "bad_request\"} 3",
