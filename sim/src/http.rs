@@ -922,7 +922,8 @@ async fn responses(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
             ChatOptions {
                 add_generation_prompt: chat.add_generation_prompt.unwrap_or(true),
                 continue_final_message: chat.continue_final_message.unwrap_or(false),
-                add_special_tokens: false,
+                // As vLLM: a Responses prompt gets the tokenizer's special tokens on top.
+                add_special_tokens: chat.add_special_tokens.unwrap_or(false),
             },
         )?;
         let sampling = Sampling {

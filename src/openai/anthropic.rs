@@ -196,6 +196,8 @@ pub fn parse_messages(body: &str) -> Result<ParsedRequest, ParseError> {
             chat_template_kwargs: chat_template_kwargs.map(|k| RawJson::from_checked(&k)),
             add_generation_prompt: None,
             continue_final_message: None,
+            // vLLM renders it as a chat completion: no special tokens on top.
+            add_special_tokens: None,
             unreproducible: conversion.unreproducible,
         }),
         cache_salt: request.cache_salt,

@@ -223,6 +223,9 @@ pub struct ChatInput {
     pub add_generation_prompt: Option<bool>,
     /// vLLM's `continue_final_message`.
     pub continue_final_message: Option<bool>,
+    /// vLLM's `add_special_tokens`: the tokenizer's special tokens (a BOS) added on top of what
+    /// the template writes. Chats default to `false`; vLLM's `/v1/responses` always adds them.
+    pub add_special_tokens: Option<bool>,
     /// Set when vLLM renders this conversation in a way the router cannot reproduce (see
     /// `anthropic` and `responses`): its tokens are not trusted for the KV index, and the prefix tree routes it.
     pub unreproducible: Option<&'static str>,
@@ -311,6 +314,7 @@ struct Members<'a> {
     chat_template_kwargs: Option<&'a str>,
     add_generation_prompt: Option<&'a str>,
     continue_final_message: Option<&'a str>,
+    add_special_tokens: Option<&'a str>,
     cache_salt: Option<&'a str>,
     stream: Option<&'a str>,
 }
@@ -345,6 +349,7 @@ impl<'a> Members<'a> {
             "continue_final_message" => {
                 ("continue_final_message", &mut self.continue_final_message)
             }
+            "add_special_tokens" => ("add_special_tokens", &mut self.add_special_tokens),
             "cache_salt" => ("cache_salt", &mut self.cache_salt),
             "stream" => ("stream", &mut self.stream),
             _ => return Ok(skim::value_end(bytes, start)?),
@@ -422,6 +427,7 @@ pub fn parse_request(kind: EndpointKind, body: &[u8]) -> Result<ParsedRequest, P
                     "continue_final_message",
                     members.continue_final_message,
                 )?,
+                add_special_tokens: field("add_special_tokens", members.add_special_tokens)?,
                 unreproducible: None,
             })
         }

@@ -251,6 +251,11 @@ pub fn parse_responses(body: &str) -> Result<ParsedRequest, ParseError> {
                 .map(|k| RawJson::from_checked(&k)),
             add_generation_prompt: Some(!continue_final),
             continue_final_message: Some(continue_final),
+            // vLLM 0.32 tokenizes a Responses prompt with `TokenizeParams`' default
+            // `add_special_tokens=True` (`ResponsesRequest.build_tok_params` sets no other), so a
+            // tokenizer whose post-processor adds a BOS puts it before the template's own:
+            // seen on a real engine (`make e2e-vllm`).
+            add_special_tokens: Some(true),
             unreproducible: conversion.unreproducible,
         }),
         cache_salt: request.cache_salt,

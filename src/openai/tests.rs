@@ -122,7 +122,7 @@ fn chat_keeps_raw_json_slices_verbatim() {
     let body = r#"{"model":"lora-a","messages":[{"role":"user","content":"hi \u00e9"}],
         "tools":[{"type":"function","function":{"name":"f"}}],
         "chat_template_kwargs":{"enable_thinking":false},
-        "add_generation_prompt":false,"stream":true,"cache_salt":"abc"}"#;
+        "add_generation_prompt":false,"add_special_tokens":true,"stream":true,"cache_salt":"abc"}"#;
     let req = chat(body).unwrap();
     assert_eq!(req.model, "lora-a");
     assert!(req.stream);
@@ -144,6 +144,7 @@ fn chat_keeps_raw_json_slices_verbatim() {
     );
     assert_eq!(input.add_generation_prompt, Some(false));
     assert_eq!(input.continue_final_message, None);
+    assert_eq!(input.add_special_tokens, Some(true));
 }
 
 #[test]

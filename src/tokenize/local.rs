@@ -198,6 +198,18 @@ impl LocalTokenizer {
         messages: &str,
         opts: ChatOptions,
     ) -> Result<Vec<u32>, LocalTokenizerError> {
+        self.encode_chat_as(messages, opts, false)
+    }
+
+    /// [`LocalTokenizer::encode_chat`], with the tokenizer's special tokens (its post-processor's
+    /// BOS, say) added on top of what the template writes when `add_special_tokens` is set:
+    /// what vLLM does for a chat that asks for it, and for every `/v1/responses` request.
+    pub fn encode_chat_as(
+        &self,
+        messages: &str,
+        opts: ChatOptions,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, LocalTokenizerError> {
         let template = self.chat.as_ref().ok_or_else(|| {
             LocalTokenizerError::Chat(super::chat::ChatTemplateError::Template(
                 "no chat template loaded".into(),
@@ -207,8 +219,9 @@ impl LocalTokenizer {
             .map_err(|e| LocalTokenizerError::Messages(e.to_string()))?;
         let text = template.render(&messages, opts)?;
         match &self.splitter {
-            Some(splitter) => self.encode_pieces(splitter, &text),
-            None => self.encode(&text, false),
+            // Pieces carry no special tokens of their own; the whole text does.
+            Some(splitter) if !add_special_tokens => self.encode_pieces(splitter, &text),
+            _ => self.encode(&text, add_special_tokens),
         }
     }
 

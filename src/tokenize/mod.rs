@@ -146,14 +146,17 @@ const LOCAL_INLINE_BYTES: usize = 1024;
 /// What a local tokenizer is given, owned so that it can move to the blocking pool.
 enum LocalInput {
     Prompt(String),
-    Chat(String, ChatOptions),
+    /// Messages, template options, and whether special tokens are added on top.
+    Chat(String, ChatOptions, bool),
 }
 
 impl LocalInput {
     fn encode(&self, tokenizer: &LocalTokenizer) -> Result<Vec<u32>, LocalTokenizerError> {
         match self {
             LocalInput::Prompt(text) => tokenizer.encode_prompt(text),
-            LocalInput::Chat(messages, opts) => tokenizer.encode_chat(messages, *opts),
+            LocalInput::Chat(messages, opts, special) => {
+                tokenizer.encode_chat_as(messages, *opts, *special)
+            }
         }
     }
 }
@@ -286,6 +289,10 @@ fn tokenize_body(request: &ParsedRequest) -> Vec<u8> {
                 "continue_final_message",
                 flag(chat.continue_final_message.unwrap_or(false)),
             );
+            // Only when set, so that the common body (and its cache key) stays as it was.
+            if chat.add_special_tokens == Some(true) {
+                member(&mut body, "add_special_tokens", "true");
+            }
         }
     }
     body.push(b'}');
@@ -488,6 +495,7 @@ impl Tokenizer {
                     add_generation_prompt: chat.add_generation_prompt.unwrap_or(true),
                     continue_final_message: chat.continue_final_message.unwrap_or(false),
                 },
+                chat.add_special_tokens.unwrap_or(false),
             ),
             RequestInput::Completion(Prompt::TokenIds(ids)) => {
                 return Ok(Arc::from(ids.as_slice()));

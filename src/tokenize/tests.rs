@@ -116,6 +116,23 @@ async fn chat_forwards_messages_tools_and_flags() {
             "continue_final_message": false,
         })
     );
+    // A Responses request is tokenized with special tokens on top, as vLLM does.
+    let body = json!({"model": "m", "input": "hi"}).to_string();
+    let request = parse_request(EndpointKind::Responses, body.as_bytes()).expect("parses");
+    tokenizer(2000)
+        .tokens(&request, &[&addr])
+        .await
+        .expect("tokens");
+    assert_eq!(
+        fake.bodies.lock()[1],
+        json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "add_generation_prompt": true,
+            "continue_final_message": false,
+            "add_special_tokens": true,
+        })
+    );
 }
 
 #[tokio::test]
@@ -252,6 +269,20 @@ async fn a_chat_template_tokenizes_chats_locally_and_a_replica_that_agrees_keeps
         want[0], 1,
         "the template starts with BOS (token 1): {want:?}"
     );
+    // With special tokens on top (vLLM's /v1/responses) the post-processor adds a second BOS,
+    // and the rest is the same (the whole text is encoded at once then, not piece by piece).
+    let special = local
+        .encode_chat_as(
+            &messages.to_string(),
+            ChatOptions {
+                add_generation_prompt: true,
+                continue_final_message: false,
+            },
+            true,
+        )
+        .expect("encodes");
+    assert_eq!(special[0], 1);
+    assert_eq!(&special[1..], &want[..]);
     let fake = Fake {
         answer: Some(want.clone()),
         ..Fake::default()
