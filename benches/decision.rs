@@ -74,7 +74,16 @@ fn setup() -> Setup {
     }
     let resources = PluginResources {
         index,
-        tokenizer: Arc::new(Tokenizer::new(TokenizerConfig::default()).with_local("m", local)),
+        // A deadline no loaded machine misses: the first decision tokenizes in process (a debug
+        // build under `cargo test` beside other work once took longer than the default, and the
+        // tree decided), and the measured ones hit the cache.
+        tokenizer: Arc::new(
+            Tokenizer::new(TokenizerConfig {
+                deadline: Duration::from_secs(60),
+                ..TokenizerConfig::default()
+            })
+            .with_local("m", local),
+        ),
         hashers: Arc::new(HashersByModel::from([("m".to_owned(), Arc::new(hasher))])),
     };
     let mut config = SchedulerConfig::default();
