@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
 use llmgw::blockhash::{BlockHasher, HashSettings, LoraKey, RequestKeys};
+use llmgw::openai::{EndpointKind, RequestInput, parse_request};
 use llmgw_integration::agent::AgentCommand;
 use llmgw_integration::envoy::EnvoyCommand;
 use llmgw_integration::prom;
@@ -203,6 +204,8 @@ struct Reported {
     errors: Vec<String>,
     /// Every BlockStored event that named a LoRA adapter, in arrival order.
     adapter_stored: Vec<AdapterStored>,
+    /// The tokens of every BlockStored event, in arrival order: what the engine hashed.
+    stored_tokens: Vec<Vec<u32>>,
 }
 
 /// A BlockStored event of a LoRA adapter's request, as the engine published it.
@@ -247,21 +250,23 @@ impl Reported {
             };
             match event["type"].as_str() {
                 Some("BlockStored") => {
+                    let token_ids: Vec<u32> = event["token_ids"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                        .collect();
                     if let Some(name) = event["lora_name"].as_str() {
                         self.adapter_stored.push(AdapterStored {
                             lora_name: name.to_owned(),
                             lora_id: event["lora_id"].as_i64(),
                             block_hashes: hashes().collect(),
                             parent: event["parent_block_hash"].as_u64(),
-                            token_ids: event["token_ids"]
-                                .as_array()
-                                .into_iter()
-                                .flatten()
-                                .filter_map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-                                .collect(),
+                            token_ids: token_ids.clone(),
                             extra_keys: event["extra_keys"].clone(),
                         });
                     }
+                    self.stored_tokens.push(token_ids);
                     // An adapter's blocks carry its name in every block's extra keys (vLLM
                     // publishes the bare name; it hashes ("lora", name, path)).
                     if event["parent_block_hash"].is_null()
@@ -1000,6 +1005,20 @@ async fn checks(report: &mut Report, s: &Stack) {
         .await;
     report
         .run(
+            "Anthropic /v1/messages agent conversation (tools, tool_use/tool_result): precise hits \
+             on the engine of turn 1, vLLM confirms them",
+            agent_messages(s),
+        )
+        .await;
+    report
+        .run(
+            "OpenAI /v1/responses agent conversation (function_call items): precise hits on the \
+             engine of turn 1, vLLM confirms them",
+            agent_responses(s),
+        )
+        .await;
+    report
+        .run(
             "salted request not routed by the unsalted blocks",
             salted(s),
         )
@@ -1240,6 +1259,355 @@ async fn warmed_chat(s: &Stack) -> Result<String> {
         s.converge(&s.b, |set| !set.is_empty()).await?;
     }
     Ok(turns.join("; "))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The coding agents' APIs: /v1/messages and /v1/responses
+
+/// A file the conversations' tool reads, and what it returned.
+const TOOL_FILES: [(&str, &str); 2] = [
+    (
+        "src/main.rs",
+        "// SPDX-License-Identifier: Apache-2.0\nfn main() {\n    println!(\"hello\");\n}\n",
+    ),
+    (
+        "NOTICE",
+        "Copyright 2026 the llmgw authors. Licensed under the Apache License, Version 2.0.",
+    ),
+];
+
+/// What vLLM said about one answer's prompt: (all prompt tokens, cached ones if it said).
+type UsageOf = fn(&Answer) -> (u64, Option<u64>);
+
+/// Anthropic usage: `input_tokens` excludes the cache reads and writes (vLLM's
+/// `_build_anthropic_usage`), so the prompt is their sum.
+fn messages_usage(answer: &Answer) -> (u64, Option<u64>) {
+    let u = &answer.body["usage"];
+    let cached = u["cache_read_input_tokens"].as_u64();
+    let prompt = u["input_tokens"].as_u64().unwrap_or(0)
+        + cached.unwrap_or(0)
+        + u["cache_creation_input_tokens"].as_u64().unwrap_or(0);
+    (prompt, cached)
+}
+
+fn responses_usage(answer: &Answer) -> (u64, Option<u64>) {
+    let u = &answer.body["usage"];
+    (
+        u["input_tokens"].as_u64().unwrap_or(0),
+        u["input_tokens_details"]["cached_tokens"].as_u64(),
+    )
+}
+
+/// The tokens the router routes `body` by: its own conversion of the body into a chat
+/// (`parse_request`, what the router runs), sent to an engine's `/tokenize` in the body the
+/// router writes (`tokenize_body`; a request with `tools` is always tokenized there). Also the converted chat, for
+/// the report.
+async fn router_tokens(s: &Stack, kind: EndpointKind, body: &Value) -> Result<(Vec<u32>, String)> {
+    let parsed = parse_request(kind, &serde_json::to_vec(body)?)
+        .map_err(|e| anyhow::anyhow!("the router refuses the body: {e}"))?;
+    // Exactly the body the router sends (special tokens on top for /v1/responses, say).
+    let tokenize: Value = serde_json::from_slice(&llmgw::tokenize::tokenize_body(&parsed))?;
+    let RequestInput::Chat(chat) = parsed.input else {
+        bail!("the router did not read the body as a chat");
+    };
+    ensure!(
+        chat.unreproducible.is_none(),
+        "the router marks the conversation unreproducible ({:?}): the precise tier would not \
+         route it",
+        chat.unreproducible
+    );
+    let a = s.direct(&s.a, "/tokenize", &tokenize).await?;
+    let tokens = serde_json::from_value(a.body["tokens"].clone())
+        .with_context(|| format!("/tokenize answered {}", a.body))?;
+    Ok((tokens, abbreviated(chat.messages.get())))
+}
+
+/// A long JSON text's first and last 160 characters.
+fn abbreviated(text: &str) -> String {
+    let chars: Vec<char> = text.chars().collect();
+    if chars.len() <= 400 {
+        return text.to_owned();
+    }
+    let head: String = chars[..160].iter().collect();
+    let tail: String = chars[chars.len() - 160..].iter().collect();
+    format!("{head} … ({} characters) … {tail}", chars.len())
+}
+
+/// A multi-turn conversation of a coding agent through Envoy, each turn the whole history
+/// again. Turn 1 goes wherever the router sends it; for every turn, (a) vLLM's own count of the
+/// prompt equals the router's tokens and the engine publishes exactly the router's block hashes
+/// of them (router index == agent == tail); for turns 2.., (b) the turn is routed to turn 1's
+/// engine by a precise hit, and (c) vLLM reports exactly the cached tokens the router's index
+/// predicted (the leading blocks of the turn that engine holds) and its hit counter rises.
+async fn agent_conversation(
+    s: &Stack,
+    path: &str,
+    kind: EndpointKind,
+    turns: &[Value],
+    usage: UsageOf,
+    cached_field: &str,
+) -> Result<String> {
+    let hasher = BlockHasher::new(&HashSettings::sha256_cbor(
+        BLOCK.try_into().expect("a block size"),
+        Some(SEED),
+    ))?;
+    let mut engine: Option<&Engine> = None;
+    let (mut lines, mut failures) = (Vec::new(), Vec::new());
+    for (i, body) in turns.iter().enumerate() {
+        let turn = i + 1;
+        let (tokens, chat) = router_tokens(s, kind, body)
+            .await
+            .with_context(|| format!("turn {turn}: the router's tokens"))?;
+        let mut hashes = Vec::new();
+        hasher.request_hashes_into(&tokens, RequestKeys::salted(None), &mut hashes);
+        let hashes: Vec<u64> = hashes.into_iter().map(|h| h.0).collect();
+        // What the router's index holds of this prompt on turn 1's engine (router == tail).
+        let predicted = engine.map(|e| {
+            let held = e.reported();
+            let leading = hashes.iter().take_while(|h| held.contains(h)).count();
+            // vLLM never serves a whole prompt from cache: it recomputes the last token.
+            leading.min((tokens.len() - 1) / BLOCK) * BLOCK
+        });
+        let hits0 = match engine {
+            Some(e) => Some(s.vllm_metric(e, "vllm:prefix_cache_hits_total").await?),
+            None => None,
+        };
+        let (hit0, miss0) = kv_decisions(s).await?;
+        let events0 = [&s.a, &s.b].map(|e| e.tail.reported.lock().stored_tokens.len());
+        let answer = s
+            .routed(path, body)
+            .await
+            .with_context(|| format!("turn {turn}"))?;
+        let (hit1, miss1) = kv_decisions(s).await?;
+        let (prompt, cached) = usage(&answer);
+        let e = match engine {
+            Some(e) => e,
+            None => {
+                let upstream = answer.upstream.as_deref().context("no upstream header")?;
+                let e = [&s.a, &s.b]
+                    .into_iter()
+                    .find(|e| e.replica() == upstream)
+                    .with_context(|| format!("turn 1 served by an unknown {upstream}"))?;
+                engine = Some(e);
+                e
+            }
+        };
+        let mut line = format!(
+            "turn {turn}: {prompt} prompt tokens (router: {}), routed to {} (hit +{}, miss +{})",
+            tokens.len(),
+            s.engine_name(answer.upstream.as_deref()),
+            hit1 - hit0,
+            miss1 - miss0
+        );
+        let checked: Result<()> = async {
+            if prompt != tokens.len() as u64 {
+                // What the engine hashed: the tokens of the blocks it stored for this turn,
+                // which start where its cache hit ended.
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let from = if std::ptr::eq(e, &s.a) {
+                    events0[0]
+                } else {
+                    events0[1]
+                };
+                let published: Vec<u32> = e.tail.reported.lock().stored_tokens[from..]
+                    .iter()
+                    .flatten()
+                    .copied()
+                    .collect();
+                let offset = usize::try_from(cached.unwrap_or(0))?;
+                let ours = tokens.get(offset..).unwrap_or_default();
+                let at = published
+                    .iter()
+                    .zip(ours)
+                    .position(|(a, b)| a != b)
+                    .unwrap_or(published.len().min(ours.len()));
+                let near = |t: &[u32]| t[at.saturating_sub(3)..(at + 4).min(t.len())].to_vec();
+                bail!(
+                    "MISMATCH: turn {turn}: vLLM counts {prompt} prompt tokens, the router's \
+                     tokens (its conversion, then /tokenize) are {}; the blocks engine {} \
+                     stored for it ({} tokens from token {offset}) first differ from the \
+                     router's at token {}: engine {:?}, router {:?} (tokens {}..); the router's \
+                     chat: {chat}; vLLM's usage: {}",
+                    tokens.len(),
+                    e.name,
+                    published.len(),
+                    offset + at,
+                    near(&published),
+                    near(ours),
+                    offset + at.saturating_sub(3),
+                    answer.body["usage"]
+                );
+            }
+            if let (Some(predicted), Some(hits0)) = (predicted, hits0) {
+                ensure_upstream(&answer, e)?;
+                ensure!(
+                    hit1 > hit0,
+                    "turn {turn} was not a precise hit (hit +{}, miss +{})",
+                    hit1 - hit0,
+                    miss1 - miss0
+                );
+                let cached = cached.with_context(|| {
+                    format!(
+                        "turn {turn}: vLLM's usage has no {cached_field}: {}",
+                        answer.body["usage"]
+                    )
+                })?;
+                ensure!(
+                    cached == predicted as u64,
+                    "MISMATCH: turn {turn}: vLLM reports {cached_field} {cached}, the router's \
+                     index holds the turn's first {} blocks on {} ({predicted} tokens)",
+                    predicted / BLOCK,
+                    e.name
+                );
+                ensure!(
+                    cached >= BLOCK as u64,
+                    "turn {turn}: vLLM reports {cached_field} {cached}"
+                );
+                let rise = hits_rise(s, e, hits0, cached as f64).await?;
+                line.push_str(&format!(
+                    ", {cached_field} {cached} == the router's {} matched blocks, \
+                     vllm:prefix_cache_hits_total +{rise}",
+                    predicted / BLOCK
+                ));
+            }
+            // The engine published exactly the router's hashes of this prompt's full blocks.
+            let want: BTreeSet<u64> = hashes.iter().copied().collect();
+            if let Err(err) = s.converge(e, |set| want.is_subset(set)).await {
+                let held = e.reported();
+                let missing = hashes.iter().position(|h| !held.contains(h));
+                bail!(
+                    "MISMATCH: turn {turn}: engine {} does not hold the router's block \
+                     {missing:?} of {} ({} tokens): {err:#}; the router's chat: {chat}",
+                    e.name,
+                    hashes.len(),
+                    tokens.len()
+                );
+            }
+            line.push_str(&format!(
+                ", its {} full blocks' hashes == the engine's",
+                hashes.len()
+            ));
+            Ok(())
+        }
+        .await;
+        if let Err(err) = checked {
+            // Go on: what the later turns do shows what the failure costs.
+            failures.push(format!("{err:#}"));
+            line.push_str(&format!(
+                ", {cached_field} {}",
+                cached.map_or_else(|| "absent".to_owned(), |c| c.to_string())
+            ));
+        }
+        lines.push(line);
+    }
+    ensure!(
+        failures.is_empty(),
+        "{}; the turns: {}",
+        failures.join("; "),
+        lines.join("; ")
+    );
+    Ok(lines.join("; "))
+}
+
+/// A Claude Code-like conversation on `/v1/messages`: a system prompt of text blocks, a tool,
+/// and turns with `tool_use` and `tool_result` blocks (a string result, then text blocks).
+async fn agent_messages(s: &Stack) -> Result<String> {
+    let system = json!([
+        {"type": "text", "text": document("messages-system", 150)},
+        {"type": "text", "text": "Read files with the read_file tool before answering."}
+    ]);
+    let tools = json!([{
+        "name": "read_file",
+        "description": "Reads a file of the repository.",
+        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
+                         "required": ["path"]}
+    }]);
+    let mut messages =
+        vec![json!({"role": "user", "content": "Which license applies to src/main.rs?"})];
+    let mut turns = Vec::new();
+    let body = |messages: &[Value]| {
+        // vLLM turns a missing tool_choice into "auto", which it refuses (400) unless the
+        // server runs with --enable-auto-tool-choice and a --tool-call-parser: "none" still
+        // gives the template the tools.
+        json!({"model": MODEL, "max_tokens": 8, "temperature": 0, "system": system,
+               "tools": tools, "tool_choice": {"type": "none"}, "messages": messages})
+    };
+    turns.push(body(&messages));
+    for (n, (file, text)) in TOOL_FILES.iter().enumerate() {
+        let id = format!("toolu_e2e_{n}");
+        messages.push(json!({"role": "assistant", "content": [
+            {"type": "text", "text": format!("Let me read {file}.")},
+            {"type": "tool_use", "id": id, "name": "read_file", "input": {"path": file}}
+        ]}));
+        let result = if n == 0 {
+            json!({"type": "tool_result", "tool_use_id": id, "content": text})
+        } else {
+            json!({"type": "tool_result", "tool_use_id": id,
+                   "content": [{"type": "text", "text": text}]})
+        };
+        messages.push(json!({"role": "user", "content": [
+            result,
+            {"type": "text", "text": "Go on."}
+        ]}));
+        turns.push(body(&messages));
+    }
+    agent_conversation(
+        s,
+        "/v1/messages",
+        EndpointKind::Messages,
+        &turns,
+        messages_usage,
+        "cache_read_input_tokens",
+    )
+    .await
+}
+
+/// A Codex-like conversation on `/v1/responses` (no `previous_response_id`: the whole input
+/// each turn): instructions, a function tool, user messages, assistant `output_text` messages,
+/// `function_call` and `function_call_output` items.
+async fn agent_responses(s: &Stack) -> Result<String> {
+    let tools = json!([{
+        "type": "function",
+        "name": "read_file",
+        "description": "Reads a file of the repository.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                       "required": ["path"]}
+    }]);
+    let mut input = vec![json!({"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "Which license applies to src/main.rs?"}
+    ]})];
+    let mut turns = Vec::new();
+    let body = |input: &[Value]| {
+        json!({"model": MODEL, "max_output_tokens": 8, "temperature": 0, "store": false,
+               "instructions": document("responses-instructions", 150), "tools": tools,
+               "input": input})
+    };
+    turns.push(body(&input));
+    for (n, (file, text)) in TOOL_FILES.iter().enumerate() {
+        let call = format!("call_e2e_{n}");
+        input.push(
+            json!({"type": "message", "role": "assistant", "id": format!("msg_e2e_{n}"),
+                              "status": "completed", "content": [
+                {"type": "output_text", "text": format!("Let me read {file}."), "annotations": []}
+            ]}),
+        );
+        input.push(
+            json!({"type": "function_call", "call_id": call, "name": "read_file",
+                          "arguments": json!({"path": file}).to_string()}),
+        );
+        input.push(json!({"type": "function_call_output", "call_id": call, "output": text}));
+        input.push(json!({"type": "message", "role": "user", "content": "Go on."}));
+        turns.push(body(&input));
+    }
+    agent_conversation(
+        s,
+        "/v1/responses",
+        EndpointKind::Responses,
+        &turns,
+        responses_usage,
+        "input_tokens_details.cached_tokens",
+    )
+    .await
 }
 
 async fn salted(s: &Stack) -> Result<String> {

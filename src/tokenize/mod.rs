@@ -248,7 +248,8 @@ impl TokenCache {
 
 /// The body of a `/tokenize` call, written by hand so that the request's raw JSON (a prompt
 /// literal, chat messages, tools) is forwarded byte for byte instead of decoded and re-encoded.
-fn tokenize_body(request: &ParsedRequest) -> Vec<u8> {
+/// Public so that checks against a real engine send exactly what the router sends.
+pub fn tokenize_body(request: &ParsedRequest) -> Vec<u8> {
     let raw_size = match &request.input {
         RequestInput::Completion(Prompt::Text(text)) => text.raw_json().get().len(),
         RequestInput::Completion(Prompt::TokenIds(_)) => 0,
