@@ -25,6 +25,19 @@ impl Sink for Vec<u8> {
     }
 }
 
+/// Writes into a buffer known to have room (the heads of a [`BlockEncoder`]).
+struct Cursor<'a> {
+    buf: &'a mut [u8],
+    at: usize,
+}
+
+impl Sink for Cursor<'_> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.buf[self.at..self.at + bytes.len()].copy_from_slice(bytes);
+        self.at += bytes.len();
+    }
+}
+
 /// Feeds a hash in chunks through a stack buffer: CBOR items are a few bytes each, and
 /// hashing them one by one would cost a call per token.
 pub(super) struct HashSink<H> {
@@ -152,63 +165,191 @@ pub fn encode_text(out: &mut Vec<u8>, text: &str) {
     write_text(out, text);
 }
 
-/// Most tokens [`encode_small_block`] takes.
-const SMALL_BLOCK_TOKENS: usize = 64;
-/// Room for the widest small block (614 bytes: 37 of head and parent, 64 tokens of at most 9
-/// bytes, the null) with SHA-256's padding after it, in whole 64-byte blocks. Every head may
-/// store 9 bytes whatever its form, which the padding room also covers.
-pub(super) const SMALL_BLOCK_BYTES: usize = 640;
+/// Most tokens a [`BlockEncoder`] block holds (vLLM's block sizes are 16 by default, up to 64
+/// for the kernels that take larger ones); longer blocks stream through [`HashSink`].
+pub(super) const SMALL_BLOCK_TOKENS: usize = 64;
+/// The encoder's buffer: the widest block it takes (37 bytes of heads and parent, 64 tokens
+/// of at most 5 bytes, the null: 358) with SHA-256's padding after it (the 0x80, a 64-byte
+/// window of zeros, the length) and room for the 8-byte stores the token loop makes.
+const ENC_BYTES: usize = 512 + 8;
+/// Every position the token loop stores at is below this (358 < 512); masking the position
+/// with `ENC_MASK` shows the compiler the 8-byte store fits without a check per token.
+const ENC_MASK: usize = 511;
 
-/// Encodes a block without extra keys into `buf` with no per-item capacity checks and
-/// returns its length; `None` when it does not fit (over 64 tokens or a parent over 32
-/// bytes). The caller owns the buffer so the hot path neither moves nor re-zeroes it.
-#[inline]
-pub(super) fn encode_small_block<T: Copy + Into<u64>>(
-    buf: &mut [u8; SMALL_BLOCK_BYTES],
-    parent: &[u8],
-    tokens: &[T],
-) -> Option<usize> {
-    if tokens.len() > SMALL_BLOCK_TOKENS || parent.len() > 32 {
-        return None;
-    }
-    let mut len = put_head(buf, 0, ARRAY, 3);
-    len = put_head(buf, len, BYTES, parent.len() as u64);
-    buf[len..len + parent.len()].copy_from_slice(parent);
-    len += parent.len();
-    len = put_head(buf, len, ARRAY, tokens.len() as u64);
-    for &token in tokens {
-        len = put_head(buf, len, UNSIGNED, token.into());
-    }
-    buf[len] = NULL;
-    Some(len + 1)
+/// Encodes one block after another of the same shape (`[parent, [n tokens], null]`, a parent
+/// of one length) into a buffer owned for a whole prompt: the array heads are written once,
+/// the parent's digest goes into its slot, and nothing is zeroed per block (every byte the
+/// hash reads is written first: the block, then the padding).
+#[derive(Clone)]
+pub(super) struct BlockEncoder {
+    buf: [u8; ENC_BYTES],
+    parent_at: usize,
+    parent_len: usize,
+    tokens_at: usize,
+    n_tokens: usize,
 }
 
-/// Stores a head at `at` in shortest form and returns the position after it, choosing the
-/// form without branches: token ids of a real vocabulary straddle the 1-, 2- and 4-byte forms
-/// at random, and a mispredicted branch per token cost more than the SHA-256 compression
-/// itself. Always stores 8 bytes, 9 for the 8-byte form (`SMALL_BLOCK_BYTES` has the room).
+impl BlockEncoder {
+    /// An encoder for no block yet; [`BlockEncoder::start`] sets its shape. Built and then
+    /// started in place: moving it would copy its buffer.
+    #[inline]
+    pub(super) fn empty() -> Self {
+        BlockEncoder {
+            buf: [0; ENC_BYTES],
+            parent_at: 0,
+            parent_len: 0,
+            tokens_at: 0,
+            n_tokens: usize::MAX,
+        }
+    }
+
+    /// Writes the heads of a block with a parent of `parent_len` bytes and `n_tokens` tokens;
+    /// `false` (and the encoder takes no block) for blocks it does not take: over 64 tokens
+    /// or a parent over 32 bytes.
+    pub(super) fn start(&mut self, parent_len: usize, n_tokens: usize) -> bool {
+        if n_tokens > SMALL_BLOCK_TOKENS || parent_len > 32 {
+            self.n_tokens = usize::MAX;
+            return false;
+        }
+        let mut cursor = Cursor {
+            buf: &mut self.buf,
+            at: 0,
+        };
+        write_head(&mut cursor, ARRAY, 3);
+        write_head(&mut cursor, BYTES, parent_len as u64);
+        let parent_at = cursor.at;
+        cursor.at += parent_len;
+        write_head(&mut cursor, ARRAY, n_tokens as u64);
+        self.tokens_at = cursor.at;
+        self.parent_at = parent_at;
+        self.parent_len = parent_len;
+        self.n_tokens = n_tokens;
+        true
+    }
+
+    /// Puts the parent digest in its slot; it stays there for every block until the next call.
+    /// A digest of another length than the encoder was started for (or an encoder not
+    /// started) is ignored: such an encoder takes no block.
+    #[inline]
+    pub(super) fn set_parent(&mut self, parent: &[u8]) {
+        if parent.len() != self.parent_len {
+            return;
+        }
+        let slot = &mut self.buf[self.parent_at..self.parent_at + self.parent_len];
+        // The two digest lengths as fixed-size copies (two or one vector moves) rather than
+        // a call to `memcpy` per block.
+        match (<&[u8; 32]>::try_from(parent), <&[u8; 16]>::try_from(parent)) {
+            (Ok(digest), _) => slot.copy_from_slice(digest),
+            (_, Ok(digest)) => slot.copy_from_slice(digest),
+            _ => slot.copy_from_slice(parent),
+        }
+    }
+
+    /// Encodes `tokens` after the heads and the parent and hashes the block; `None` when a
+    /// token id is over `u32::MAX` (the 9-byte form, which only the streaming path writes) or
+    /// `tokens` is not the length the encoder was started for.
+    #[inline]
+    pub(super) fn hash<H: StreamHash, T: Copy + Into<u64>>(
+        &mut self,
+        tokens: &[T],
+    ) -> Option<BlockDigest> {
+        if tokens.len() != self.n_tokens {
+            return None;
+        }
+        let end = put_tokens(&mut self.buf, self.tokens_at, tokens)?;
+        self.buf[end] = NULL;
+        Some(H::one_shot(&mut self.buf, end + 1))
+    }
+}
+
+/// SHA-256's padding of a `len`-byte message in place after it (FIPS 180-4 §5.1.1: 0x80,
+/// zeros, the length in bits as a big-endian u64), returning the padded length. The zeros are
+/// one fixed 64-byte store window rather than a fill of varying length.
+#[inline]
+pub(super) fn pad_sha256(buf: &mut [u8; ENC_BYTES], len: usize) -> usize {
+    let padded = (len + 9).next_multiple_of(64);
+    buf[len] = 0x80;
+    buf[len + 1..][..64].fill(0);
+    buf[padded - 8..padded].copy_from_slice(&(len as u64 * 8).to_be_bytes());
+    padded
+}
+
+/// The buffer [`StreamHash::one_shot`] hashes from.
+pub(super) type EncBuf = [u8; ENC_BYTES];
+
+/// Stores `tokens` as CBOR unsigned ints from `at` and returns the position after them;
+/// `None` if one is over `u32::MAX`. One store per token, of its form picked without branches
+/// (token ids of a real vocabulary straddle the 1-, 2- and 4-byte forms at random, and a
+/// mispredicted branch per token cost more than the SHA-256 compression itself), at a position
+/// that advances by the form's length.
 #[inline(always)]
-fn put_head(buf: &mut [u8; SMALL_BLOCK_BYTES], at: usize, major: u8, value: u64) -> usize {
-    let Ok(v) = u32::try_from(value) else {
-        // Never taken for u32 token ids, so this branch predicts well.
-        buf[at] = major | 27;
-        buf[at + 1..at + 9].copy_from_slice(&value.to_be_bytes());
-        return at + 9;
-    };
-    // Each form as the little-endian word of its bytes (head first, then the payload most
-    // significant byte first), with its length in the top byte. A form's word is only used
-    // for values in its range, so no masking is needed: `swapped >> 8` holds a 16-bit
-    // value's two bytes in order, and nothing reaches the length byte.
-    let m = u64::from(major);
-    let swapped = u64::from(v.swap_bytes());
-    let tiny = m | u64::from(v) | 1 << 56;
-    let one = m | 24 | u64::from(v) << 8 | 2 << 56;
-    let two = m | 25 | swapped >> 8 | 3 << 56;
-    let four = m | 26 | swapped << 8 | 5 << 56;
-    let narrow = select_unpredictable(v < 24, tiny, one);
-    let wide = select_unpredictable(v <= u32::from(u16::MAX), two, four);
-    let word = select_unpredictable(v <= u32::from(u8::MAX), narrow, wide);
-    // The bytes past the item's end (its length among them) are overwritten by what follows.
+fn put_tokens<T: Copy + Into<u64>>(
+    buf: &mut [u8; ENC_BYTES],
+    mut at: usize,
+    tokens: &[T],
+) -> Option<usize> {
+    debug_assert!(tokens.len() <= SMALL_BLOCK_TOKENS && at <= 40);
+    let mut wide = 0;
+    for &token in tokens {
+        let v: u64 = token.into();
+        wide |= v >> 32;
+        at = put_word(buf, at, token_word(v as u32));
+    }
+    (wide == 0).then_some(at)
+}
+
+/// Stores a token's word at `at` (the bytes past its form's end are overwritten by what
+/// follows) and returns the position after the form.
+#[inline(always)]
+fn put_word(buf: &mut [u8; ENC_BYTES], at: usize, word: u64) -> usize {
+    let at = at & ENC_MASK;
     buf[at..at + 8].copy_from_slice(&word.to_le_bytes());
     at + (word >> 56) as usize
 }
+
+/// A token id's CBOR form as the little-endian word of its bytes (head first, then the
+/// payload most significant byte first), with its length in the top byte.
+///
+/// The id's bytes most significant first (`[b3, b2, b1, b0]`), rotated up a byte, are the
+/// 4-byte form's payload (`[0, b3, b2, b1, b0]`); rotated down by 8, 16 or 24 bits they are the
+/// 2-byte, 1-byte and inline forms' (the bytes above the value's width are zero, so nothing
+/// wraps round but zeros). The form follows from the value's bit length, looked up in two
+/// tables, except for the inline form, which ends at 23 rather than at a power of two and
+/// takes a select of its own.
+#[inline(always)]
+fn token_word(v: u32) -> u64 {
+    // `2v + 1` is never zero, and one `lea` where `v | 1` is a copy and an `or`.
+    let bits = (u64::from(v) * 2 + 1).ilog2() as usize;
+    let payload = u64::from(v.swap_bytes()).rotate_right(FORM_ROTATE[bits]);
+    let word = payload | FORM_HEAD[bits];
+    select_unpredictable(v < 24, u64::from(v) | 1 << 56, word)
+}
+
+/// How far the payload rotates down for a value of `i - 1` bits (`i` is the bit length of
+/// `2v + 1`): 16 for the 1-byte form (below 2^8), 8 for the 2-byte form (below 2^16), and 56,
+/// a byte up, for the 4-byte form.
+const FORM_ROTATE: [u32; 34] = {
+    let mut table = [56; 34];
+    let mut i = 0;
+    while i <= 16 {
+        table[i] = if i <= 8 { 16 } else { 8 };
+        i += 1;
+    }
+    table
+};
+
+/// The form's head byte (`0x18`, `0x19`, `0x1a`) and its length in the top byte, by the same
+/// index as [`FORM_ROTATE`].
+const FORM_HEAD: [u64; 34] = {
+    let mut table = [0; 34];
+    let mut i = 0;
+    while i < 34 {
+        table[i] = match i {
+            0..=8 => 24 | 2 << 56,
+            9..=16 => 25 | 3 << 56,
+            _ => 26 | 5 << 56,
+        };
+        i += 1;
+    }
+    table
+};

@@ -13,9 +13,9 @@
 //! KV events: the digest's last 8 bytes read big-endian ([`ExternalHash`]).
 //!
 //! Everything here is pure and `Send + Sync`: a [`BlockHasher`] is built once per set of engine
-//! settings and shared by reference. A block of up to 64 tokens is encoded into a stack buffer,
-//! padded in place and hashed in one shot; larger items stream through a small stack buffer.
-//! No block allocates.
+//! settings and shared by reference. A block of up to 64 tokens without extra keys is encoded
+//! into a stack buffer (one per prompt, its heads written once), padded in place and hashed in
+//! one shot; larger items stream through a small stack buffer. No block allocates.
 
 mod cbor;
 
@@ -334,12 +334,13 @@ impl BlockHasher {
         tokens: &'a [T],
         keys: RequestKeys<'a>,
     ) -> PromptBlocks<'a, T> {
-        PromptBlocks {
-            hasher: self,
+        let mut blocks = PromptBlocks {
             blocks: tokens.chunks_exact(self.block_size.get()),
-            keys,
-            parent: None,
-        }
+            chain: Chain::new(self, keys),
+            encoder: cbor::BlockEncoder::empty(),
+        };
+        blocks.chain.start(&mut blocks.encoder);
+        blocks
     }
 
     /// Appends the external hashes of every full block of a prompt to `out`.
@@ -360,7 +361,14 @@ impl BlockHasher {
         out: &mut Vec<ExternalHash>,
     ) {
         out.reserve(tokens.len() / self.block_size.get());
-        out.extend(self.request_blocks(tokens, keys).map(|d| d.external()));
+        // The encoder stays in this frame rather than moving with an iterator: its buffer is
+        // a few hundred bytes.
+        let mut encoder = cbor::BlockEncoder::empty();
+        let mut chain = Chain::new(self, keys);
+        chain.start(&mut encoder);
+        for block in tokens.chunks_exact(self.block_size.get()) {
+            out.push(chain.next(&mut encoder, block).external());
+        }
     }
 }
 
@@ -393,10 +401,9 @@ impl<'a> RequestKeys<'a> {
 
 /// Iterator over a prompt's block digests; see [`BlockHasher::prompt_blocks`].
 pub struct PromptBlocks<'a, T> {
-    hasher: &'a BlockHasher,
     blocks: std::slice::ChunksExact<'a, T>,
-    keys: RequestKeys<'a>,
-    parent: Option<BlockDigest>,
+    chain: Chain<'a>,
+    encoder: cbor::BlockEncoder,
 }
 
 impl<T: Copy + Into<u64>> Iterator for PromptBlocks<'_, T> {
@@ -404,11 +411,7 @@ impl<T: Copy + Into<u64>> Iterator for PromptBlocks<'_, T> {
 
     fn next(&mut self) -> Option<BlockDigest> {
         let block = self.blocks.next()?;
-        let digest = self
-            .hasher
-            .request_block(self.parent.as_ref(), block, self.keys);
-        self.parent = Some(digest);
-        Some(digest)
+        Some(self.chain.next(&mut self.encoder, block))
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
@@ -418,13 +421,64 @@ impl<T: Copy + Into<u64>> Iterator for PromptBlocks<'_, T> {
 
 impl<T: Copy + Into<u64>> ExactSizeIterator for PromptBlocks<'_, T> {}
 
+/// One request's blocks hashed in order, each chained to the one before. The blocks without
+/// extra keys (every block without a LoRA adapter, every one but block 0 with a salt) are
+/// encoded by one [`cbor::BlockEncoder`] kept for the whole prompt, its parent slot holding
+/// `parent` (or `NONE_HASH`); the caller owns it, so that it is not moved.
+struct Chain<'a> {
+    hasher: &'a BlockHasher,
+    keys: RequestKeys<'a>,
+    parent: Option<BlockDigest>,
+}
+
+impl<'a> Chain<'a> {
+    fn new(hasher: &'a BlockHasher, keys: RequestKeys<'a>) -> Self {
+        Chain {
+            hasher,
+            keys,
+            parent: None,
+        }
+    }
+
+    /// Starts `encoder` for this chain's blocks (when they can have no extra keys).
+    fn start(&self, encoder: &mut cbor::BlockEncoder) {
+        let none_hash = self.hasher.none_hash.as_bytes();
+        if self.keys.lora.is_none() && encoder.start(none_hash.len(), self.hasher.block_size.get())
+        {
+            encoder.set_parent(none_hash);
+        }
+    }
+
+    #[inline]
+    fn next<T: Copy + Into<u64>>(
+        &mut self,
+        encoder: &mut cbor::BlockEncoder,
+        block: &[T],
+    ) -> BlockDigest {
+        let plain = self.parent.is_some() || self.keys.cache_salt.is_none();
+        // An encoder not started (a LoRA request, blocks over 64 tokens) takes no block.
+        let fast = match (plain, self.hasher.algo) {
+            (false, _) => None,
+            (true, HashAlgo::Sha256Cbor) => encoder.hash::<sha2::Sha256, T>(block),
+            (true, HashAlgo::XxhashCbor) => encoder.hash::<xxhash_rust::xxh3::Xxh3, T>(block),
+        };
+        let digest = fast.unwrap_or_else(|| {
+            self.hasher
+                .request_block(self.parent.as_ref(), block, self.keys)
+        });
+        encoder.set_parent(digest.as_bytes());
+        self.parent = Some(digest);
+        digest
+    }
+}
+
 /// The two hash functions behind one interface, so the CBOR encoder is shared: streamed for
 /// the rare large item, one shot over a padded stack buffer for the common block.
 trait StreamHash: Default {
     fn update(&mut self, bytes: &[u8]);
     fn finish(self) -> BlockDigest;
     /// The digest of `buf[..len]`; the bytes after `len` are scratch.
-    fn one_shot(buf: &mut [u8; cbor::SMALL_BLOCK_BYTES], len: usize) -> BlockDigest;
+    fn one_shot(buf: &mut cbor::EncBuf, len: usize) -> BlockDigest;
 }
 
 /// SHA-256's initial state (FIPS 180-4 §5.3.3).
@@ -449,12 +503,8 @@ impl StreamHash for sha2::Sha256 {
     /// Pads in place and compresses every block in one call: a block is only ~100 bytes, and
     /// the streaming API's buffering and finalisation cost about as much as encoding it.
     #[inline]
-    fn one_shot(buf: &mut [u8; cbor::SMALL_BLOCK_BYTES], len: usize) -> BlockDigest {
-        // FIPS 180-4 §5.1.1: 0x80, zeros, then the message length in bits as a big-endian u64.
-        let padded = (len + 9).next_multiple_of(64);
-        buf[len] = 0x80;
-        buf[len + 1..padded - 8].fill(0);
-        buf[padded - 8..padded].copy_from_slice(&(len as u64 * 8).to_be_bytes());
+    fn one_shot(buf: &mut cbor::EncBuf, len: usize) -> BlockDigest {
+        let padded = cbor::pad_sha256(buf, len);
         let mut state = SHA256_IV;
         let (blocks, _) = buf[..padded].as_chunks::<64>();
         sha2::block_api::compress256(&mut state, blocks);
@@ -475,7 +525,7 @@ impl StreamHash for xxhash_rust::xxh3::Xxh3 {
         BlockDigest::from_slice(&self.digest128().to_be_bytes())
     }
     #[inline]
-    fn one_shot(buf: &mut [u8; cbor::SMALL_BLOCK_BYTES], len: usize) -> BlockDigest {
+    fn one_shot(buf: &mut cbor::EncBuf, len: usize) -> BlockDigest {
         BlockDigest::from_slice(&xxhash_rust::xxh3::xxh3_128(&buf[..len]).to_be_bytes())
     }
 }
@@ -493,10 +543,11 @@ fn digest_block<H: StreamHash, T: Copy + Into<u64>>(
 ) -> BlockDigest {
     // The common block (no extra keys, up to 64 tokens) is encoded into one stack buffer and
     // hashed in one shot; anything else streams through the chunked sink.
-    if extra_keys.is_none() {
-        let mut buf = [0u8; cbor::SMALL_BLOCK_BYTES];
-        if let Some(len) = cbor::encode_small_block(&mut buf, parent, tokens) {
-            return H::one_shot(&mut buf, len);
+    let mut encoder = cbor::BlockEncoder::empty();
+    if extra_keys.is_none() && encoder.start(parent.len(), tokens.len()) {
+        encoder.set_parent(parent);
+        if let Some(digest) = encoder.hash::<H, T>(tokens) {
+            return digest;
         }
     }
     let mut sink = cbor::HashSink::<H>::default();

@@ -286,7 +286,62 @@ fn token_of_any_width() -> impl Strategy<Value = u64> {
     ]
 }
 
+/// A prompt's digests chained by hand over [`reference_encode`]: block 0 through
+/// `first_block` (its salt is the only extra key), every later one from its encoded bytes.
+fn reference_chain(hasher: &BlockHasher, tokens: &[u64], salt: Option<&str>) -> Vec<BlockDigest> {
+    let mut digests: Vec<BlockDigest> = Vec::new();
+    for block in tokens.chunks_exact(hasher.block_size()) {
+        let digest = match digests.last() {
+            None if salt.is_some() => hasher.first_block(block, salt),
+            parent => {
+                let parent = parent.unwrap_or(hasher.none_hash()).as_bytes();
+                let bytes = reference_encode(parent, block);
+                match hasher.algo() {
+                    HashAlgo::Sha256Cbor => BlockDigest::from_slice(&sha2::Sha256::digest(&bytes)),
+                    HashAlgo::XxhashCbor => {
+                        BlockDigest::from_slice(&xxhash_rust::xxh3::xxh3_128(&bytes).to_be_bytes())
+                    }
+                }
+            }
+        };
+        digests.push(digest);
+    }
+    digests
+}
+
 proptest! {
+    /// The prompt path (one encoder kept across blocks, its parent slot rewritten per block,
+    /// tokens of every CBOR width, the 9-byte ones through the streaming path) against the
+    /// reference encoder, for both hashes, every block size the encoder takes and beyond.
+    #[test]
+    fn prompt_blocks_match_the_reference_chain(
+        tokens in prop::collection::vec(token_of_any_width(), 0..300),
+        block_size in 1usize..70,
+        salt in prop::option::of("[a-z]{0,8}"),
+        xxh in any::<bool>(),
+        narrow in any::<bool>(),
+    ) {
+        let algo = if xxh { HashAlgo::XxhashCbor } else { HashAlgo::Sha256Cbor };
+        let hasher = BlockHasher::new(&settings(algo, Some("7"), block_size)).expect("ok");
+        let tokens: Vec<u64> = if narrow {
+            tokens.iter().map(|&t| t & u64::from(u32::MAX)).collect()
+        } else {
+            tokens
+        };
+        let expected = reference_chain(&hasher, &tokens, salt.as_deref());
+        let got: Vec<_> = hasher.prompt_blocks(&tokens, salt.as_deref()).collect();
+        prop_assert_eq!(&got, &expected);
+        let mut external = Vec::new();
+        hasher.external_hashes_into(&tokens, salt.as_deref(), &mut external);
+        let expected_external: Vec<_> = expected.iter().map(BlockDigest::external).collect();
+        prop_assert_eq!(&external, &expected_external);
+        if narrow {
+            let tokens32: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
+            let got32: Vec<_> = hasher.prompt_blocks(&tokens32, salt.as_deref()).collect();
+            prop_assert_eq!(&got32, &expected);
+        }
+    }
+
     #[test]
     fn hashes_of_a_prefix_are_a_prefix_of_the_hashes(
         tokens in prop::collection::vec(any::<u32>(), 0..400),
