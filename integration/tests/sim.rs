@@ -856,12 +856,18 @@ async fn responses_speak_the_responses_api_and_share_cached_prefixes() {
         .as_str()
         .expect("a model")
         .to_owned();
-    // The conversation vLLM renders for this request: instructions first, then the user's turn.
+    // The conversation vLLM renders for this request: instructions first, then the user's turn,
+    // tokenized with special tokens on top (vLLM's /v1/responses adds them: a second BOS here).
     let chat = json!([
         {"role": "system", "content": PROMPT},
         {"role": "user", "content": "What does section 4 say?"},
     ]);
-    let tokens = http.tokens(json!({"messages": chat})).await;
+    let tokens = http
+        .tokens(json!({"messages": chat, "add_special_tokens": true}))
+        .await;
+    let plain = http.tokens(json!({"messages": chat})).await;
+    assert_eq!(tokens[0], 1, "the tokenizer's BOS");
+    assert_eq!(&tokens[1..], &plain[..], "on top of the template's own");
     let turn1 = json!({"model": model, "max_output_tokens": 8, "instructions": PROMPT,
         "input": [{"type": "message", "role": "user",
             "content": [{"type": "input_text", "text": "What does section 4 say?"}]}]});
