@@ -50,3 +50,62 @@ impl Conversion {
         self.unreproducible.get_or_insert(why);
     }
 }
+
+/// What the converted endpoints' tests against vLLM's vectors share.
+#[cfg(test)]
+pub(super) mod test_support {
+    use serde_json::Value;
+
+    use crate::openai::{ChatInput, ParsedRequest, RequestInput};
+
+    pub(in crate::openai) fn chat_of(request: &ParsedRequest) -> &ChatInput {
+        match &request.input {
+            RequestInput::Chat(chat) => chat,
+            RequestInput::Completion(_) => panic!("not a chat"),
+        }
+    }
+
+    /// `value` without its null members (vLLM's model dumps write every optional field).
+    fn strip_nulls(value: Value) -> Value {
+        match value {
+            Value::Object(map) => Value::Object(
+                map.into_iter()
+                    .filter(|(_, v)| !v.is_null())
+                    .map(|(k, v)| (k, strip_nulls(v)))
+                    .collect(),
+            ),
+            Value::Array(items) => Value::Array(items.into_iter().map(strip_nulls).collect()),
+            other => other,
+        }
+    }
+
+    /// The request's tools, `cache_salt`, `stream` and template kwargs are those of vLLM's
+    /// vector `case`.
+    pub(in crate::openai) fn assert_settings_match(
+        name: &str,
+        request: &ParsedRequest,
+        case: &Value,
+    ) {
+        let chat = chat_of(request);
+        let tools = chat
+            .tools
+            .as_ref()
+            .map(|t| strip_nulls(serde_json::from_str(t.get()).expect("tools JSON")));
+        assert_eq!(tools.unwrap_or(Value::Null), case["tools"], "{name}: tools");
+        assert_eq!(
+            request.cache_salt.as_deref(),
+            case["cache_salt"].as_str(),
+            "{name}: cache_salt"
+        );
+        assert_eq!(request.stream, case["stream"] == true, "{name}: stream");
+        let kwargs = chat
+            .chat_template_kwargs
+            .as_ref()
+            .map(|k| serde_json::from_str::<Value>(k.get()).expect("kwargs JSON"));
+        assert_eq!(
+            kwargs.unwrap_or(Value::Null),
+            case["chat_template_kwargs"],
+            "{name}: kwargs"
+        );
+    }
+}

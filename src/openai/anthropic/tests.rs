@@ -1,32 +1,13 @@
 use serde_json::{Value, json};
 
 use super::*;
+use crate::openai::converted::test_support::{assert_settings_match, chat_of};
 
 /// Vectors made with vLLM's own conversion (`make fixtures-vllm`).
 const FIXTURES: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/fixtures/vllm-0.32.0-anthropic-messages.json"
 ));
-
-fn chat_of(request: &ParsedRequest) -> &ChatInput {
-    match &request.input {
-        RequestInput::Chat(chat) => chat,
-        RequestInput::Completion(_) => panic!("not a chat"),
-    }
-}
-
-fn strip_nulls(value: Value) -> Value {
-    match value {
-        Value::Object(map) => Value::Object(
-            map.into_iter()
-                .filter(|(_, v)| !v.is_null())
-                .map(|(k, v)| (k, strip_nulls(v)))
-                .collect(),
-        ),
-        Value::Array(items) => Value::Array(items.into_iter().map(strip_nulls).collect()),
-        other => other,
-    }
-}
 
 #[test]
 fn the_conversation_is_the_one_vllm_renders() {
@@ -44,26 +25,7 @@ fn the_conversation_is_the_one_vllm_renders() {
         let chat = chat_of(&request);
         let messages: Value = serde_json::from_str(chat.messages.get()).expect("messages JSON");
         assert_eq!(messages, case["messages"], "{name}: messages");
-        let tools = chat
-            .tools
-            .as_ref()
-            .map(|t| strip_nulls(serde_json::from_str(t.get()).expect("tools JSON")));
-        assert_eq!(tools.unwrap_or(Value::Null), case["tools"], "{name}: tools");
-        assert_eq!(
-            request.cache_salt.as_deref(),
-            case["cache_salt"].as_str(),
-            "{name}: cache_salt"
-        );
-        assert_eq!(request.stream, case["stream"] == true, "{name}: stream");
-        let kwargs = chat
-            .chat_template_kwargs
-            .as_ref()
-            .map(|k| serde_json::from_str::<Value>(k.get()).expect("kwargs JSON"));
-        assert_eq!(
-            kwargs.unwrap_or(Value::Null),
-            case["chat_template_kwargs"],
-            "{name}: kwargs"
-        );
+        assert_settings_match(name, &request, case);
         assert_eq!(chat.unreproducible, None, "{name}");
         assert_eq!(request.model, "m");
         assert_eq!(request.kind, EndpointKind::Messages);

@@ -1,6 +1,7 @@
 use serde_json::{Value, json};
 
 use super::*;
+use crate::openai::converted::test_support::{assert_settings_match, chat_of};
 
 /// Vectors made with vLLM's own conversion (`make fixtures-vllm`).
 const FIXTURES: &str = include_str!(concat!(
@@ -8,28 +9,8 @@ const FIXTURES: &str = include_str!(concat!(
     "/fixtures/vllm-0.32.0-responses.json"
 ));
 
-fn chat_of(request: &ParsedRequest) -> &ChatInput {
-    match &request.input {
-        RequestInput::Chat(chat) => chat,
-        RequestInput::Completion(_) => panic!("not a chat"),
-    }
-}
-
 fn messages_of(request: &ParsedRequest) -> Vec<Value> {
     serde_json::from_str(chat_of(request).messages.get()).expect("messages JSON")
-}
-
-fn strip_nulls(value: Value) -> Value {
-    match value {
-        Value::Object(map) => Value::Object(
-            map.into_iter()
-                .filter(|(_, v)| !v.is_null())
-                .map(|(k, v)| (k, strip_nulls(v)))
-                .collect(),
-        ),
-        Value::Array(items) => Value::Array(items.into_iter().map(strip_nulls).collect()),
-        other => other,
-    }
 }
 
 /// A message as vLLM's chat parser reads it: only the keys it keeps (not an input item's
@@ -106,26 +87,7 @@ fn the_conversation_is_the_one_vllm_renders() {
                 "{name}: reasoning"
             );
         }
-        let tools = chat
-            .tools
-            .as_ref()
-            .map(|t| strip_nulls(serde_json::from_str(t.get()).expect("tools JSON")));
-        assert_eq!(tools.unwrap_or(Value::Null), case["tools"], "{name}: tools");
-        assert_eq!(
-            request.cache_salt.as_deref(),
-            case["cache_salt"].as_str(),
-            "{name}: cache_salt"
-        );
-        assert_eq!(request.stream, case["stream"] == true, "{name}: stream");
-        let kwargs = chat
-            .chat_template_kwargs
-            .as_ref()
-            .map(|k| serde_json::from_str::<Value>(k.get()).expect("kwargs JSON"));
-        assert_eq!(
-            kwargs.unwrap_or(Value::Null),
-            case["chat_template_kwargs"],
-            "{name}: kwargs"
-        );
+        assert_settings_match(name, &request, case);
         assert_eq!(
             chat.add_generation_prompt,
             case["add_generation_prompt"].as_bool(),
