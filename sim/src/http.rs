@@ -844,6 +844,41 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Re
     result.unwrap_or_else(IntoResponse::into_response)
 }
 
+/// A request of an API the router converts into a chat (`/v1/messages`, `/v1/responses`):
+/// its conversation rendered with the template as the conversion says, generated like a chat,
+/// answered in `api`'s shape.
+async fn generate_converted(
+    state: &Arc<AppState>,
+    api: Api,
+    parsed: &llmgw::openai::ParsedRequest,
+    max_tokens: Option<i64>,
+) -> Result<Response, ApiError> {
+    let lora = state.resolve_model(Some(&parsed.model))?;
+    let llmgw::openai::RequestInput::Chat(chat) = &parsed.input else {
+        return Err(ApiError::internal("a converted request is a chat"));
+    };
+    let conversation: Vec<Value> =
+        serde_json::from_str(chat.messages.get()).map_err(|e| ApiError::internal(e.to_string()))?;
+    let prompt = state.chat_tokens(
+        &conversation,
+        ChatOptions {
+            add_generation_prompt: chat.add_generation_prompt.unwrap_or(true),
+            continue_final_message: chat.continue_final_message.unwrap_or(false),
+            // vLLM adds them on top of the template's for a Responses prompt.
+            add_special_tokens: chat.add_special_tokens.unwrap_or(false),
+        },
+    )?;
+    let sampling = Sampling {
+        model: Some(parsed.model.clone()),
+        max_tokens,
+        stream: parsed.stream,
+        stream_options: None,
+        cache_salt: parsed.cache_salt.clone(),
+        n: None,
+    };
+    respond(state, (api, sampling, lora), prompt, max_tokens, None).await
+}
+
 /// `/v1/messages`: the conversation as vLLM renders it (the router's own conversion, checked
 /// against vLLM's in the router's tests), generated like a chat, answered in Anthropic's shape;
 /// errors too.
@@ -856,36 +891,7 @@ async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         let parsed = llmgw::openai::parse_request(llmgw::openai::EndpointKind::Messages, &body)
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
         let limits: Limits = parse(&body)?;
-        let lora = state.resolve_model(Some(&parsed.model))?;
-        let llmgw::openai::RequestInput::Chat(chat) = &parsed.input else {
-            return Err(ApiError::internal("a messages request is a chat"));
-        };
-        let conversation: Vec<Value> = serde_json::from_str(chat.messages.get())
-            .map_err(|e| ApiError::internal(e.to_string()))?;
-        let prompt = state.chat_tokens(
-            &conversation,
-            ChatOptions {
-                add_generation_prompt: true,
-                continue_final_message: false,
-                add_special_tokens: false,
-            },
-        )?;
-        let sampling = Sampling {
-            model: Some(parsed.model.clone()),
-            max_tokens: limits.max_tokens,
-            stream: parsed.stream,
-            stream_options: None,
-            cache_salt: parsed.cache_salt.clone(),
-            n: None,
-        };
-        respond(
-            &state,
-            (Api::Messages, sampling, lora),
-            prompt,
-            limits.max_tokens,
-            None,
-        )
-        .await
+        generate_converted(&state, Api::Messages, &parsed, limits.max_tokens).await
     }
     .await;
     result.unwrap_or_else(|e| e.into_anthropic_response())
@@ -903,11 +909,9 @@ async fn responses(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
         let parsed = llmgw::openai::parse_request(llmgw::openai::EndpointKind::Responses, &body)
             .map_err(|e| ApiError::bad_request(e.to_string()).with_param("input"))?;
         let limits: Limits = parse(&body)?;
-        let lora = state.resolve_model(Some(&parsed.model))?;
-        let llmgw::openai::RequestInput::Chat(chat) = &parsed.input else {
-            return Err(ApiError::internal("a responses request is a chat"));
-        };
-        if chat.unreproducible == Some("previous_response_id") {
+        if let llmgw::openai::RequestInput::Chat(chat) = &parsed.input
+            && chat.unreproducible == Some("previous_response_id")
+        {
             // Nothing is stored here (vLLM without VLLM_ENABLE_RESPONSES_API_STORE).
             return Err(ApiError {
                 status: StatusCode::NOT_FOUND,
@@ -915,33 +919,7 @@ async fn responses(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
                 param: Some("previous_response_id".into()),
             });
         }
-        let conversation: Vec<Value> = serde_json::from_str(chat.messages.get())
-            .map_err(|e| ApiError::internal(e.to_string()))?;
-        let prompt = state.chat_tokens(
-            &conversation,
-            ChatOptions {
-                add_generation_prompt: chat.add_generation_prompt.unwrap_or(true),
-                continue_final_message: chat.continue_final_message.unwrap_or(false),
-                // As vLLM: a Responses prompt gets the tokenizer's special tokens on top.
-                add_special_tokens: chat.add_special_tokens.unwrap_or(false),
-            },
-        )?;
-        let sampling = Sampling {
-            model: Some(parsed.model.clone()),
-            max_tokens: limits.max_output_tokens,
-            stream: parsed.stream,
-            stream_options: None,
-            cache_salt: parsed.cache_salt.clone(),
-            n: None,
-        };
-        respond(
-            &state,
-            (Api::Responses, sampling, lora),
-            prompt,
-            limits.max_output_tokens,
-            None,
-        )
-        .await
+        generate_converted(&state, Api::Responses, &parsed, limits.max_output_tokens).await
     }
     .await;
     result.unwrap_or_else(IntoResponse::into_response)
