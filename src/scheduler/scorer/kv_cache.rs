@@ -141,8 +141,8 @@ struct KvCacheScorer {
 /// what else goes into the hashes.
 struct HashPlan {
     hasher: Arc<BlockHasher>,
-    /// The request's model, or an adapter's base model (whose tokenizer it uses).
-    base_model: String,
+    /// An adapter's base model (whose tokenizer it uses); `None` for a base model's request.
+    adapter_base: Option<String>,
     groups: Vec<HashGroup>,
 }
 
@@ -212,7 +212,7 @@ impl KvCacheScorer {
             };
             return Ok(HashPlan {
                 hasher: Arc::clone(hasher),
-                base_model: model.to_owned(),
+                adapter_base: None,
                 groups: vec![group],
             });
         }
@@ -245,7 +245,7 @@ impl KvCacheScorer {
         let hasher = self.hashers.get(&base).ok_or("unknown_settings")?;
         Ok(HashPlan {
             hasher: Arc::clone(hasher),
-            base_model: base,
+            adapter_base: Some(base),
             groups,
         })
     }
@@ -253,7 +253,7 @@ impl KvCacheScorer {
     async fn score_precise(&self, request: &ParsedRequest, candidates: &[Candidate]) -> Answer {
         let HashPlan {
             hasher,
-            base_model,
+            adapter_base,
             groups,
         } = match self.hash_plan(&request.model, candidates) {
             Ok(plan) => plan,
@@ -273,7 +273,11 @@ impl KvCacheScorer {
         let tokenize = tracing::debug_span!("tokenize", tokens = tracing::field::Empty);
         let tokens = match self
             .tokenizer
-            .tokens_with(request, &base_model, &addresses)
+            .tokens_with(
+                request,
+                adapter_base.as_deref().unwrap_or(&request.model),
+                &addresses,
+            )
             .instrument(tokenize.clone())
             .await
         {
