@@ -321,6 +321,35 @@ impl Fleet {
             .collect()
     }
 
+    /// One conversation of `turns` turns to `endpoint`, each body made by `next` from the turn
+    /// and the previous answer, each routed by the scheduler and sent to its pick, the index
+    /// converged after each (so later turns are routed by real cache state). Every turn after
+    /// the first must go where the first went. Returns each turn's engine-counted cached prompt
+    /// tokens, at the JSON pointer `cached` of the answer (0 when absent), and the last answer.
+    async fn follow_conversation(
+        &self,
+        endpoint: &str,
+        turns: usize,
+        cached: &str,
+        mut next: impl FnMut(usize, Option<&Value>) -> Value,
+    ) -> (Vec<u64>, Value) {
+        let mut owner = None;
+        let mut answer: Option<Value> = None;
+        let mut counted = Vec::new();
+        for turn in 0..turns {
+            let body = next(turn, answer.as_ref());
+            let (chosen, reply) = self.route(endpoint, &body).await;
+            if let Some(owner) = owner {
+                assert_eq!(chosen, owner, "turn {turn}");
+            }
+            owner = Some(chosen);
+            counted.push(reply.pointer(cached).and_then(Value::as_u64).unwrap_or(0));
+            self.converge().await;
+            answer = Some(reply);
+        }
+        (counted, answer.unwrap_or_default())
+    }
+
     /// Waits (bounded) until the index agrees with every sim's own block list.
     async fn converge(&self) {
         for _ in 0..200 {
@@ -378,23 +407,16 @@ async fn a_multi_turn_chat_follows_its_replica() {
         json!({"role": "system", "content": long_prompt(7)}),
         json!({"role": "user", "content": "First question about the document?"}),
     ];
-    let mut owner = None;
-    for turn in 0..4 {
-        let body = json!({"model": MODEL, "messages": messages, "max_tokens": 8});
-        let (chosen, answer) = f.route("/v1/chat/completions", &body).await;
-        if let Some(owner) = owner {
-            assert_eq!(chosen, owner, "turn {turn}");
+    let cached_at = "/usage/prompt_tokens_details/cached_tokens";
+    f.follow_conversation("/v1/chat/completions", 4, cached_at, |turn, previous| {
+        if let Some(previous) = previous {
+            let reply = previous["choices"][0]["message"]["content"].as_str();
+            messages.push(json!({"role": "assistant", "content": reply.expect("assistant text")}));
+            messages.push(json!({"role": "user", "content": format!("Follow-up {}?", turn - 1)}));
         }
-        owner = Some(chosen);
-        // Let the engine's own events land, so later turns are routed by real cache state.
-        f.converge().await;
-        let reply = answer["choices"][0]["message"]["content"]
-            .as_str()
-            .expect("assistant text")
-            .to_owned();
-        messages.push(json!({"role": "assistant", "content": reply}));
-        messages.push(json!({"role": "user", "content": format!("Follow-up {turn}?")}));
-    }
+        json!({"model": MODEL, "messages": messages, "max_tokens": 8})
+    })
+    .await;
     assert!(f.decisions("llmgw_kv_decisions_total", "hit") >= 3);
 }
 
@@ -405,37 +427,25 @@ async fn a_multi_turn_chat_follows_its_replica() {
 async fn a_messages_conversation_follows_its_replica_through_the_index() {
     let f = fleet(3, 2000, Duration::from_secs(2)).await;
     let mut messages = vec![json!({"role": "user", "content": "List the files, please."})];
-    let mut owner = None;
-    let mut cached = Vec::new();
-    for turn in 0..4 {
-        let body = json!({"model": MODEL, "max_tokens": 8,
-            "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=1"},
-                       {"type": "text", "text": long_prompt(11)}],
-            "tools": [{"name": "ls", "description": "List files", "input_schema": {"type": "object", "properties": {"dir": {"type": "string"}}}}],
-            "messages": messages});
-        let (chosen, answer) = f.route("/v1/messages", &body).await;
-        if let Some(owner) = owner {
-            assert_eq!(chosen, owner, "turn {turn}");
-        }
-        owner = Some(chosen);
-        cached.push(
-            answer["usage"]["cache_read_input_tokens"]
-                .as_u64()
-                .unwrap_or(0),
-        );
-        f.converge().await;
-        let reply = answer["content"][0]["text"]
-            .as_str()
-            .expect("assistant text")
-            .to_owned();
-        messages.push(json!({"role": "assistant", "content": [
-            {"type": "text", "text": reply},
-            {"type": "tool_use", "id": format!("toolu_{turn}"), "name": "ls", "input": {"dir": format!("src/{turn}")}},
-        ]}));
-        messages.push(json!({"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": format!("toolu_{turn}"), "content": format!("a.rs\nb{turn}.rs")},
-        ]}));
-    }
+    let (cached, _) = f
+        .follow_conversation("/v1/messages", 4, "/usage/cache_read_input_tokens", |turn, previous| {
+            if let Some(previous) = previous {
+                let (call, reply) = (turn - 1, previous["content"][0]["text"].as_str());
+                messages.push(json!({"role": "assistant", "content": [
+                    {"type": "text", "text": reply.expect("assistant text")},
+                    {"type": "tool_use", "id": format!("toolu_{call}"), "name": "ls", "input": {"dir": format!("src/{call}")}},
+                ]}));
+                messages.push(json!({"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": format!("toolu_{call}"), "content": format!("a.rs\nb{call}.rs")},
+                ]}));
+            }
+            json!({"model": MODEL, "max_tokens": 8,
+                "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=1"},
+                           {"type": "text", "text": long_prompt(11)}],
+                "tools": [{"name": "ls", "description": "List files", "input_schema": {"type": "object", "properties": {"dir": {"type": "string"}}}}],
+                "messages": messages})
+        })
+        .await;
     assert!(f.decisions("llmgw_kv_decisions_total", "hit") >= 3);
     assert!(
         cached[1..].iter().all(|&c| c > 0),
@@ -450,43 +460,31 @@ async fn a_messages_conversation_follows_its_replica_through_the_index() {
 async fn a_responses_conversation_follows_its_replica_through_the_index() {
     let f = fleet(3, 2000, Duration::from_secs(2)).await;
     let mut input = vec![json!({"role": "user", "content": "List the files, please."})];
-    let mut owner = None;
-    let mut cached = Vec::new();
-    for turn in 0..4 {
-        let body = json!({"model": MODEL, "max_output_tokens": 8, "store": false,
-            "instructions": long_prompt(13),
-            "tools": [{"type": "function", "name": "ls", "description": "List files",
-                "parameters": {"type": "object", "properties": {"dir": {"type": "string"}}}}],
-            "input": input});
-        let (chosen, answer) = f.route("/v1/responses", &body).await;
-        if let Some(owner) = owner {
-            assert_eq!(chosen, owner, "turn {turn}");
-        }
-        owner = Some(chosen);
-        assert_eq!(answer["object"], "response", "{answer}");
-        cached.push(
-            answer["usage"]["input_tokens_details"]["cached_tokens"]
-                .as_u64()
-                .unwrap_or(0),
-        );
-        f.converge().await;
-        let reply = answer["output"][0]["content"][0]["text"]
-            .as_str()
-            .expect("assistant text")
-            .to_owned();
-        input.push(
-            json!({"type": "message", "role": "assistant", "status": "completed",
-            "content": [{"type": "output_text", "text": reply, "annotations": []}]}),
-        );
-        input.push(
-            json!({"type": "function_call", "call_id": format!("call_{turn}"),
-            "name": "ls", "arguments": format!("{{\"dir\": \"src/{turn}\"}}")}),
-        );
-        input.push(
-            json!({"type": "function_call_output", "call_id": format!("call_{turn}"),
-            "output": format!("a.rs\nb{turn}.rs")}),
-        );
-    }
+    let (cached, last) = f
+        .follow_conversation(
+            "/v1/responses",
+            4,
+            "/usage/input_tokens_details/cached_tokens",
+            |turn, previous| {
+                if let Some(previous) = previous {
+                    assert_eq!(previous["object"], "response", "{previous}");
+                    let (call, reply) = (turn - 1, previous["output"][0]["content"][0]["text"].as_str());
+                    input.push(json!({"type": "message", "role": "assistant", "status": "completed",
+                        "content": [{"type": "output_text", "text": reply.expect("assistant text"), "annotations": []}]}));
+                    input.push(json!({"type": "function_call", "call_id": format!("call_{call}"),
+                        "name": "ls", "arguments": format!("{{\"dir\": \"src/{call}\"}}")}));
+                    input.push(json!({"type": "function_call_output", "call_id": format!("call_{call}"),
+                        "output": format!("a.rs\nb{call}.rs")}));
+                }
+                json!({"model": MODEL, "max_output_tokens": 8, "store": false,
+                    "instructions": long_prompt(13),
+                    "tools": [{"type": "function", "name": "ls", "description": "List files",
+                        "parameters": {"type": "object", "properties": {"dir": {"type": "string"}}}}],
+                    "input": input})
+            },
+        )
+        .await;
+    assert_eq!(last["object"], "response", "{last}");
     assert!(f.decisions("llmgw_kv_decisions_total", "hit") >= 3);
     assert!(
         cached[1..].iter().all(|&c| c > 0),
@@ -529,29 +527,26 @@ async fn a_lora_adapter_conversation_follows_its_replica_through_the_index() {
         json!({"role": "system", "content": long_prompt(21)}),
         json!({"role": "user", "content": "Write the query, please."}),
     ];
-    let mut owner = None;
-    let mut cached = Vec::new();
-    for turn in 0..4 {
-        let body = json!({"model": "sql", "messages": messages, "max_tokens": 8});
-        let (chosen, answer) = f.route("/v1/chat/completions", &body).await;
-        if let Some(owner) = owner {
-            assert_eq!(chosen, owner, "turn {turn}");
-        }
-        owner = Some(chosen);
-        assert_eq!(answer["model"], "sql");
-        cached.push(
-            answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-                .as_u64()
-                .unwrap_or(0),
-        );
-        f.converge().await;
-        let reply = answer["choices"][0]["message"]["content"]
-            .as_str()
-            .expect("assistant text")
-            .to_owned();
-        messages.push(json!({"role": "assistant", "content": reply}));
-        messages.push(json!({"role": "user", "content": format!("And now {turn}?")}));
-    }
+    let (cached, last) = f
+        .follow_conversation(
+            "/v1/chat/completions",
+            4,
+            "/usage/prompt_tokens_details/cached_tokens",
+            |turn, previous| {
+                if let Some(previous) = previous {
+                    assert_eq!(previous["model"], "sql");
+                    let reply = previous["choices"][0]["message"]["content"].as_str();
+                    messages.push(
+                        json!({"role": "assistant", "content": reply.expect("assistant text")}),
+                    );
+                    messages
+                        .push(json!({"role": "user", "content": format!("And now {}?", turn - 1)}));
+                }
+                json!({"model": "sql", "messages": messages, "max_tokens": 8})
+            },
+        )
+        .await;
+    assert_eq!(last["model"], "sql");
     assert!(f.decisions("llmgw_kv_decisions_total", "hit") >= 3);
     assert!(
         cached[1..].iter().all(|&c| c > 0),
