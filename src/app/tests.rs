@@ -57,11 +57,12 @@ impl Running {
     /// Shuts down and waits (at most 5 s) for `serve` to return, which must be `Ok`.
     async fn stop(self) {
         let _ = self.stop.send(());
-        tokio::time::timeout(Duration::from_secs(5), self.server)
-            .await
-            .expect("serve returns after shutdown")
-            .unwrap()
-            .unwrap();
+        match tokio::time::timeout(Duration::from_secs(5), self.server).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(error))) => panic!("serve failed: {error}"),
+            Ok(Err(join)) => panic!("serve panicked: {join}"),
+            Err(_) => panic!("serve did not return within 5 s of the shutdown"),
+        }
     }
 }
 
@@ -222,7 +223,13 @@ impl FeedStream {
         use llmgw_feed_proto::v1::router_message::Body;
         let mut refused = false;
         loop {
-            match self.rx.message().await.unwrap().and_then(|m| m.body) {
+            let message = tokio::time::timeout(Duration::from_secs(5), self.rx.message())
+                .await
+                .expect("the snapshot is acknowledged within 5 s")
+                .unwrap_or_else(|status| {
+                    panic!("stream ended before the snapshot's ack: {status}")
+                });
+            match message.and_then(|m| m.body) {
                 Some(Body::Refused(_)) => refused = true,
                 Some(Body::Ack(ack)) if ack.id == 2 => return refused,
                 Some(_) => {}
@@ -273,7 +280,11 @@ async fn the_feeds_node_map_follows_configuration_reloads() {
              - address: 127.0.0.1:8002\n    models: [tiny]\n    node: {}\n",
             nodes.0, nodes.1
         );
-        std::fs::write(&path, text).unwrap();
+        // Replaced whole, as a ConfigMap update is: this test is about the node map, not about
+        // half-written files (the watcher's own tests cover those).
+        let next = dir.path().join("llmgw.yaml.next");
+        std::fs::write(&next, text).unwrap();
+        std::fs::rename(&next, &path).unwrap();
     };
     write(("n1", "n2"));
     let settings = Settings::resolve(&ServeArgs {

@@ -442,10 +442,15 @@ fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
         path: path.to_path_buf(),
         source,
     })?;
+    parse_file(path, &text)
+}
+
+/// `text`, the contents of the file at `path`, as a configuration.
+fn parse_file(path: &Path, text: &str) -> Result<FileConfig, ConfigError> {
     if text.trim().is_empty() {
         return Ok(FileConfig::default());
     }
-    let file: FileConfig = serde_yaml::from_str(&text).map_err(|source| ConfigError::Yaml {
+    let file: FileConfig = serde_yaml::from_str(text).map_err(|source| ConfigError::Yaml {
         path: path.to_path_buf(),
         source,
     })?;
@@ -533,11 +538,24 @@ async fn watch_from(
     let mut changes = SettledChanges::new(last);
     loop {
         ticker.tick().await;
-        let current = tokio::fs::read(&path).await.ok();
-        if !changes.settled(current) {
+        let current = tokio::fs::read(&path).await;
+        if !changes.settled(current.as_deref().ok()) {
             continue;
         }
-        let replicas = read_file(&path).and_then(|file| file_replicas(&file));
+        // The contents that held still are the ones parsed: a second read could catch the next
+        // write half-done.
+        let replicas = current
+            .and_then(|bytes| {
+                String::from_utf8(bytes).map_err(|e| {
+                    std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error())
+                })
+            })
+            .map_err(|source| ConfigError::Read {
+                path: path.clone(),
+                source,
+            })
+            .and_then(|text| parse_file(&path, &text))
+            .and_then(|file| file_replicas(&file));
         match replicas {
             Ok(mut replicas) => {
                 replicas.extend(flag_replicas.iter().cloned());
@@ -572,17 +590,16 @@ impl SettledChanges {
     }
 
     /// Feeds one poll's content; true when it is a change that held since the previous poll.
-    fn settled(&mut self, current: Option<Vec<u8>>) -> bool {
-        if current == self.applied {
+    fn settled(&mut self, current: Option<&[u8]>) -> bool {
+        if current == self.applied.as_deref() {
             self.pending = None;
             return false;
         }
-        if self.pending.as_ref() != Some(&current) {
-            self.pending = Some(current);
+        if self.pending.as_ref().map(Option::as_deref) != Some(current) {
+            self.pending = Some(current.map(<[u8]>::to_vec));
             return false;
         }
-        self.pending = None;
-        self.applied = current;
+        self.applied = self.pending.take().flatten();
         true
     }
 }

@@ -295,19 +295,19 @@ fn feed_tls_paths_come_from_flags_over_the_file_and_must_be_complete() {
 #[test]
 fn a_change_is_applied_once_it_held_for_a_poll() {
     let mut changes = SettledChanges::new(Some(b"v1".to_vec()));
-    assert!(!changes.settled(Some(b"v1".to_vec())), "unchanged");
+    assert!(!changes.settled(Some(b"v1")), "unchanged");
     // Half-written, then whole: the half never counts.
-    assert!(!changes.settled(Some(b"v2 half".to_vec())));
-    assert!(!changes.settled(Some(b"v2 half and the rest".to_vec())));
-    assert!(changes.settled(Some(b"v2 half and the rest".to_vec())));
+    assert!(!changes.settled(Some(b"v2 half")));
+    assert!(!changes.settled(Some(b"v2 half and the rest")));
+    assert!(changes.settled(Some(b"v2 half and the rest")));
     assert!(
-        !changes.settled(Some(b"v2 half and the rest".to_vec())),
+        !changes.settled(Some(b"v2 half and the rest")),
         "applied once"
     );
     // A change undone before it settled is no change.
     assert!(!changes.settled(None));
-    assert!(!changes.settled(Some(b"v2 half and the rest".to_vec())));
-    assert!(!changes.settled(Some(b"v2 half and the rest".to_vec())));
+    assert!(!changes.settled(Some(b"v2 half and the rest")));
+    assert!(!changes.settled(Some(b"v2 half and the rest")));
     // A file that disappears is a change too, once it stays gone.
     assert!(!changes.settled(None));
     assert!(changes.settled(None));
