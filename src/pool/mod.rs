@@ -101,6 +101,8 @@ pub struct Replica {
     spec: ReplicaSpec,
     endpoint: String,
     health: AtomicU8,
+    /// `/health` probes timed out in a row (only the health-check task writes it).
+    slow_probes: AtomicU32,
     in_flight: AtomicU32,
     /// Requests started and ended here, ever: their change since a scrape is what the engine
     /// has not reported yet.
@@ -119,6 +121,7 @@ impl Replica {
             endpoint: spec.address.to_string(),
             spec,
             health: AtomicU8::new(Health::Unknown.to_u8()),
+            slow_probes: AtomicU32::new(0),
             in_flight: AtomicU32::new(0),
             started: AtomicU64::new(0),
             ended: AtomicU64::new(0),
@@ -157,6 +160,19 @@ impl Replica {
     /// Records a probe result; returns the previous value.
     pub fn set_health(&self, health: Health) -> Health {
         Health::from_u8(self.health.swap(health.to_u8(), Ordering::Relaxed))
+    }
+
+    /// After a `/health` probe: counts it when it timed out, else ends the streak; returns how
+    /// many timed out in a row.
+    pub fn record_probe_timeout(&self, timed_out: bool) -> u32 {
+        if timed_out {
+            self.slow_probes
+                .fetch_add(1, Ordering::Relaxed)
+                .saturating_add(1)
+        } else {
+            self.slow_probes.store(0, Ordering::Relaxed);
+            0
+        }
     }
 
     /// Requests llmgw sent here whose ext_proc stream has not ended yet.

@@ -58,7 +58,8 @@ pub struct ProbeOptions {
     #[arg(long, env = "LLMGW_METRICS_STALENESS", value_parser = crate::duration::parse)]
     #[serde(deserialize_with = "crate::duration::optional")]
     pub metrics_staleness: Option<Duration>,
-    /// Timeout of one health probe or scrape (default 1s).
+    /// Timeout of one health probe or scrape (default 1s). A replica leaves the candidates after
+    /// 3 health probes in a row time out, at once when one is refused or answers non-2xx.
     #[arg(long, env = "LLMGW_PROBE_TIMEOUT", value_parser = crate::duration::parse)]
     #[serde(deserialize_with = "crate::duration::optional")]
     pub probe_timeout: Option<Duration>,
@@ -129,6 +130,23 @@ pub enum ProbeError {
     Listing(String),
 }
 
+impl ProbeError {
+    /// The replica did not answer in time (as opposed to refusing, or answering no).
+    pub fn is_timeout(&self) -> bool {
+        match self {
+            ProbeError::Timeout => true,
+            ProbeError::Request(error) => error.is_timeout(),
+            ProbeError::Status(_) | ProbeError::Listing(_) => false,
+        }
+    }
+}
+
+/// Consecutive timed-out `/health` probes before a replica leaves the candidates (Kubernetes'
+/// default readiness `failureThreshold`). A replica busy with long prompts can answer its health
+/// check late while it serves; one late answer must not take it, or, when every replica is that
+/// busy, the whole pool out of service. A refused connection or a non-2xx answer counts at once.
+pub const SLOW_PROBES_TO_UNHEALTHY: u32 = 3;
+
 /// Probes over plain HTTP with a shared connection pool.
 #[derive(Debug, Clone)]
 pub struct HttpProber {
@@ -173,8 +191,9 @@ impl Prober for HttpProber {
     }
 }
 
-/// Probes `/health` of every replica each `interval`, forever. A replica that refuses, times
-/// out or answers non-2xx leaves the candidates; the next good answer brings it back.
+/// Probes `/health` of every replica each `interval`, forever. A replica that refuses or
+/// answers non-2xx leaves the candidates, as does one whose probe timed out
+/// [`SLOW_PROBES_TO_UNHEALTHY`] times in a row; the next good answer brings it back.
 pub async fn run_health_checks<P: Prober>(
     pool: Arc<Pool>,
     prober: Arc<P>,
@@ -191,10 +210,19 @@ pub async fn run_health_checks<P: Prober>(
                 let result = tokio::time::timeout(settings.timeout, prober.health(replica))
                     .await
                     .unwrap_or(Err(ProbeError::Timeout));
-                let health = if result.is_ok() {
-                    Health::Healthy
-                } else {
-                    Health::Unhealthy
+                let timed_out = result.as_ref().is_err_and(ProbeError::is_timeout);
+                let streak = replica.record_probe_timeout(timed_out);
+                let health = match &result {
+                    Ok(()) => Health::Healthy,
+                    Err(_) if (1..SLOW_PROBES_TO_UNHEALTHY).contains(&streak) => {
+                        tracing::debug!(
+                            replica = replica.endpoint(),
+                            streak,
+                            "health probe timed out"
+                        );
+                        return;
+                    }
+                    Err(_) => Health::Unhealthy,
                 };
                 let before = replica.set_health(health);
                 if before != health {

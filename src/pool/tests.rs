@@ -8,7 +8,8 @@ use tokio::time::Instant;
 
 use super::adapters::ModelCard;
 use super::monitor::{
-    ProbeError, ProbeSettings, Prober, run_health_checks, run_model_listings, run_scrapes,
+    ProbeError, ProbeSettings, Prober, SLOW_PROBES_TO_UNHEALTHY, run_health_checks,
+    run_model_listings, run_scrapes,
 };
 use super::*;
 
@@ -230,13 +231,27 @@ async fn failed_health_checks_remove_and_restore_a_replica() {
     );
     assert!(changes.has_changed().unwrap(), "a flip is announced");
 
-    // A probe that never answers counts as a failure once the timeout passes.
+    // A probe that never answers times out; a replica busy enough to answer late stays a
+    // candidate until SLOW_PROBES_TO_UNHEALTHY probes in a row timed out.
     prober.down.lock().clear();
     prober.hang.lock().insert("127.0.0.1:1".to_string());
     tokio::time::sleep(Duration::from_millis(1400)).await;
     assert_eq!(
         (one.health(), two.health()),
-        (Health::Unhealthy, Health::Healthy)
+        (Health::Healthy, Health::Healthy)
+    );
+    tokio::time::sleep(Duration::from_secs(u64::from(SLOW_PROBES_TO_UNHEALTHY) - 1)).await;
+    assert_eq!(one.health(), Health::Unhealthy);
+    // An answer ends the streak: the next late one counts from one again.
+    prober.hang.lock().clear();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(one.health(), Health::Healthy);
+    prober.hang.lock().insert("127.0.0.1:1".to_string());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        one.health(),
+        Health::Healthy,
+        "one late answer after a good one"
     );
 
     prober.hang.lock().clear();
