@@ -119,6 +119,20 @@ bench-overhead: $(ENVOY)
 	$(CARGO) build --release --workspace --bins
 	target/release/llmgw-bench-overhead --json target/bench-overhead.json $(BENCH_OVERHEAD_ARGS)
 
+# Throughput and latency under closed-loop load: the whole system (two sims without their latency
+# model, router routing precisely on the agent's index), the protocol-floor server and one Envoy
+# per path (baseline round robin, floor, BUFFERED, FULL_DUPLEX_STREAMED); 1 to 512 clients, 8 KB
+# and 220 KB chat-shaped prompts; the ext_proc server pinned to one core, then on all. A Markdown
+# table and the goals on stdout, the numbers in target/bench-throughput.json, the plot in
+# target/bench-throughput.png.
+# `make bench-throughput BENCH_THROUGHPUT_ARGS="--sizes 8192 --seconds 2"` (llmgw-bench-throughput --help).
+.PHONY: bench-throughput
+bench-throughput: $(ENVOY)
+	$(VENV)/bin/pip install --quiet matplotlib
+	$(CARGO) build --release -p llmgw -p llmgw-agent -p llmgw-sim -p llmgw-bench --bins
+	target/release/llmgw-bench-throughput --json target/bench-throughput.json $(BENCH_THROUGHPUT_ARGS)
+	$(PYTHON) bench/plot_throughput.py target/bench-throughput.json target/bench-throughput.png
+
 # Router and agent memory and CPU, and routing-decision latency, at 4, 64 and 256 replicas:
 # synthetic engines (vLLM-format KV events on ZMQ, idle /health and /metrics) in the bench
 # process, a real release llmgw-router, one real llmgw-agent per 8 engines; each replica filled

@@ -19,24 +19,14 @@ fn every_path_is_measured_and_answered_over_ext_proc() {
     let json = repo_root()
         .join("target")
         .join(format!("bench-overhead-test-{}.json", std::process::id()));
-    let output = Command::new(bin_path("llmgw-bench-overhead"))
+    let mut command = Command::new(bin_path("llmgw-bench-overhead"));
+    command
         .args(["--sizes", "1024", "--rate", "50", "--requests", "20"])
         .args(["--warmup", "2", "--router-arg=--weight-prefix=0"])
         .arg("--json")
-        .arg(&json)
-        .output()
-        .expect("run llmgw-bench-overhead");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "bench failed: {}\n{stdout}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-
-    let rows: Vec<serde_json::Value> =
-        serde_json::from_slice(&std::fs::read(&json).expect("bench JSON")).expect("JSON rows");
-    let _ = std::fs::remove_file(&json);
+        .arg(&json);
+    let (stdout, rows) = llmgw_bench::run_bench(command, &json);
+    let rows = rows.as_array().cloned().expect("JSON rows");
     let row = |path: &str| {
         rows.iter()
             .find(|r| r["path"] == path)

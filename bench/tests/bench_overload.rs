@@ -18,7 +18,8 @@ fn every_phase_runs_and_every_request_is_accounted_for() {
         .join("target")
         .join(format!("bench-overload-test-{}", std::process::id()));
     let json = out.join("report.json");
-    let output = Command::new(bin_path("llmgw-bench-overload"))
+    let mut command = Command::new(bin_path("llmgw-bench-overload"));
+    command
         .args([
             "--calibrate-seconds",
             "2",
@@ -38,18 +39,8 @@ fn every_phase_runs_and_every_request_is_accounted_for() {
         .arg("--out-dir")
         .arg(&out)
         .arg("--json")
-        .arg(&json)
-        .output()
-        .expect("run llmgw-bench-overload");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "bench failed: {}\n{stdout}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let report: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&json).expect("bench JSON")).expect("JSON");
+        .arg(&json);
+    let (stdout, report) = llmgw_bench::run_bench(command, &json);
     let _ = std::fs::remove_dir_all(&out);
     assert!(report["capacity_per_s"].as_f64().is_some_and(|c| c > 0.0));
     let count = |row: &serde_json::Value, key: &str| row[key].as_u64().unwrap_or(0);

@@ -103,6 +103,11 @@ impl System {
         self.router_guards.get(i)?.as_ref().map(ChildGuard::id)
     }
 
+    /// Envoy's process id.
+    pub fn envoy_pid(&self) -> u32 {
+        self._envoy.id()
+    }
+
     /// Stops router `i` (0: the one Envoy asks) at once, as a crash would.
     pub fn kill_router(&mut self, i: usize) {
         if let Some(slot) = self.router_guards.get_mut(i) {
