@@ -63,7 +63,8 @@ struct Args {
     /// Unmeasured seconds before each measured window.
     #[arg(long, default_value_t = 1.0)]
     warmup_seconds: f64,
-    /// The core a pinned ext_proc server runs on.
+    /// Which of the cores this bench may use (the first, the second...) a pinned ext_proc
+    /// server runs on.
     #[arg(long, default_value_t = 0)]
     pin_core: usize,
     /// The router tokenizes through a replica's `/tokenize` instead of in process with the
@@ -141,13 +142,15 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    if args.pin_core >= cores {
+    // The cores this process may run on (a container's cpuset need not start at 0).
+    let allowed = allowed_cores()?;
+    let cores = allowed.len();
+    let Some(&pinned_core) = allowed.get(args.pin_core) else {
         bail!(
-            "--pin-core {} but this machine has {cores} cores",
+            "--pin-core {} but this bench may use {cores} cores",
             args.pin_core
         );
-    }
+    };
     let largest = args.sizes.iter().copied().max().unwrap_or(0);
     // Every conversation's prompt fits a replica's context, and the replicas' caches hold the
     // shared document and many conversations.
@@ -239,7 +242,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     ExtProc::Llmgw => Some(&router),
                 };
                 if let Some(processor) = processor {
-                    pin(processor.pid, path.pinned.then_some(args.pin_core), cores)?;
+                    pin(processor.pid, path.pinned.then_some(pinned_core), &allowed)?;
                 }
                 let workload = Workload {
                     shared: Arc::clone(&shared),
@@ -311,8 +314,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
             }
         }
         // Back to every core for the next size's first path.
-        pin(router.pid, None, cores)?;
-        pin(floor.pid, None, cores)?;
+        pin(router.pid, None, &allowed)?;
+        pin(floor.pid, None, &allowed)?;
     }
     println!(
         "\n{} s measured per point after {} s of warm-up; two simulated replicas without their \
@@ -320,7 +323,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
          the router tokenizing {}; load average at the end: {}.",
         args.seconds,
         args.warmup_seconds,
-        args.pin_core,
+        pinned_core,
         if args.replica_tokenize {
             "through a replica's /tokenize"
         } else {
@@ -351,9 +354,16 @@ async fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Sets `pid`'s threads (and the ones they start later) on `core`, or on every core.
-fn pin(pid: u32, core: Option<usize>, cores: usize) -> anyhow::Result<()> {
-    let list = core.map_or(format!("0-{}", cores - 1), |c| c.to_string());
+/// Sets `pid`'s threads (and the ones they start later) on `core`, or on every allowed core.
+fn pin(pid: u32, core: Option<usize>, allowed: &[usize]) -> anyhow::Result<()> {
+    let list = match core {
+        Some(core) => core.to_string(),
+        None => allowed
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join(","),
+    };
     let status = Command::new("taskset")
         .args(["-a", "-p", "-c", &list, &pid.to_string()])
         .stdout(std::process::Stdio::null())
@@ -363,6 +373,29 @@ fn pin(pid: u32, core: Option<usize>, cores: usize) -> anyhow::Result<()> {
         bail!("taskset -a -p -c {list} {pid}: {status}");
     }
     Ok(())
+}
+
+/// The cores this process may run on, from `Cpus_allowed_list` in `/proc/self/status`
+/// (`0-1`, `2,4-5`).
+fn allowed_cores() -> anyhow::Result<Vec<usize>> {
+    let status = std::fs::read_to_string("/proc/self/status")?;
+    let list = status
+        .lines()
+        .find_map(|line| line.strip_prefix("Cpus_allowed_list:"))
+        .context("no Cpus_allowed_list in /proc/self/status")?;
+    let mut cores = Vec::new();
+    for range in list.trim().split(',').filter(|r| !r.is_empty()) {
+        let (first, last) = range.split_once('-').unwrap_or((range, range));
+        let bound = |n: &str| {
+            n.parse::<usize>()
+                .with_context(|| format!("unreadable Cpus_allowed_list {list:?}"))
+        };
+        cores.extend(bound(first)?..=bound(last)?);
+    }
+    if cores.is_empty() {
+        bail!("empty Cpus_allowed_list {list:?}");
+    }
+    Ok(cores)
 }
 
 /// What one path at one point measured.
