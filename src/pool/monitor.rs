@@ -11,7 +11,7 @@ use std::time::Duration;
 use futures::future::join_all;
 use thiserror::Error;
 use tokio::time::{Instant, MissedTickBehavior};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::adapters::{AdapterCatalog, ModelCard, fetch_model_cards};
 use super::{Health, Pool, Replica, vllm_metrics};
@@ -215,10 +215,9 @@ pub async fn run_health_checks<P: Prober>(
                 let health = match &result {
                     Ok(()) => Health::Healthy,
                     Err(_) if (1..SLOW_PROBES_TO_UNHEALTHY).contains(&streak) => {
-                        tracing::debug!(
+                        debug!(
                             replica = replica.endpoint(),
-                            streak,
-                            "health probe timed out"
+                            streak, "health probe timed out"
                         );
                         return;
                     }

@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Parser;
 use llmgw_bench::gateway::{
-    Client, EnvoyProcess, Processor, baseline_config, check_answered, pick_stats,
+    Client, EnvoyProcess, Processor, baseline_config, check_answered,
     process_cpu_with_exited_threads, repo_config, size_label, start_envoy, start_floor, summary,
     wait_ready,
 };
@@ -383,19 +383,21 @@ fn allowed_cores() -> anyhow::Result<Vec<usize>> {
         .lines()
         .find_map(|line| line.strip_prefix("Cpus_allowed_list:"))
         .context("no Cpus_allowed_list in /proc/self/status")?;
+    cpu_list(list.trim()).with_context(|| format!("unreadable Cpus_allowed_list {list:?}"))
+}
+
+/// The cores of a Linux CPU list (`0-1`, `2,4-5`); `None` when it is empty or malformed.
+fn cpu_list(list: &str) -> Option<Vec<usize>> {
     let mut cores = Vec::new();
-    for range in list.trim().split(',').filter(|r| !r.is_empty()) {
+    for range in list.split(',') {
         let (first, last) = range.split_once('-').unwrap_or((range, range));
-        let bound = |n: &str| {
-            n.parse::<usize>()
-                .with_context(|| format!("unreadable Cpus_allowed_list {list:?}"))
-        };
-        cores.extend(bound(first)?..=bound(last)?);
+        let (first, last) = (first.parse::<usize>().ok()?, last.parse::<usize>().ok()?);
+        if first > last {
+            return None;
+        }
+        cores.extend(first..=last);
     }
-    if cores.is_empty() {
-        bail!("empty Cpus_allowed_list {list:?}");
-    }
-    Ok(cores)
+    Some(cores)
 }
 
 /// What one path at one point measured.
@@ -543,16 +545,16 @@ impl Counters {
     async fn read(envoy_pid: u32, processor: Option<&Processor>) -> anyhow::Result<Counters> {
         let decisions = match processor.and_then(|p| p.admin) {
             Some(admin) => {
-                let picks = pick_stats(admin).await?.count;
+                // One scrape for both, so that they count the same decisions.
                 let (_, text) = Client::new(admin).get("/metrics").await?;
                 let text = String::from_utf8_lossy(&text);
-                let index_hits = llmgw_integration::prom::sum(
-                    &text,
-                    "llmgw_kv_decisions_total",
-                    &[("decision", "hit")],
-                )
-                .unwrap_or(0.0);
-                Some(Decisions { picks, index_hits })
+                let total = |name: &str, labels: &[(&str, &str)]| {
+                    llmgw_integration::prom::sum(&text, name, labels).unwrap_or(0.0)
+                };
+                Some(Decisions {
+                    picks: total("llmgw_pick_duration_seconds_count", &[]),
+                    index_hits: total("llmgw_kv_decisions_total", &[("decision", "hit")]),
+                })
             }
             None => None,
         };
@@ -755,4 +757,19 @@ fn verdicts(rows: &[serde_json::Value]) -> Vec<String> {
         }
     }
     verdicts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cpu_list;
+
+    #[test]
+    fn cpu_lists_read_as_linux_writes_them() {
+        assert_eq!(cpu_list("0-1"), Some(vec![0, 1]));
+        assert_eq!(cpu_list("3"), Some(vec![3]));
+        assert_eq!(cpu_list("2,4-5"), Some(vec![2, 4, 5]));
+        for bad in ["", "1-", "a", "3-1", "0,,1"] {
+            assert_eq!(cpu_list(bad), None, "{bad:?}");
+        }
+    }
 }
