@@ -93,10 +93,45 @@ fn bench(c: &mut Criterion) {
         .take(8192)
         .collect();
     let tokens = local.encode_prompt(&prompt).expect("encodes").len();
+    // Each prompt new (its first line differs), so nothing comes from the cache.
+    let mut n = 0u64;
     c.bench_function(
         &format!("tokenize/local_completion_8KB_{tokens}_tokens"),
-        |b| b.iter(|| local.encode_prompt(black_box(&prompt)).expect("encodes")),
+        |b| {
+            b.iter_batched(
+                || {
+                    n += 1;
+                    format!("{n}{prompt}")
+                },
+                |prompt| local.encode_prompt(black_box(&prompt)).expect("encodes"),
+                criterion::BatchSize::SmallInput,
+            )
+        },
     );
+    // A conversation sent as a completion: the same 8 KB of earlier lines, a new last turn
+    // each time. The earlier lines' segments come from the local tokenizer's cache.
+    let earlier: String = prompt
+        .split_inclusive(". ")
+        .enumerate()
+        .map(|(i, s)| {
+            if i % 8 == 7 {
+                format!("{s}\nnoted\n")
+            } else {
+                s.to_owned()
+            }
+        })
+        .collect();
+    let mut turn = 0u64;
+    c.bench_function("tokenize/local_completion_8KB_next_turn", |b| {
+        b.iter_batched(
+            || {
+                turn += 1;
+                format!("{earlier}\nquestion {turn}: what does the license permit?\n")
+            },
+            |prompt| local.encode_prompt(black_box(&prompt)).expect("encodes"),
+            criterion::BatchSize::SmallInput,
+        )
+    });
 }
 
 criterion_group! {

@@ -444,11 +444,11 @@ fn a_missing_tokenizer_file_is_a_clear_error() {
 
 #[tokio::test]
 async fn a_long_prompt_is_tokenized_off_the_runtime_under_the_deadline() {
-    let local = sim_tokenizer();
+    // Each step its own tokenizer: a local tokenizer caches the pieces it has encoded.
     let prompt = "Licensed under the Apache License, Version 2.0. ".repeat(2000); // ~96 KB
-    let want = local.encode_prompt(&prompt).expect("encodes");
+    let want = sim_tokenizer().encode_prompt(&prompt).expect("encodes");
     // Far past a 1 ms deadline: routed without tokens, but the answer still fills the cache.
-    let t = tokenizer(1).with_local("m", local.clone());
+    let t = tokenizer(1).with_local("m", sim_tokenizer());
     let request = completion(&prompt);
     assert_eq!(
         t.tokens(&request, &[]).await.unwrap_err(),
@@ -467,9 +467,9 @@ async fn a_long_prompt_is_tokenized_off_the_runtime_under_the_deadline() {
     // With time enough, the blocking pool's answer comes back directly, and its CPU time is
     // charged to the decision awaiting it (the awaiting thread itself does almost nothing).
     let direct = crate::cputime::ThreadCpu::start();
-    local.encode_prompt(&prompt).expect("encodes");
+    sim_tokenizer().encode_prompt(&prompt).expect("encodes");
     let direct = direct.elapsed();
-    let generous = tokenizer(30_000).with_local("m", local);
+    let generous = tokenizer(30_000).with_local("m", sim_tokenizer());
     let (got, spent) = crate::cputime::CpuTimed::new(generous.tokens(&request, &[])).await;
     assert_eq!(&got.expect("tokens")[..], &want[..]);
     assert!(
@@ -542,5 +542,176 @@ mod piecewise {
                 t.encode_whole(&text).expect("encodes")
             );
         }
+    }
+}
+
+mod segments {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+    /// The simulator's tokenizer with its pipeline changed by `edit` (its vocabulary and
+    /// merges stay), from a file as a model's would be.
+    fn variant(edit: impl FnOnce(&mut Value)) -> LocalTokenizer {
+        let mut json: Value =
+            serde_json::from_slice(&std::fs::read(assets().join("tokenizer.json")).expect("read"))
+                .expect("json");
+        edit(&mut json);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, json.to_string()).expect("write");
+        LocalTokenizer::from_file(&path).expect("loads")
+    }
+
+    fn split_then_bytes(regex: &str) -> Value {
+        json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+        ]})
+    }
+
+    /// The tokenizers segments are proven exact for: GPT-2's regex (the simulator's own),
+    /// Qwen2's with NFC, Llama 3's behind a post-processor sequence.
+    fn segmenting() -> Vec<(&'static str, LocalTokenizer)> {
+        vec![
+            ("gpt2", sim_tokenizer()),
+            (
+                "qwen2",
+                variant(|t| {
+                    t["normalizer"] = json!({"type": "NFC"});
+                    t["pre_tokenizer"] = split_then_bytes(QWEN2_SPLIT);
+                    t["post_processor"] = json!({"type": "ByteLevel", "add_prefix_space": false,
+                        "trim_offsets": false, "use_regex": false});
+                }),
+            ),
+            (
+                "llama3",
+                variant(|t| {
+                    t["pre_tokenizer"] = split_then_bytes(LLAMA3_SPLIT);
+                    let template = t["post_processor"].take();
+                    t["post_processor"] = json!({"type": "Sequence", "processors": [
+                        {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false,
+                         "use_regex": true},
+                        template,
+                    ]});
+                }),
+            ),
+        ]
+        .into_iter()
+        .map(|(name, t)| (name, t.with_min_segment(8)))
+        .collect()
+    }
+
+    #[test]
+    fn only_pipelines_proven_exact_are_cut() {
+        for (name, t) in segmenting() {
+            assert!(t.cuts_in_segments(), "{name}");
+        }
+        let not_cut = [
+            (
+                "a normalizer that is not local",
+                variant(|t| t["normalizer"] = json!({"type": "Prepend", "prepend": "▁"})),
+            ),
+            (
+                "an unknown split regex",
+                variant(|t| t["pre_tokenizer"] = split_then_bytes(r"\s+|\S+")),
+            ),
+            (
+                "a prefix space",
+                variant(|t| t["pre_tokenizer"]["add_prefix_space"] = json!(true)),
+            ),
+            (
+                "special tokens after the text",
+                variant(|t| {
+                    t["post_processor"]["single"] = json!([
+                        {"Sequence": {"id": "A", "type_id": 0}},
+                        {"SpecialToken": {"id": "<|bos|>", "type_id": 0}},
+                    ])
+                }),
+            ),
+            (
+                "an added token that strips whitespace",
+                variant(|t| t["added_tokens"][4]["lstrip"] = json!(true)),
+            ),
+            (
+                "BPE dropout",
+                variant(|t| t["model"]["dropout"] = json!(0.1)),
+            ),
+        ];
+        for (why, t) in not_cut {
+            assert!(!t.cuts_in_segments(), "cut despite {why}");
+        }
+    }
+
+    /// Lines of words, numbers, spaces, marks and unicode (combining marks too, which NFC
+    /// composes), with the tokenizer's added tokens among them: many cuts, and many line ends
+    /// that are not cuts.
+    fn text() -> impl Strategy<Value = String> {
+        let part = prop_oneof![
+            4 => "[a-zA-Z]{1,12}",
+            2 => Just(" ".to_owned()),
+            3 => Just("\n".to_owned()),
+            1 => Just("\n\n".to_owned()),
+            1 => Just(" \n \n  ".to_owned()),
+            1 => Just("\r\n".to_owned()),
+            1 => "[0-9]{1,5}",
+            1 => "[.,;:!?'\"()-]{1,3}",
+            1 => Just("'s".to_owned()),
+            1 => Just("e\u{301}".to_owned()),
+            1 => Just("ünï 🦀 漢字".to_owned()),
+            1 => Just("\u{301}".to_owned()),
+            1 => Just("<|end|>".to_owned()),
+            1 => Just("<|bos|>".to_owned()),
+        ];
+        proptest::collection::vec(part, 0..160).prop_map(|parts| parts.concat())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+        #[test]
+        fn segments_add_up_to_the_whole_text(text in text()) {
+            for (name, t) in segmenting() {
+                let whole = t.encode_whole_prompt(&text).expect("encodes");
+                // Twice: the second time the segments come from the cache.
+                for pass in 0..2 {
+                    let cut = t.encode_prompt(&text).expect("encodes");
+                    prop_assert_eq!(&cut, &whole, "{} pass {}", name, pass);
+                }
+                let mut pieces = Vec::new();
+                t.encode_pieces(&text, &mut pieces).expect("encodes");
+                prop_assert_eq!(pieces, t.encode_whole(&text).expect("encodes"), "{}", name);
+            }
+        }
+    }
+
+    #[test]
+    fn a_growing_completion_reuses_its_earlier_segments() {
+        let t = sim_tokenizer();
+        assert!(t.cuts_in_segments());
+        let document = "Licensed under the Apache License, Version 2.0. ".repeat(40);
+        let mut prompt = format!("{document}\nconversation 7 starts here\n");
+        let mut cached = 0;
+        for turn in 0..12 {
+            prompt.push_str(&format!(
+                "question {turn}: where is the cache, and why?\nnoted\n"
+            ));
+            assert_eq!(
+                t.encode_prompt(&prompt).expect("encodes"),
+                t.encode_whole_prompt(&prompt).expect("encodes"),
+                "turn {turn}"
+            );
+            // Each turn adds its own end and at most a new segment: the document and earlier
+            // segments are found again, not cached anew.
+            let now = t.cached_pieces();
+            assert!(now <= cached + 2, "turn {turn}: {cached} -> {now} cached");
+            cached = now;
+        }
+        assert!(
+            cached >= 3,
+            "the document and later turns are segments: {cached}"
+        );
     }
 }
