@@ -148,10 +148,26 @@ pub async fn check_answered(path: &str, admin: SocketAddr, at_least: usize) -> a
     let timeouts = stat("message_timeouts");
     let failed = stat("streams_failed");
     if started < at_least as u64 || failed_open + timeouts + failed > 0 {
+        // Where Envoy health-checks the ext_proc server, a check it counted failed takes the
+        // server out and requests fail open while it is out: say so, it is the likely cause.
+        let (_, checks) = Client::new(admin)
+            .get("/stats?filter=cluster\\.llmgw\\.health_check\\.")
+            .await?;
+        let checks = String::from_utf8_lossy(&checks);
+        let checks: Vec<&str> = checks
+            .lines()
+            .filter(|line| line.contains("failure") || line.contains("attempt"))
+            .collect();
         bail!(
             "{path}: Envoy started {started} ext_proc streams for at least {at_least} requests, \
              failed open {failed_open} times, timed out {timeouts} messages and lost {failed} \
-             streams, so this path did not measure ext_proc exchanges"
+             streams, so this path did not measure ext_proc exchanges (its health checks of \
+             llmgw: {})",
+            if checks.is_empty() {
+                "none".to_owned()
+            } else {
+                checks.join(", ")
+            }
         );
     }
     Ok(())

@@ -572,6 +572,8 @@ struct Stack {
     b: Engine,
     /// Where the engines loaded the LoRA adapter from (`--lora-modules`), if they serve it.
     lora: Option<PathBuf>,
+    /// The model directory (its tokenizer is the router's in-process one).
+    model: PathBuf,
 }
 
 /// An answer from vLLM, directly or through Envoy.
@@ -946,6 +948,7 @@ async fn start(settings: &Settings) -> Result<(Stack, String)> {
         a,
         b,
         lora: settings.lora.clone(),
+        model: settings.model.clone(),
     };
     let s = &stack;
     let ready = s
@@ -1050,7 +1053,9 @@ async fn checks(report: &mut Report, s: &Stack) {
 }
 
 /// Every request above was tokenized in process and the first of each kind compared with
-/// vLLM's own `/tokenize` in the background: none may have disagreed.
+/// vLLM's own `/tokenize` in the background: none may have disagreed. The last ones are a
+/// conversation sent as growing completion prompts, which the router encodes in cached
+/// segments.
 async fn local_tokenization_agrees(s: &Stack) -> Result<String> {
     let count = |m: &str, name: &str| prom::sum(m, name, &[]).unwrap_or(0.0);
     let before = s.router_metrics().await?;
@@ -1069,6 +1074,41 @@ async fn local_tokenization_agrees(s: &Stack) -> Result<String> {
             Ok(count(&m, "llmgw_tokenize_local_checks_total") >= before_checks + 2.0)
         })
         .await;
+    // A conversation sent as completions, one turn longer each time: long and many-lined, so
+    // the router's tokenizer cuts it in segments, later times mostly from its cache. The
+    // router checks only a sample, so the same tokenizer here is compared with vLLM's
+    // /tokenize on every turn.
+    let local = llmgw::tokenize::LocalTokenizer::load(&s.model, None)
+        .context("the model's tokenizer.json")?;
+    ensure!(
+        local.cuts_in_segments(),
+        "the model's tokenizer is not one segments are made for: {local:?}"
+    );
+    let mut conversation: String = (0..8)
+        .map(|turn| format!("{}\nnoted\n", document(&format!("segment-turn-{turn}"), 30)))
+        .collect();
+    for turn in 0..3 {
+        conversation.push_str(&format!("question {turn}: and then?\n"));
+        let body = completion(&conversation, 4);
+        let ours = local.encode_prompt(&conversation)?;
+        let parsed = parse_request(EndpointKind::Completions, body.to_string().as_bytes())?;
+        let tokenize: Value = serde_json::from_slice(&llmgw::tokenize::tokenize_body(&parsed))?;
+        let theirs: Vec<u32> = serde_json::from_value(
+            s.direct(&s.a, "/tokenize", &tokenize).await?.body["tokens"].clone(),
+        )?;
+        ensure!(
+            ours == theirs,
+            "turn {turn}: segmented encoding ({} tokens) != vLLM's /tokenize ({} tokens), first \
+             difference at {}",
+            ours.len(),
+            theirs.len(),
+            ours.iter()
+                .zip(&theirs)
+                .position(|(a, b)| a != b)
+                .unwrap_or(ours.len().min(theirs.len()))
+        );
+        s.routed("/v1/completions", &body).await?;
+    }
     let m = s.router_metrics().await?;
     let (local, checked, mismatches) = (
         count(&m, "llmgw_tokenize_local_total"),
@@ -1084,7 +1124,9 @@ async fn local_tokenization_agrees(s: &Stack) -> Result<String> {
     );
     Ok(format!(
         "{local} requests tokenized in process, {checked} compared with vLLM's /tokenize, 0 \
-         disagreed"
+         disagreed; a {}-byte conversation sent as completions, cut in segments, equal to \
+         vLLM's /tokenize on 3 turns",
+        conversation.len()
     ))
 }
 

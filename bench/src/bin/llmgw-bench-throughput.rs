@@ -74,6 +74,14 @@ struct Args {
     /// Also write the results as JSON here (`bench/plot_throughput.py` plots them).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Only these paths (by name, as the table prints them; the baseline always runs, for the
+    /// added latency), e.g. `--paths "floor 1 core,buffered 1 core"`.
+    #[arg(long, value_delimiter = ',')]
+    paths: Vec<String>,
+    /// One more `llmgw-router serve` flag (repeatable), e.g. `--router-arg=--worker-threads=1`
+    /// to measure the router on tokio's current-thread scheduler.
+    #[arg(long = "router-arg", allow_hyphen_values = true)]
+    router_args: Vec<String>,
 }
 
 /// Which process answers a path's ext_proc.
@@ -151,6 +159,19 @@ async fn run(args: Args) -> anyhow::Result<()> {
             args.pin_core
         );
     };
+    if let Some(unknown) = args
+        .paths
+        .iter()
+        .find(|name| !PATHS.iter().any(|p| p.name == name.as_str()))
+    {
+        let known: Vec<&str> = PATHS.iter().map(|p| p.name).collect();
+        bail!("--paths: no path {unknown:?} (paths: {})", known.join(", "));
+    }
+    let runs = |path: &Path| {
+        path.ext_proc == ExtProc::None
+            || args.paths.is_empty()
+            || args.paths.iter().any(|name| name == path.name)
+    };
     let largest = args.sizes.iter().copied().max().unwrap_or(0);
     // Every conversation's prompt fits a replica's context, and the replicas' caches hold the
     // shared document and many conversations.
@@ -175,6 +196,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             ),
         ]);
     }
+    router_args.extend(args.router_args.iter().cloned());
     let system = system::start(SystemConfig {
         replicas: 2,
         blocks_per_replica: 65_536,
@@ -235,7 +257,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let shared = Arc::new(words(size * 3 / 4, 0));
         for &clients in &args.concurrency {
             let mut baseline = None;
-            for path in &PATHS {
+            for path in PATHS.iter().filter(|p| runs(p)) {
                 let processor = match path.ext_proc {
                     ExtProc::None => None,
                     ExtProc::Floor => Some(&floor),
