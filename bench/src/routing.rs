@@ -14,6 +14,9 @@ pub enum Policy {
     Random,
     /// Envoy alone, `lb_policy: ROUND_ROBIN`.
     RoundRobin,
+    /// No router: every tenant's conversations sent straight to one replica (tenant modulo
+    /// replicas), placement by hand, to compare the routers with.
+    Pinned,
     /// llmgw with the prefix slot's weight at 0: load scorers only.
     LeastLoaded,
     /// llmgw without engine hash settings or agent: the approximate prefix tree and load.
@@ -47,9 +50,10 @@ impl VllmRouterPolicy {
 
 impl Policy {
     /// Every policy, in the order they run.
-    pub const ALL: [Policy; 9] = [
+    pub const ALL: [Policy; 10] = [
         Policy::Random,
         Policy::RoundRobin,
+        Policy::Pinned,
         Policy::LeastLoaded,
         Policy::ApproxPrefix,
         Policy::LlmgwPrecise,
@@ -79,6 +83,7 @@ impl Policy {
         match self {
             Policy::Random => "Envoy `RANDOM`, no ext_proc",
             Policy::RoundRobin => "Envoy `ROUND_ROBIN`, no ext_proc",
+            Policy::Pinned => "no router: each tenant's conversations straight to one replica",
             Policy::LeastLoaded => "llmgw, `--weight-prefix 0`, no agent",
             Policy::ApproxPrefix => "llmgw without `--model` hash settings or agent (prefix tree)",
             Policy::LlmgwPrecise => {
@@ -101,6 +106,7 @@ impl fmt::Display for Policy {
         match self {
             Policy::Random => f.write_str("random"),
             Policy::RoundRobin => f.write_str("round_robin"),
+            Policy::Pinned => f.write_str("pinned"),
             Policy::LeastLoaded => f.write_str("least_loaded"),
             Policy::ApproxPrefix => f.write_str("approx_prefix"),
             Policy::LlmgwPrecise => f.write_str("llmgw_precise"),
@@ -112,7 +118,7 @@ impl fmt::Display for Policy {
 
 #[derive(Debug, Error, PartialEq, Eq)]
 #[error(
-    "unknown policy {0:?}: expected random, round_robin, least_loaded, approx_prefix, \
+    "unknown policy {0:?}: expected random, round_robin, pinned, least_loaded, approx_prefix, \
      llmgw_precise, llmgw_precise_tokenize, vllm-router:round_robin, vllm-router:cache_aware or vllm-router:kv_aware"
 )]
 pub struct UnknownPolicy(pub String);

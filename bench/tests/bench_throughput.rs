@@ -74,6 +74,7 @@ fn every_path_and_point_is_measured_through_ext_proc() {
                 assert!(decisions >= requests as f64 - 3.0, "{row}");
                 // A conversation's next turn extends its last: the index holds its blocks.
                 assert!(row["index_hits"].as_f64().is_some_and(|h| h > 0.0), "{row}");
+                assert!(row["tokenize_timeouts"].is_number(), "{row}");
             }
         }
     }
@@ -81,5 +82,44 @@ fn every_path_and_point_is_measured_through_ext_proc() {
     assert!(
         stdout.contains("peak throughput at one router core"),
         "{stdout}"
+    );
+}
+
+/// `--paths` runs only the paths named (and the baseline, for the added latency), and
+/// `--router-arg` reaches the router: here its current-thread scheduler.
+#[test]
+fn chosen_paths_only_with_a_router_flag() {
+    let json = repo_root().join("target").join(format!(
+        "bench-throughput-paths-{}.json",
+        std::process::id()
+    ));
+    let mut command = Command::new(bin_path("llmgw-bench-throughput"));
+    command
+        .args(["--sizes", "4096", "--concurrency", "2"])
+        .args(["--seconds", "1", "--warmup-seconds", "0.3"])
+        .args([
+            "--paths",
+            "buffered 1 core",
+            "--router-arg=--worker-threads=1",
+        ])
+        .arg("--json")
+        .arg(&json);
+    let (_, rows) = llmgw_bench::run_bench(command, &json);
+    let paths: Vec<&str> = rows
+        .as_array()
+        .expect("JSON rows")
+        .iter()
+        .filter_map(|r| r["path"].as_str())
+        .collect();
+    assert_eq!(paths, ["baseline", "buffered 1 core"]);
+    let unknown = Command::new(bin_path("llmgw-bench-throughput"))
+        .args(["--paths", "sideways"])
+        .output()
+        .expect("runs");
+    assert!(!unknown.status.success());
+    assert!(
+        String::from_utf8_lossy(&unknown.stderr).contains("no path \"sideways\""),
+        "{}",
+        String::from_utf8_lossy(&unknown.stderr)
     );
 }

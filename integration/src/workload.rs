@@ -29,6 +29,15 @@ pub struct WorkloadConfig {
     /// At most this many requests in all (0 = no limit).
     pub max_requests: usize,
     pub max_tokens: u32,
+    /// Every `bypass_every`-th conversation (0: none) goes straight to a replica, not through
+    /// the router: tenant `t`'s to `bypass[t % len]` (base URLs), as a client that knows a
+    /// replica's address would send it. Only a router that reads the replicas' KV events sees
+    /// what those conversations cache.
+    pub bypass_every: usize,
+    pub bypass: Vec<String>,
+    /// Percent (0-100) of conversations that belong to tenant 0, a hot tenant, on top of its
+    /// share of the rest: enough of them saturate a replica, and load must outvote affinity.
+    pub hot_tenant_percent: u8,
 }
 
 impl Default for WorkloadConfig {
@@ -42,6 +51,9 @@ impl Default for WorkloadConfig {
             duration: Duration::from_secs(30),
             max_requests: 0,
             max_tokens: 12,
+            bypass_every: 0,
+            bypass: Vec::new(),
+            hot_tenant_percent: 0,
         }
     }
 }
@@ -52,6 +64,17 @@ pub fn adapter_name(i: usize) -> String {
 }
 
 impl WorkloadConfig {
+    /// Conversation `id`'s tenant: tenant 0 for `hot_tenant_percent` of them (chosen by a hash
+    /// of the id, the same in every run), the others in turn.
+    pub fn tenant_of(&self, id: usize) -> usize {
+        let hot = (id as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
+        if hot % 100 < u64::from(self.hot_tenant_percent) {
+            0
+        } else {
+            id % self.tenants.max(1)
+        }
+    }
+
     /// The model a tenant's requests name: an adapter's when the workload has adapters.
     pub fn model_of(&self, tenant: usize) -> String {
         match self.adapters {
@@ -68,6 +91,8 @@ pub struct Sample {
     pub ttft: Duration,
     pub status: u16,
     pub salted: bool,
+    /// Sent straight to a replica (`WorkloadConfig::bypass`), not through the router.
+    pub bypassed: bool,
     /// When it was sent and when its stream ended, from the workload's start.
     pub sent_at: Duration,
     pub done_at: Duration,
@@ -260,7 +285,11 @@ async fn conversation(
     results: &Mutex<Results>,
     started: Instant,
 ) -> bool {
-    let tenant = id % config.tenants;
+    let tenant = config.tenant_of(id);
+    let bypass = (config.bypass_every > 0 && id.is_multiple_of(config.bypass_every))
+        .then(|| config.bypass.get(tenant % config.bypass.len().max(1)))
+        .flatten();
+    let base_url = bypass.map_or(base_url, String::as_str);
     // The last tenant salts its requests: they must never share blocks with the others.
     let salt =
         (tenant + 1 == config.tenants && config.tenants > 1).then(|| format!("tenant-{tenant}"));
@@ -291,6 +320,7 @@ async fn conversation(
                 let ok = sample.status == 200;
                 results.lock().samples.push(Sample {
                     salted: salt.is_some(),
+                    bypassed: bypass.is_some(),
                     sent_at,
                     done_at: started.elapsed(),
                     ..sample
@@ -363,6 +393,7 @@ async fn streamed_chat(
             ttft: ttft.unwrap_or_else(|| sent.elapsed()),
             status,
             salted: false,
+            bypassed: false,
             sent_at: Duration::ZERO,
             done_at: Duration::ZERO,
         },
@@ -441,6 +472,23 @@ mod tests {
     }
 
     #[test]
+    fn a_hot_tenant_takes_its_share_and_the_rest_go_in_turn() {
+        let plain = WorkloadConfig::default();
+        assert_eq!(
+            (0..8).map(|id| plain.tenant_of(id)).collect::<Vec<_>>(),
+            [0, 1, 2, 3, 0, 1, 2, 3]
+        );
+        let hot = WorkloadConfig {
+            hot_tenant_percent: 60,
+            ..WorkloadConfig::default()
+        };
+        let of_zero = (0..10_000).filter(|&id| hot.tenant_of(id) == 0).count();
+        // 60 % hot, plus a quarter of the other 40 %: about 70 %.
+        assert!((6_700..7_300).contains(&of_zero), "{of_zero} of 10000");
+        assert!((0..10_000).all(|id| hot.tenant_of(id) < 4));
+    }
+
+    #[test]
     fn percentiles_of_successful_requests() {
         let results = Results {
             samples: (1..=10)
@@ -449,6 +497,7 @@ mod tests {
                     ttft: Duration::from_millis(ms),
                     status: if ms == 10 { 500 } else { 200 },
                     salted: false,
+                    bypassed: false,
                     sent_at: Duration::ZERO,
                     done_at: Duration::from_millis(ms),
                 })

@@ -3,7 +3,8 @@
 //!
 //! The `llmgw-sim` replicas (latency model on, small KV caches) start once and serve every
 //! policy; their prefix caches are reset before each. Policies: Envoy's own `RANDOM` and
-//! `ROUND_ROBIN`; llmgw with load scorers only, with the approximate prefix tree only, and
+//! `ROUND_ROBIN`; `pinned`, no router at all, each tenant's conversations sent by hand to one
+//! replica; llmgw with load scorers only, with the approximate prefix tree only, and
 //! precise (KV index fed by llmgw-agent); and the `vllm-router` peer (its own HTTP proxy) with
 //! `round_robin`, `cache_aware` and `kv_aware` (subscribed to the sims' KV events).
 //!
@@ -130,6 +131,17 @@ struct Args {
     /// another waits for a slot.
     #[arg(long, default_value_t = 2)]
     max_loras: usize,
+    /// Every N-th conversation (0: none) bypasses the router: sent straight to a replica, the
+    /// same one for each tenant (tenant modulo replicas), as a client that knows a replica's
+    /// address would. Only the precise index (the agent reads every replica's KV events) sees
+    /// what those conversations cache.
+    #[arg(long, default_value_t = 0)]
+    bypass_every: usize,
+    /// Percent of conversations that belong to tenant 0 (a hot tenant), on top of its share of
+    /// the rest: at a high enough rate it saturates one replica, and load must outvote
+    /// affinity (see the TTFT p99 and the split over the replicas).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=100))]
+    hot_tenant_percent: u8,
 }
 
 /// The sims' `--enable-lora` flags for `args.adapters` adapters with `max_loras` slots.
@@ -260,7 +272,7 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     let table = markdown_table(&reports);
     let machine_after = machine_state();
     let report = format!(
-        "{table}\n{ceiling}{calibration}; {} replicas × {} blocks; {} tenants{}, {} turns per \
+        "{table}\n{ceiling}{calibration}; {} replicas × {} blocks; {} tenants{}{}, {} turns per \
          conversation; {} s per policy, first {} s not measured; seed {}; {} llmgw router(s) \
          per llmgw policy, extra flags {:?}.\n\
          machine before: {machine_before}\nmachine after: {machine_after}\n{}",
@@ -271,6 +283,7 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
             0 => String::new(),
             n => format!(" over {n} LoRA adapters ({} slots per sim)", args.max_loras),
         },
+        scenario(&args),
         args.turns,
         args.seconds,
         args.warmup_seconds,
@@ -313,6 +326,35 @@ fn start_sims(args: &Args) -> Vec<SimHandle> {
             spawn_sim_with_env(sim_args, [("PYTHONHASHSEED", SEED)])
         })
         .collect()
+}
+
+/// What the workload adds to the plain tenants ("" when nothing).
+fn scenario(args: &Args) -> String {
+    let mut parts = Vec::new();
+    if args.bypass_every > 0 {
+        parts.push(format!(
+            "every {} conversation straight to its tenant's replica, bypassing the router",
+            ordinal(args.bypass_every)
+        ));
+    }
+    if args.hot_tenant_percent > 0 {
+        parts.push(format!(
+            "tenant 0 hot ({} % of conversations on top of its share)",
+            args.hot_tenant_percent
+        ));
+    }
+    parts.iter().map(|p| format!(" ({p})")).collect()
+}
+
+fn ordinal(n: usize) -> String {
+    let suffix = match (n % 10, n % 100) {
+        (_, 11..=13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    };
+    format!("{n}{suffix}")
 }
 
 /// The workload at `rate` straight to one sim with room for every block the run computes and
@@ -428,7 +470,8 @@ async fn start_stack(
 ) -> anyhow::Result<Stack> {
     let replicas: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
     match policy {
-        Policy::Random | Policy::RoundRobin => {
+        // Pinned sends every request straight to a replica: its Envoy carries none.
+        Policy::Random | Policy::RoundRobin | Policy::Pinned => {
             let lb = if policy == Policy::Random {
                 "RANDOM"
             } else {
@@ -709,6 +752,13 @@ async fn measure_policy(
         adapters: args.adapters,
         turns_per_conversation: args.turns,
         duration,
+        bypass_every: if policy == Policy::Pinned {
+            1
+        } else {
+            args.bypass_every
+        },
+        bypass: sims.iter().map(|s| format!("http://{}", s.addr)).collect(),
+        hot_tenant_percent: args.hot_tenant_percent,
         ..WorkloadConfig::default()
     };
     let started = Instant::now();

@@ -33,8 +33,8 @@
 
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -227,10 +227,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let floor = start_floor(floor_port, None, &replicas)?;
     let grpc = system.router.grpc.port();
     let configs = [
-        ("baseline", baseline_config(), grpc),
-        ("floor", repo_config("envoy.yaml")?, floor_port),
-        ("buffered", repo_config("envoy.yaml")?, grpc),
-        ("full_duplex", repo_config("envoy-original-dst.yaml")?, grpc),
+        ("baseline", patient(baseline_config()), grpc),
+        ("floor", patient(repo_config("envoy.yaml")?), floor_port),
+        ("buffered", patient(repo_config("envoy.yaml")?), grpc),
+        (
+            "full_duplex",
+            patient(repo_config("envoy-original-dst.yaml")?),
+            grpc,
+        ),
     ];
     let mut envoys = Vec::new();
     for (name, config, port) in &configs {
@@ -249,9 +253,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     println!(
         "\n| prompt | clients | path | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | \
-         ext_proc CPU µs/req | ext_proc cores | Envoy CPU µs/req | Envoy cores | index hits |"
+         ext_proc CPU µs/req | ext_proc cores | Envoy CPU µs/req | Envoy cores | index hits (+ load overrides) | tokenize timeouts |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut conversations_started = 0;
     for &size in &args.sizes {
         let shared = Arc::new(words(size * 3 / 4, 0));
@@ -294,7 +298,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 let ext_proc_cpu = point.ext_proc_cpu_s.map(per_request);
                 let ext_proc_cores = point.ext_proc_cpu_s.map(|s| s / window);
                 println!(
-                    "| {} | {clients} | {} | {rps:.0} | {:.2} | {:.2} | {} | {} | {} | {} | {:.0} | {:.2} | {} |",
+                    "| {} | {clients} | {} | {rps:.0} | {:.2} | {:.2} | {} | {} | {} | {} | {:.0} | {:.2} | {} | {} |",
                     size_label(size),
                     path.name,
                     latency.p50,
@@ -305,9 +309,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     ext_proc_cores.map_or("–".into(), |c| format!("{c:.2}")),
                     per_request(point.envoy_cpu_s),
                     point.envoy_cpu_s / window,
-                    point
-                        .decisions
-                        .map_or("–".into(), |d| format!("{:.0} %", d.hit_share() * 100.0)),
+                    point.decisions.map_or("–".into(), |d| format!(
+                        "{:.0} % (+{:.0} %)",
+                        d.hit_share() * 100.0,
+                        d.share(d.load_overrides) * 100.0
+                    )),
+                    point.decisions.map_or("–".into(), |d| format!(
+                        "{:.0} %",
+                        d.share(d.tokenize_timeouts) * 100.0
+                    )),
                 );
                 rows.push(serde_json::json!({
                     "prompt_bytes": size,
@@ -332,6 +342,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     "envoy_cores_used": point.envoy_cpu_s / window,
                     "decisions": point.decisions.map(|d| d.picks),
                     "index_hits": point.decisions.map(|d| d.index_hits),
+                    "tokenize_timeouts": point.decisions.map(|d| d.tokenize_timeouts),
+                    "load_overrides": point.decisions.map(|d| d.load_overrides),
                 }));
             }
         }
@@ -374,6 +386,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
     drop((envoys, floor));
     drop(system);
     Ok(())
+}
+
+/// `config` with 10 s, not 1 s, for Envoy to connect to a replica: at 220 KB and 512 clients a
+/// simulator busy tokenizing on its one thread accepts connections seconds late, and every
+/// path, the baseline first, would answer 503 "connection timeout" for a replica that works.
+fn patient(config: String) -> String {
+    config.replace("connect_timeout: 1s", "connect_timeout: 10s")
 }
 
 /// Sets `pid`'s threads (and the ones they start later) on `core`, or on every allowed core.
@@ -438,12 +457,23 @@ struct Decisions {
     picks: f64,
     /// `llmgw_kv_decisions_total{decision="hit"}`: picks the index answered with cached blocks.
     index_hits: f64,
+    /// `llmgw_kv_decisions_total{decision="load_override"}`: the index found the prompt's blocks
+    /// but load outvoted them (with two replicas under hundreds of clients, often).
+    load_overrides: f64,
+    /// `llmgw_tokenize_timeouts_total`: tokenizations past `--tokenize-deadline` (their picks
+    /// went to the prefix tree).
+    tokenize_timeouts: f64,
 }
 
 impl Decisions {
     fn hit_share(self) -> f64 {
+        self.share(self.index_hits)
+    }
+
+    /// `count` as a share of the picks.
+    fn share(self, count: f64) -> f64 {
         if self.picks > 0.0 {
-            self.index_hits / self.picks
+            count / self.picks
         } else {
             0.0
         }
@@ -499,8 +529,19 @@ async fn measure(
     }
     let envoy_pid = envoy.guard.id();
     let before = Counters::read(envoy_pid, processor).await?;
-    let until = clock.open(window);
-    tokio::time::sleep_until(until.into()).await;
+    let mut until = clock.open(window);
+    let mut measured = window;
+    loop {
+        tokio::time::sleep_until(until.into()).await;
+        if !latencies.lock().is_empty() || measured >= MAX_WARMUP {
+            break;
+        }
+        // A point so slow that no request finished in the window (220 KB, 512 clients: a
+        // minute each): it stays open until one does. Clients that saw it end meanwhile
+        // stopped; the requests in flight still finish in it.
+        until = clock.extend(window).context("the window is open")?;
+        measured += window;
+    }
     let after = Counters::read(envoy_pid, processor).await?;
     while let Some(result) = tasks.join_next().await {
         result??;
@@ -512,7 +553,7 @@ async fn measure(
     Ok(Point {
         requests: latencies_ms.len(),
         latencies_ms,
-        window,
+        window: measured,
         ext_proc_cpu_s: after
             .ext_proc_cpu_s
             .zip(before.ext_proc_cpu_s)
@@ -524,6 +565,8 @@ async fn measure(
             .map(|(a, b)| Decisions {
                 picks: a.picks - b.picks,
                 index_hits: a.index_hits - b.index_hits,
+                load_overrides: a.load_overrides - b.load_overrides,
+                tokenize_timeouts: a.tokenize_timeouts - b.tokenize_timeouts,
             }),
     })
 }
@@ -534,7 +577,7 @@ const MAX_WARMUP: Duration = Duration::from_secs(120);
 /// The measured window, opened once the loop is warm, and the requests answered so far.
 #[derive(Default)]
 struct Window {
-    span: OnceLock<(Instant, Instant)>,
+    span: Mutex<Option<(Instant, Instant)>>,
     answered: AtomicUsize,
 }
 
@@ -542,17 +585,25 @@ impl Window {
     /// Opens the window now for `length`; returns its end.
     fn open(&self, length: Duration) -> Instant {
         let now = Instant::now();
-        self.span.get_or_init(|| (now, now + length)).1
+        self.span.lock().get_or_insert((now, now + length)).1
+    }
+
+    /// Moves the open window's end `by` later; returns the new end.
+    fn extend(&self, by: Duration) -> Option<Instant> {
+        let mut span = self.span.lock();
+        let (_, until) = span.as_mut()?;
+        *until += by;
+        Some(*until)
     }
 
     fn within(&self, at: Instant) -> bool {
         self.span
-            .get()
-            .is_some_and(|&(from, until)| at >= from && at <= until)
+            .lock()
+            .is_some_and(|(from, until)| at >= from && at <= until)
     }
 
     fn ended(&self, at: Instant) -> bool {
-        self.span.get().is_some_and(|&(_, until)| at >= until)
+        self.span.lock().is_some_and(|(_, until)| at >= until)
     }
 }
 
@@ -576,6 +627,11 @@ impl Counters {
                 Some(Decisions {
                     picks: total("llmgw_pick_duration_seconds_count", &[]),
                     index_hits: total("llmgw_kv_decisions_total", &[("decision", "hit")]),
+                    load_overrides: total(
+                        "llmgw_kv_decisions_total",
+                        &[("decision", "load_override")],
+                    ),
+                    tokenize_timeouts: total("llmgw_tokenize_timeouts_total", &[]),
                 })
             }
             None => None,
