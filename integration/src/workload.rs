@@ -29,10 +29,10 @@ pub struct WorkloadConfig {
     /// At most this many requests in all (0 = no limit).
     pub max_requests: usize,
     pub max_tokens: u32,
-    /// Every `bypass_every`-th conversation (0: none) goes straight to a replica, not through
-    /// the router: tenant `t`'s to `bypass[t % len]` (base URLs), as a client that knows a
-    /// replica's address would send it. Only a router that reads the replicas' KV events sees
-    /// what those conversations cache.
+    /// One conversation in `bypass_every` (0: none; chosen by a hash of its id, so every tenant
+    /// has some) goes straight to a replica, not through the router: tenant `t`'s to
+    /// `bypass[t % len]` (base URLs), as a client that knows a replica's address would send it.
+    /// Only a router that reads the replicas' KV events sees what those conversations cache.
     pub bypass_every: usize,
     pub bypass: Vec<String>,
     /// Percent (0-100) of conversations that belong to tenant 0, a hot tenant, on top of its
@@ -67,12 +67,17 @@ impl WorkloadConfig {
     /// Conversation `id`'s tenant: tenant 0 for `hot_tenant_percent` of them (chosen by a hash
     /// of the id, the same in every run), the others in turn.
     pub fn tenant_of(&self, id: usize) -> usize {
-        let hot = (id as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
-        if hot % 100 < u64::from(self.hot_tenant_percent) {
+        if id_hash(id, 0) % 100 < u64::from(self.hot_tenant_percent) {
             0
         } else {
             id % self.tenants.max(1)
         }
+    }
+
+    /// Whether conversation `id` bypasses the router: one in `bypass_every`, by a hash of the
+    /// id (not the id itself, which would pick whole tenants, as tenants are taken in turn).
+    pub fn bypasses(&self, id: usize) -> bool {
+        self.bypass_every > 0 && id_hash(id, 1).is_multiple_of(self.bypass_every as u64)
     }
 
     /// The model a tenant's requests name: an adapter's when the workload has adapters.
@@ -82,6 +87,12 @@ impl WorkloadConfig {
             n => adapter_name(tenant % n),
         }
     }
+}
+
+/// A hash of a conversation id, one per `purpose`, the same in every run.
+fn id_hash(id: usize, purpose: u64) -> u64 {
+    (id as u64 ^ purpose.wrapping_mul(0xD6E8_FEB8_6659_FD93)).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        >> 32
 }
 
 /// One request's outcome.
@@ -286,7 +297,8 @@ async fn conversation(
     started: Instant,
 ) -> bool {
     let tenant = config.tenant_of(id);
-    let bypass = (config.bypass_every > 0 && id.is_multiple_of(config.bypass_every))
+    let bypass = config
+        .bypasses(id)
         .then(|| config.bypass.get(tenant % config.bypass.len().max(1)))
         .flatten();
     let base_url = bypass.map_or(base_url, String::as_str);
@@ -486,6 +498,32 @@ mod tests {
         // 60 % hot, plus a quarter of the other 40 %: about 70 %.
         assert!((6_700..7_300).contains(&of_zero), "{of_zero} of 10000");
         assert!((0..10_000).all(|id| hot.tenant_of(id) < 4));
+    }
+
+    #[test]
+    fn bypassing_conversations_come_from_every_tenant() {
+        let config = WorkloadConfig {
+            tenants: 8,
+            bypass_every: 2,
+            ..WorkloadConfig::default()
+        };
+        assert!((0..100).all(|id| !WorkloadConfig::default().bypasses(id)));
+        let bypassing: Vec<usize> = (0..8_000).filter(|&id| config.bypasses(id)).collect();
+        assert!(
+            (3_600..4_400).contains(&bypassing.len()),
+            "{}",
+            bypassing.len()
+        );
+        for tenant in 0..8 {
+            let of_tenant = bypassing
+                .iter()
+                .filter(|&&id| config.tenant_of(id) == tenant)
+                .count();
+            assert!(
+                (300..700).contains(&of_tenant),
+                "tenant {tenant}: {of_tenant} of 1000"
+            );
+        }
     }
 
     #[test]

@@ -131,10 +131,10 @@ struct Args {
     /// another waits for a slot.
     #[arg(long, default_value_t = 2)]
     max_loras: usize,
-    /// Every N-th conversation (0: none) bypasses the router: sent straight to a replica, the
-    /// same one for each tenant (tenant modulo replicas), as a client that knows a replica's
-    /// address would. Only the precise index (the agent reads every replica's KV events) sees
-    /// what those conversations cache.
+    /// One conversation in N (0: none; by a hash of its id, so every tenant has some) bypasses
+    /// the router: sent straight to a replica, the same one for each tenant (tenant modulo
+    /// replicas), as a client that knows a replica's address would. Only the precise index (the
+    /// agent reads every replica's KV events) sees what those conversations cache.
     #[arg(long, default_value_t = 0)]
     bypass_every: usize,
     /// Percent of conversations that belong to tenant 0 (a hot tenant), on top of its share of
@@ -333,8 +333,8 @@ fn scenario(args: &Args) -> String {
     let mut parts = Vec::new();
     if args.bypass_every > 0 {
         parts.push(format!(
-            "every {} conversation straight to its tenant's replica, bypassing the router",
-            ordinal(args.bypass_every)
+            "one conversation in {} straight to its tenant's replica, bypassing the router",
+            args.bypass_every
         ));
     }
     if args.hot_tenant_percent > 0 {
@@ -344,17 +344,6 @@ fn scenario(args: &Args) -> String {
         ));
     }
     parts.iter().map(|p| format!(" ({p})")).collect()
-}
-
-fn ordinal(n: usize) -> String {
-    let suffix = match (n % 10, n % 100) {
-        (_, 11..=13) => "th",
-        (1, _) => "st",
-        (2, _) => "nd",
-        (3, _) => "rd",
-        _ => "th",
-    };
-    format!("{n}{suffix}")
 }
 
 /// The workload at `rate` straight to one sim with room for every block the run computes and
