@@ -24,7 +24,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use aho_corasick::{AhoCorasick, MatchKind};
-use lru::LruCache;
 use parking_lot::Mutex;
 use serde_json::Value;
 
@@ -160,35 +159,45 @@ impl Segmenter {
     }
 }
 
+/// A pipeline component's `"type"` as `tokenizer.json` writes it.
+fn kind(component: &Value) -> Option<&str> {
+    component.get("type").and_then(Value::as_str)
+}
+
+/// Whether every member of a `Sequence` component (listed under `key`) passes `check`.
+fn sequence_all(sequence: &Value, key: &str, check: fn(&Value) -> bool) -> bool {
+    sequence
+        .get(key)
+        .and_then(Value::as_array)
+        .is_some_and(|all| all.iter().all(check))
+}
+
 fn normalizer_is_local(normalizer: &Value) -> bool {
-    match normalizer.get("type").and_then(Value::as_str) {
+    match kind(normalizer) {
         None => normalizer.is_null(),
         Some("NFC") => true,
-        Some("Sequence") => normalizer
-            .get("normalizers")
-            .and_then(Value::as_array)
-            .is_some_and(|all| all.iter().all(normalizer_is_local)),
+        Some("Sequence") => sequence_all(normalizer, "normalizers", normalizer_is_local),
         Some(_) => false,
     }
 }
 
 fn pre_tokenizer_splits_at_cuts(pre_tokenizer: &Value) -> bool {
     let byte_level = |v: &Value, use_regex: bool| {
-        v.get("type").and_then(Value::as_str) == Some("ByteLevel")
+        kind(v) == Some("ByteLevel")
             && v.get("add_prefix_space").and_then(Value::as_bool) == Some(false)
             && v.get("use_regex").and_then(Value::as_bool) == Some(use_regex)
     };
     if byte_level(pre_tokenizer, true) {
         return true; // GPT-2's regex
     }
-    let Some([split, mapping]) = (pre_tokenizer.get("type").and_then(Value::as_str)
-        == Some("Sequence"))
-    .then(|| pre_tokenizer.get("pretokenizers").and_then(Value::as_array))
-    .flatten()
-    .map(Vec::as_slice) else {
+    let Some([split, mapping]) = (kind(pre_tokenizer) == Some("Sequence"))
+        .then(|| pre_tokenizer.get("pretokenizers").and_then(Value::as_array))
+        .flatten()
+        .map(Vec::as_slice)
+    else {
         return false;
     };
-    split.get("type").and_then(Value::as_str) == Some("Split")
+    kind(split) == Some("Split")
         && split.get("behavior").and_then(Value::as_str) == Some("Isolated")
         && split.get("invert").and_then(Value::as_bool) == Some(false)
         && split
@@ -199,7 +208,7 @@ fn pre_tokenizer_splits_at_cuts(pre_tokenizer: &Value) -> bool {
 }
 
 fn post_processor_only_prefixes(post_processor: &Value) -> bool {
-    match post_processor.get("type").and_then(Value::as_str) {
+    match kind(post_processor) {
         None => post_processor.is_null(),
         Some("ByteLevel") => true,
         Some("TemplateProcessing") => post_processor
@@ -210,10 +219,9 @@ fn post_processor_only_prefixes(post_processor: &Value) -> bool {
                 last.pointer("/Sequence/id").and_then(Value::as_str) == Some("A")
                     && before.iter().all(|p| p.get("SpecialToken").is_some())
             }),
-        Some("Sequence") => post_processor
-            .get("processors")
-            .and_then(Value::as_array)
-            .is_some_and(|all| all.iter().all(post_processor_only_prefixes)),
+        Some("Sequence") => {
+            sequence_all(post_processor, "processors", post_processor_only_prefixes)
+        }
         Some(_) => false,
     }
 }
@@ -297,11 +305,7 @@ impl LocalTokenizer {
             chat: None,
             splitter,
             segmenter,
-            pieces: Arc::new(Mutex::new(TokenCache {
-                max_bytes: PIECE_CACHE_BYTES,
-                bytes: 0,
-                entries: LruCache::unbounded(),
-            })),
+            pieces: Arc::new(Mutex::new(TokenCache::new(PIECE_CACHE_BYTES))),
         })
     }
 

@@ -214,6 +214,15 @@ struct TokenCache {
 }
 
 impl TokenCache {
+    /// An empty cache of at most `max_bytes`.
+    fn new(max_bytes: usize) -> TokenCache {
+        TokenCache {
+            max_bytes,
+            bytes: 0,
+            entries: LruCache::unbounded(),
+        }
+    }
+
     fn entry_bytes(tokens: &Tokens) -> usize {
         tokens.len() * std::mem::size_of::<u32>() + ENTRY_OVERHEAD
     }
@@ -337,11 +346,7 @@ impl Tokenizer {
                 .pool_idle_timeout(Duration::from_secs(30))
                 .build()
                 .unwrap_or_default(),
-            cache: Arc::new(Mutex::new(TokenCache {
-                max_bytes: config.cache_bytes,
-                bytes: 0,
-                entries: LruCache::unbounded(),
-            })),
+            cache: Arc::new(Mutex::new(TokenCache::new(config.cache_bytes))),
             stats: Arc::new(TokenizeStats::default()),
             local: HashMap::new(),
         }

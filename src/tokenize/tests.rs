@@ -201,11 +201,7 @@ async fn past_the_deadline_it_falls_back_and_the_late_answer_fills_the_cache() {
 
 #[test]
 fn the_cache_stays_within_its_byte_bound() {
-    let mut cache = TokenCache {
-        max_bytes: 1000,
-        bytes: 0,
-        entries: LruCache::unbounded(),
-    };
+    let mut cache = TokenCache::new(1000);
     for key in 0..100u128 {
         cache.insert(key, Arc::from(vec![1u32; 50]));
         assert!(cache.bytes <= 1000);
