@@ -219,6 +219,39 @@ impl SimHandle {
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
+
+    /// Stops the process at once, as an engine crash would; its ports are then free for a
+    /// restart ([`SimHandle::restarted_as`]).
+    pub fn kill(&mut self) {
+        let _ = self.guard.child.kill();
+        let _ = self.guard.child.wait();
+    }
+
+    /// What a restarted engine binds for its KV events: the same port on every interface
+    /// (`tcp://*:PORT`, vLLM's convention), so subscribers keep dialing the endpoint they had.
+    pub fn events_rebind(&self) -> Option<String> {
+        rebind(self.events.as_deref()?)
+    }
+
+    /// The same for the replay endpoint.
+    pub fn replay_rebind(&self) -> Option<String> {
+        rebind(self.replay.as_deref()?)
+    }
+
+    /// Takes the place of the killed process with `new`, started on the same HTTP port (add
+    /// `--port` with it) and the `*_rebind` endpoints; keeps the endpoints subscribers dial.
+    pub fn restarted_as(&mut self, new: SimHandle) {
+        assert_eq!(new.addr, self.addr, "replica restarted on its port");
+        let (events, replay) = (self.events.take(), self.replay.take());
+        *self = new;
+        self.events = events;
+        self.replay = replay;
+    }
+}
+
+fn rebind(endpoint: &str) -> Option<String> {
+    let (_, port) = endpoint.rsplit_once(':')?;
+    Some(format!("tcp://*:{port}"))
 }
 
 /// `llmgw-sim` flags for a replica of `model` whose cache holds `gpu_blocks` blocks of

@@ -140,24 +140,13 @@ impl System {
     /// Kills replica `i` and starts it again on the same HTTP port and KV-events endpoint (an
     /// engine restart: its cache starts empty); returns once it listens.
     pub fn restart_replica(&mut self, i: usize) {
-        let addr = self.sims[i].addr;
-        let events = self.sims[i].events.clone().expect("sim publishes events");
         // Kill first: the new process binds the same ports.
-        let _ = self.sims[i].guard.child.kill();
-        let _ = self.sims[i].guard.child.wait();
-        let port = addr.port().to_string();
-        // A `*` host binds (vLLM's convention); the agent keeps dialing the old endpoint.
-        let events_port = events.rsplit_once(':').map_or("0", |(_, p)| p);
-        let bind = format!("tcp://*:{events_port}");
-        let replay = self.sims[i].replay.clone();
-        let replay_bind = replay
-            .as_deref()
-            .and_then(|r| r.rsplit_once(':'))
-            .map(|(_, p)| format!("tcp://*:{p}"));
-        self.sims[i] = spawn_replica(&self.config, Some((&port, &bind, replay_bind.as_deref())));
-        assert_eq!(self.sims[i].addr, addr, "replica restarted on its port");
-        self.sims[i].events = Some(events);
-        self.sims[i].replay = replay;
+        self.sims[i].kill();
+        let port = self.sims[i].addr.port().to_string();
+        let events = self.sims[i].events_rebind().expect("sim publishes events");
+        let replay = self.sims[i].replay_rebind();
+        let new = spawn_replica(&self.config, Some((&port, &events, replay.as_deref())));
+        self.sims[i].restarted_as(new);
     }
 }
 

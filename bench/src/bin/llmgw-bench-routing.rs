@@ -142,6 +142,26 @@ struct Args {
     /// affinity (see the TTFT p99 and the split over the replicas).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=100))]
     hot_tenant_percent: u8,
+    /// Seconds into each policy's run (after the warm-up, 0: never) at which replica 0 is
+    /// killed, as an engine crash would; it starts again on its ports, with an empty cache and
+    /// its event sequence at 0, `--restart-downtime-ms` later. The ceiling run has no restart.
+    #[arg(long, default_value_t = 0)]
+    restart_replica_at: u64,
+    /// How long the killed replica stays down.
+    #[arg(long, default_value_t = 3000)]
+    restart_downtime_ms: u64,
+}
+
+impl Args {
+    /// When replica 0 goes down and for how long, if it does.
+    fn restart(&self) -> Option<(Duration, Duration)> {
+        (self.restart_replica_at > 0).then(|| {
+            (
+                Duration::from_secs(self.restart_replica_at),
+                Duration::from_millis(self.restart_downtime_ms),
+            )
+        })
+    }
 }
 
 /// The sims' `--enable-lora` flags for `args.adapters` adapters with `max_loras` slots.
@@ -175,6 +195,14 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     if args.warmup_seconds >= args.seconds {
         bail!("--warmup-seconds must be below --seconds");
     }
+    if let Some((at, downtime)) = args.restart()
+        && (at < Duration::from_secs(args.warmup_seconds)
+            || at + downtime >= Duration::from_secs(args.seconds))
+    {
+        bail!(
+            "--restart-replica-at must fall after the warm-up, and the replica must be back before --seconds"
+        );
+    }
     std::fs::create_dir_all(&args.out_dir)
         .with_context(|| format!("create {}", args.out_dir.display()))?;
     let vllm_router = args
@@ -187,7 +215,7 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
         "starting {} llmgw-sim replicas ({} blocks of {BLOCK_SIZE} tokens each) …",
         args.replicas, args.blocks_per_replica
     );
-    let sims = start_sims(&args);
+    let mut sims = start_sims(&args);
     let http = reqwest::Client::new();
 
     let (rate, calibration) = match args.rate {
@@ -238,9 +266,17 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
                 continue;
             }
         };
-        let (report, samples, extra) = measure_policy(policy, &stack, &args, rate, &sims, &http)
-            .await
-            .with_context(|| format!("measuring {policy}"))?;
+        let (report, samples, extra) = measure_policy(
+            policy,
+            &stack,
+            &args,
+            rate,
+            &mut sims,
+            args.restart(),
+            &http,
+        )
+        .await
+        .with_context(|| format!("measuring {policy}"))?;
         println!("{}", markdown_table(std::slice::from_ref(&report)));
         if let Some(extra) = extra {
             println!("{extra}");
@@ -313,19 +349,50 @@ fn write(path: &Path, text: &str) -> anyhow::Result<()> {
     std::fs::write(path, text).with_context(|| format!("write {}", path.display()))
 }
 
-/// The sims, once for every policy. Events on vLLM's default topic (empty), which every
-/// subscriber here accepts.
+/// The sims, once for every policy.
 fn start_sims(args: &Args) -> Vec<SimHandle> {
-    let events =
-        r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:*"}"#;
     (0..args.replicas)
         .map(|_| {
-            let mut sim_args = cache_sim_args(MODEL, BLOCK_SIZE, args.blocks_per_replica, events);
-            sim_args.extend(lora_sim_args(args, args.max_loras));
-            sim_args.extend(args.sim_args.iter().cloned());
-            spawn_sim_with_env(sim_args, [("PYTHONHASHSEED", SEED)])
+            spawn_sim_with_env(
+                sim_args(args, "tcp://127.0.0.1:*"),
+                [("PYTHONHASHSEED", SEED)],
+            )
         })
         .collect()
+}
+
+/// A measured sim's flags, its KV events bound at `events` on vLLM's default topic (empty),
+/// which every subscriber here accepts.
+fn sim_args(args: &Args, events: &str) -> Vec<String> {
+    let events =
+        format!(r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"{events}"}}"#);
+    let mut sim_args = cache_sim_args(MODEL, BLOCK_SIZE, args.blocks_per_replica, &events);
+    sim_args.extend(lora_sim_args(args, args.max_loras));
+    sim_args.extend(args.sim_args.iter().cloned());
+    sim_args
+}
+
+/// Kills `sim`, waits `downtime`, and starts it again on its ports with an empty cache, as an
+/// engine restart does. Returns its prefix-cache counters (hits, queries) just before the
+/// kill, which the new process counts from 0 again.
+async fn crash_and_restart(
+    args: &Args,
+    sim: &mut SimHandle,
+    downtime: Duration,
+    http: &reqwest::Client,
+) -> anyhow::Result<(f64, f64)> {
+    let counted = workload::cache_counters(http, std::slice::from_ref(sim)).await;
+    sim.kill();
+    println!("replica {} killed; back in {downtime:?}", sim.addr);
+    tokio::time::sleep(downtime).await;
+    let events = sim.events_rebind().context("a sim publishes no events")?;
+    let mut flags = sim_args(args, &events);
+    flags.extend(["--port".to_owned(), sim.addr.port().to_string()]);
+    // Blocks until the new process listens (well under a second).
+    let new = tokio::task::block_in_place(|| spawn_sim_with_env(flags, [("PYTHONHASHSEED", SEED)]));
+    sim.restarted_as(new);
+    println!("replica {} restarted with an empty cache", sim.addr);
+    Ok(counted)
 }
 
 /// What the workload adds to the plain tenants ("" when nothing).
@@ -341,6 +408,14 @@ fn scenario(args: &Args) -> String {
         parts.push(format!(
             "tenant 0 hot ({} % of conversations on top of its share)",
             args.hot_tenant_percent
+        ));
+    }
+    if let Some((at, downtime)) = args.restart() {
+        parts.push(format!(
+            "replica 0 killed {} s into each run and restarted empty {} ms later; not in the \
+             ceiling run",
+            at.as_secs(),
+            downtime.as_millis()
         ));
     }
     parts.iter().map(|p| format!(" ({p})")).collect()
@@ -373,7 +448,7 @@ async fn measure_ceiling(
     .to_vec();
     // Every adapter in a slot of its own: the ceiling waits for no adapter.
     sim_args.extend(lora_sim_args(args, args.adapters.max(1)));
-    let sim = spawn_sim_with_env(sim_args, [("PYTHONHASHSEED", SEED)]);
+    let mut sim = spawn_sim_with_env(sim_args, [("PYTHONHASHSEED", SEED)]);
     let stack = Stack {
         url: sim.url(),
         llmgw_admins: Vec::new(),
@@ -381,8 +456,8 @@ async fn measure_ceiling(
         envoy_pid: None,
         _guards: Vec::new(),
     };
-    let sims = std::slice::from_ref(&sim);
-    let (report, _, _) = measure_policy(Policy::RoundRobin, &stack, args, rate, sims, http)
+    let sims = std::slice::from_mut(&mut sim);
+    let (report, _, _) = measure_policy(Policy::RoundRobin, &stack, args, rate, sims, None, http)
         .await
         .context("measuring the hit-rate ceiling")?;
     Ok(report)
@@ -708,7 +783,8 @@ fn cpu_seconds(pids: &[u32]) -> anyhow::Result<f64> {
 struct Snapshot {
     router_cpu: f64,
     envoy_cpu: f64,
-    cache: (f64, f64),
+    /// Each sim's prefix-cache (hits, queries).
+    cache: Vec<(f64, f64)>,
 }
 
 async fn snapshot(
@@ -716,21 +792,27 @@ async fn snapshot(
     http: &reqwest::Client,
     sims: &[SimHandle],
 ) -> anyhow::Result<Snapshot> {
+    let mut cache = Vec::with_capacity(sims.len());
+    for sim in sims {
+        cache.push(workload::cache_counters(http, std::slice::from_ref(sim)).await);
+    }
     Ok(Snapshot {
         router_cpu: cpu_seconds(&stack.router_pids)?,
         envoy_cpu: cpu_seconds(stack.envoy_pid.as_slice())?,
-        cache: workload::cache_counters(http, sims).await,
+        cache,
     })
 }
 
-/// Runs the open-loop workload through `stack` and measures it. Returns the report, the
-/// measured TTFTs (ms) and, for llmgw, which tier decided.
+/// Runs the open-loop workload through `stack` and measures it, crashing and restarting
+/// `sims[0]` at `restart` (when, for how long). Returns the report, the measured TTFTs (ms)
+/// and a note: the prompt tokens per replica and, for llmgw, which tier decided.
 async fn measure_policy(
     policy: Policy,
     stack: &Stack,
     args: &Args,
     rate: f64,
-    sims: &[SimHandle],
+    sims: &mut [SimHandle],
+    restart: Option<(Duration, Duration)>,
     http: &reqwest::Client,
 ) -> anyhow::Result<(PolicyReport, Vec<f64>, Option<String>)> {
     let duration = Duration::from_secs(args.seconds);
@@ -761,6 +843,12 @@ async fn measure_policy(
     ));
     tokio::time::sleep_until((started + warmup).into()).await;
     let before = snapshot(stack, http, sims).await?;
+    // What the crashed replica had counted before its counters started again from 0.
+    let mut counted_before_restart = (0.0, 0.0);
+    if let (Some((at, downtime)), Some(sim)) = (restart, sims.first_mut()) {
+        tokio::time::sleep_until((started + at).into()).await;
+        counted_before_restart = crash_and_restart(args, sim, downtime, http).await?;
+    }
     traffic.await.context("workload task")?;
     let after = snapshot(stack, http, sims).await?;
 
@@ -783,10 +871,24 @@ async fn measure_policy(
         .count();
     let per_request =
         |seconds: f64| (!measured.is_empty()).then(|| seconds / measured.len() as f64 * 1e6);
-    let (hits, queries) = (
-        after.cache.0 - before.cache.0,
-        after.cache.1 - before.cache.1,
-    );
+    // Per sim over the span: (hits, queries).
+    let per_sim: Vec<(f64, f64)> = before
+        .cache
+        .iter()
+        .zip(&after.cache)
+        .enumerate()
+        .map(|(i, (b, a))| {
+            let restarted = if i == 0 {
+                counted_before_restart
+            } else {
+                (0.0, 0.0)
+            };
+            (a.0 + restarted.0 - b.0, a.1 + restarted.1 - b.1)
+        })
+        .collect();
+    let (hits, queries) = per_sim
+        .iter()
+        .fold((0.0, 0.0), |t, s| (t.0 + s.0, t.1 + s.1));
     let report = PolicyReport {
         policy: policy.to_string(),
         requests: ttft_ms.len(),
@@ -806,12 +908,25 @@ async fn measure_policy(
     if let Some(first) = results.errors.first() {
         println!("{} client errors, first: {first}", results.errors.len());
     }
-    let tiers = if stack.llmgw_admins.is_empty() {
-        None
-    } else {
-        Some(decided_by(http, &stack.llmgw_admins).await)
-    };
-    Ok((report, ttft_ms, tiers))
+    // Where the prompt tokens went and how each replica's cache did with them.
+    let split: Vec<String> = per_sim
+        .iter()
+        .enumerate()
+        .map(|(i, &(h, q))| {
+            let share = if queries > 0.0 { q / queries } else { 0.0 };
+            let rate = if q > 0.0 { h / q } else { 0.0 };
+            format!("{i}: {:.0} % at {:.1} %", share * 100.0, rate * 100.0)
+        })
+        .collect();
+    let mut extra = format!(
+        "prompt tokens per replica (share at hit rate): {}",
+        split.join(", ")
+    );
+    if !stack.llmgw_admins.is_empty() {
+        extra += "; ";
+        extra += &decided_by(http, &stack.llmgw_admins).await;
+    }
+    Ok((report, ttft_ms, Some(extra)))
 }
 
 /// llmgw's own decision counters, summed over its routers: which tier decided, over the run.

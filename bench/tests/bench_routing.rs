@@ -1,0 +1,54 @@
+//! `llmgw-bench-routing` at toy size (debug builds, from `cargo build --workspace --bins`): a
+//! hand-placed and a precise run against real sims, a real agent, router and Envoy, with
+//! replica 0 killed and restarted mid-run. It checks that both runs finish, count their
+//! requests and account for the restarted replica's counters; no timing or hit rate is judged.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test and bench harness: a panic is a failed run, never a crashed router"
+)]
+
+use std::process::Command;
+
+use llmgw_integration::{bin_path, repo_root};
+
+#[test]
+fn a_replica_restarted_mid_run_is_measured_for_every_policy() {
+    let out = repo_root()
+        .join("target")
+        .join(format!("bench-routing-test-{}", std::process::id()));
+    let json = out.join("report.json");
+    let mut command = Command::new(bin_path("llmgw-bench-routing"));
+    command
+        .args([
+            "--policies",
+            "pinned,llmgw_precise_tokenize",
+            "--no-ceiling",
+        ])
+        .args(["--replicas", "2", "--tenants", "2", "--rate", "6"])
+        .args(["--seconds", "6", "--warmup-seconds", "1"])
+        .args(["--restart-replica-at", "2", "--restart-downtime-ms", "500"])
+        .arg("--out-dir")
+        .arg(&out);
+    let (stdout, report) = llmgw_bench::run_bench(command, &json);
+    let _ = std::fs::remove_dir_all(&out);
+    assert_eq!(
+        stdout.matches("restarted with an empty cache").count(),
+        2,
+        "once per policy:\n{stdout}"
+    );
+    let rows = report.as_array().expect("one row per policy");
+    assert_eq!(rows.len(), 2, "{report}");
+    for row in rows {
+        assert!(row["requests"].as_u64().is_some_and(|n| n > 0), "{row}");
+        // The restarted sim's counters start again from 0: what it counted before the kill is
+        // added back, so the rate stays a rate.
+        let hit_rate = row["hit_rate"].as_f64().expect("a hit rate");
+        assert!((0.0..=1.0).contains(&hit_rate), "{row}");
+    }
+    assert!(
+        stdout.contains("prompt tokens per replica (share at hit rate): 0: "),
+        "{stdout}"
+    );
+}
