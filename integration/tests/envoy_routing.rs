@@ -978,6 +978,56 @@ async fn full_duplex_streamed_returns_the_body_byte_for_byte() {
     assert!(text.contains("[DONE]"), "{text}");
 }
 
+/// Where Envoy sends llmgw the response (full duplex), the cached tokens each response's usage
+/// reports are counted for the replica that served it: the engine's own account of this
+/// router's requests, which the drift check prefers to the scraped counters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cached_tokens_responses_report_reach_the_drift_check() {
+    let (a, _echo, grpc, router) = tiny_and_echo_behind_a_router(&["--fallbacks", "0"]).await;
+    let envoy = start_envoy("envoy-original-dst.yaml", grpc, [a.addr, a.addr]).await;
+    let prompt = "The same long report, sent again and again. ".repeat(12);
+    let (mut cached, mut prompt_tokens) = (0, 0);
+    for stream in [false, false, true] {
+        let mut body = serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 2});
+        if stream {
+            body["stream"] = true.into();
+            body["stream_options"] = serde_json::json!({"include_usage": true});
+        }
+        let (status, replica, text) = post(&envoy, "/v1/completions", body.to_string(), &[]).await;
+        assert_eq!((status, replica.as_deref()), (200, Some("a")), "{text}");
+        let usage_json = if stream {
+            text.lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .rfind(|l| l.contains("prompt_tokens_details"))
+                .expect("a usage event")
+                .to_owned()
+        } else {
+            text
+        };
+        let usage = &serde_json::from_str::<serde_json::Value>(&usage_json).expect("JSON")["usage"];
+        cached += usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .expect("cached tokens");
+        prompt_tokens += usage["prompt_tokens"].as_u64().expect("prompt tokens");
+    }
+    assert!(cached > 0, "the repeated prompt hit the sim's cache");
+    let replica = a.addr.to_string();
+    let counted = |metrics: &str, family: &str| {
+        prom::sum(metrics, family, &[("replica", &replica)]).unwrap_or(-1.0)
+    };
+    // The ext_proc stream (and so the count) ends just after the client has the response.
+    wait_for(|| async {
+        let metrics = router.metrics().await;
+        counted(&metrics, "llmgw_reported_prompt_tokens_total") == prompt_tokens as f64
+    })
+    .await;
+    let metrics = router.metrics().await;
+    assert_eq!(
+        counted(&metrics, "llmgw_reported_cached_tokens_total"),
+        cached as f64
+    );
+}
+
 /// STREAMED with `send_body_without_waiting_for_header_response`: a body of many chunks reaches
 /// the picked replica unchanged (llmgw answers each chunk without touching it), and the pick
 /// waited for the whole body (the model is read from its end).

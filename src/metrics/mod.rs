@@ -15,7 +15,9 @@
 //!   `llmgw_replica_running`, `llmgw_replica_kv_cache_usage`; the self-check of the precise
 //!   tier ([`crate::pool::drift`]): `llmgw_expected_cached_tokens_total` of
 //!   `llmgw_routed_prompt_tokens_total` against the engine's `llmgw_observed_cached_tokens_total`
-//!   of `llmgw_observed_prompt_tokens_total`, and `llmgw_cache_drift_ratio` once judged.
+//!   of `llmgw_observed_prompt_tokens_total` (scraped) and `llmgw_reported_cached_tokens_total`
+//!   of `llmgw_reported_prompt_tokens_total` (the responses' usage), and
+//!   `llmgw_cache_drift_ratio` once judged.
 //! * With a named InferencePool, GIE's standard pool gauges (`inference_pool_*`, see [`gie`]).
 //! * GIE's request metrics (`inference_objective_*`, see [`ObjectiveMetrics`]): requests, errors
 //!   by GIE's error code, duration, request and response sizes, token counts from the
@@ -320,6 +322,8 @@ impl Collector for ReplicaCollector {
         let routed_tokens = Family::<ReplicaLabels, Counter>::default();
         let observed_hits = Family::<ReplicaLabels, Counter>::default();
         let observed_queries = Family::<ReplicaLabels, Counter>::default();
+        let reported_hits = Family::<ReplicaLabels, Counter>::default();
+        let reported_tokens = Family::<ReplicaLabels, Counter>::default();
         let drift = Family::<ReplicaLabels, Gauge<f64, AtomicU64>>::default();
         let snapshot = self.pool.snapshot();
         let now = Instant::now();
@@ -350,6 +354,8 @@ impl Collector for ReplicaCollector {
                 (&routed_tokens, view.routed_tokens),
                 (&observed_hits, view.observed_hits),
                 (&observed_queries, view.observed_queries),
+                (&reported_hits, view.reported_hits),
+                (&reported_tokens, view.reported_tokens),
             ] {
                 family.get_or_create(&labels).inc_by(tokens);
             }
@@ -357,7 +363,7 @@ impl Collector for ReplicaCollector {
                 drift.get_or_create(&labels).set(v);
             }
         }
-        let families: [(&str, &str, &dyn EncodeMetric); 10] = [
+        let families: [(&str, &str, &dyn EncodeMetric); 12] = [
             (
                 "llmgw_replica_in_flight",
                 "Requests llmgw has in flight to the replica",
@@ -406,9 +412,21 @@ impl Collector for ReplicaCollector {
                 &observed_queries,
             ),
             (
+                "llmgw_reported_cached_tokens",
+                "Prompt tokens the engine found cached, as its responses' \
+                 usage.prompt_tokens_details.cached_tokens said (responses llmgw saw)",
+                &reported_hits,
+            ),
+            (
+                "llmgw_reported_prompt_tokens",
+                "Prompt tokens of the responses that said how many were cached",
+                &reported_tokens,
+            ),
+            (
                 "llmgw_cache_drift_ratio",
                 "Disagreement of expected and engine-observed prefix-cache hit rates over the \
-                 last minute: |o - e| / max(o, e), 0 agreeing, 1 when one is 0",
+                 last minute (the responses' where enough were seen, else the scraped): \
+                 |o - e| / max(o, e), 0 agreeing, 1 when one is 0",
                 &drift,
             ),
         ];
@@ -453,6 +471,7 @@ mod tests {
         let t0 = Instant::now();
         replica.drift().observe("r", totals(10.0, 20.0), t0);
         replica.drift().expect(2048, 4096);
+        replica.drift().reported(30, 40);
         replica
             .drift()
             .observe("r", totals(10.0, 4116.0), t0 + Duration::from_secs(1));
@@ -472,6 +491,8 @@ mod tests {
             "llmgw_replica_waiting{replica=\"127.0.0.1:8001\"} 3.0",
             "llmgw_replica_kv_cache_usage{replica=\"127.0.0.1:8001\"} 0.5",
             "llmgw_expected_cached_tokens_total{replica=\"127.0.0.1:8001\"} 2048",
+            "llmgw_reported_cached_tokens_total{replica=\"127.0.0.1:8001\"} 30",
+            "llmgw_reported_prompt_tokens_total{replica=\"127.0.0.1:8001\"} 40",
             "llmgw_routed_prompt_tokens_total{replica=\"127.0.0.1:8001\"} 4096",
             "llmgw_observed_cached_tokens_total{replica=\"127.0.0.1:8001\"} 0",
             "llmgw_observed_prompt_tokens_total{replica=\"127.0.0.1:8001\"} 4096",

@@ -8,11 +8,46 @@ use serde::Deserialize;
 /// A response's `usage` (Anthropic's `/v1/messages` names them `input_tokens` and
 /// `output_tokens`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(from = "WireUsage")]
 pub struct Usage {
-    #[serde(alias = "input_tokens")]
     pub prompt_tokens: u64,
-    #[serde(default, alias = "output_tokens")]
     pub completion_tokens: u64,
+    /// Prompt tokens the engine found in its prefix cache, where the response says
+    /// (`prompt_tokens_details.cached_tokens`, or `input_tokens_details.cached_tokens` from
+    /// `/v1/responses`; vLLM fills them with `--enable-prompt-tokens-details`). Both count
+    /// within the prompt tokens. Anthropic's `cache_read_input_tokens` is not read: in
+    /// Anthropic's API it is not part of `input_tokens`, and engines differ on that.
+    pub cached_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct WireUsage {
+    #[serde(alias = "input_tokens")]
+    prompt_tokens: u64,
+    #[serde(default, alias = "output_tokens")]
+    completion_tokens: u64,
+    #[serde(default, alias = "input_tokens_details")]
+    prompt_tokens_details: Option<PromptDetails>,
+}
+
+#[derive(Deserialize)]
+struct PromptDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+impl From<WireUsage> for Usage {
+    fn from(wire: WireUsage) -> Usage {
+        Usage {
+            prompt_tokens: wire.prompt_tokens,
+            completion_tokens: wire.completion_tokens,
+            // More cached than prompt tokens is a broken count, not a hit rate above 1.
+            cached_tokens: wire
+                .prompt_tokens_details
+                .and_then(|d| d.cached_tokens)
+                .filter(|&cached| cached <= wire.prompt_tokens),
+        }
+    }
 }
 
 /// The last `"usage": {...}` object in `tail`, when there is one and it is whole. A `null`
@@ -37,7 +72,8 @@ mod tests {
             usage_in_tail(body),
             Some(Usage {
                 prompt_tokens: 12,
-                completion_tokens: 4
+                completion_tokens: 4,
+                cached_tokens: None,
             })
         );
     }
@@ -51,7 +87,8 @@ mod tests {
             usage_in_tail(body),
             Some(Usage {
                 prompt_tokens: 7,
-                completion_tokens: 3
+                completion_tokens: 3,
+                cached_tokens: None,
             })
         );
     }
@@ -63,8 +100,52 @@ mod tests {
             usage_in_tail(body),
             Some(Usage {
                 prompt_tokens: 9,
-                completion_tokens: 2
+                completion_tokens: 2,
+                cached_tokens: None,
             })
+        );
+    }
+
+    #[test]
+    fn the_engines_cached_prompt_tokens_are_read_where_reported() {
+        // vLLM with --enable-prompt-tokens-details, a JSON completion and a stream's last event.
+        let json = br#"{"choices":[],"usage":{"prompt_tokens":40,"total_tokens":44,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":32}}}"#;
+        let stream = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":40,\"completion_tokens\":4,\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\ndata: [DONE]\n\n";
+        // /v1/responses names them input_tokens(_details).
+        let responses = br#"{"status":"completed","usage":{"input_tokens":40,"input_tokens_details":{"cached_tokens":32},"output_tokens":4,"total_tokens":44}}"#;
+        for body in [&json[..], stream, responses] {
+            let usage = usage_in_tail(body).expect("a usage");
+            assert_eq!(
+                usage.cached_tokens,
+                Some(32),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+            assert_eq!(usage.prompt_tokens, 40);
+        }
+        // Not reported, reported as null, or more than the prompt: unknown.
+        for details in [
+            "",
+            r#","prompt_tokens_details":null"#,
+            r#","prompt_tokens_details":{"cached_tokens":null}"#,
+            r#","prompt_tokens_details":{"cached_tokens":41}"#,
+        ] {
+            let body =
+                format!(r#"{{"usage":{{"prompt_tokens":40,"completion_tokens":4{details}}}}}"#);
+            assert_eq!(
+                usage_in_tail(body.as_bytes())
+                    .expect("a usage")
+                    .cached_tokens,
+                None,
+                "{body}"
+            );
+        }
+        // Anthropic's cache reads are not taken for a part of input_tokens.
+        let messages =
+            br#"{"usage":{"input_tokens":9,"output_tokens":2,"cache_read_input_tokens":8}}"#;
+        assert_eq!(
+            usage_in_tail(messages).expect("a usage").cached_tokens,
+            None
         );
     }
 

@@ -5,9 +5,13 @@
 //! should find in its prefix cache (the leading blocks the index credits it with, at most
 //! vLLM's `(prompt_len - 1) // block_size` blocks, since vLLM always computes the last token).
 //! The engine counts what it really found in `vllm:prefix_cache_hits_total` out of
-//! `vllm:prefix_cache_queries_total`, which the scrapes llmgw already makes read. Over a
+//! `vllm:prefix_cache_queries_total`, which the scrapes llmgw already makes read, and, where
+//! the proxy sends llmgw the response (`FULL_DUPLEX_STREAMED`) and the engine reports it
+//! (`usage.prompt_tokens_details.cached_tokens`), per request in the response itself. Over a
 //! sliding window the two **hit rates** are compared (rates, not token counts, so a second
-//! router or traffic sent straight to the replica does not read as drift):
+//! router or traffic sent straight to the replica does not read as drift). The responses,
+//! where enough were seen, are the engine's account of exactly this router's requests, so
+//! they are judged first; the scrapes count every request the engine served:
 //! `drift = |observed - expected| / max(observed, expected)`, 0 when they agree, 1 when one is
 //! zero and the other is not. A wrong `--model` seed or block size and a tokenizer that is not
 //! the engine's make the router's hashes match nothing (expected ≈ 0 while the engine hits); a
@@ -18,7 +22,8 @@
 //! drift of its own.
 //!
 //! # Concurrency model
-//! Expectations are two atomics added to on the request path. The engine's side and the window
+//! Expectations and the responses' counts are atomics added to on the request path. The
+//! scraped side and the window
 //! are one `parking_lot::Mutex`, taken by the scrape task once per scrape and by the metrics
 //! collector; never held across an `.await`.
 
@@ -47,6 +52,8 @@ const POINT_SPACING: Duration = Duration::from_secs(1);
 pub struct CacheDrift {
     expected_hits: AtomicU64,
     routed_tokens: AtomicU64,
+    reported_hits: AtomicU64,
+    reported_tokens: AtomicU64,
     engine: Mutex<EngineSide>,
 }
 
@@ -69,6 +76,8 @@ struct Point {
     routed_tokens: u64,
     observed_hits: u64,
     observed_queries: u64,
+    reported_hits: u64,
+    reported_tokens: u64,
 }
 
 /// What the collector exports.
@@ -82,6 +91,10 @@ pub struct DriftView {
     pub observed_hits: u64,
     /// Prompt tokens the engine reported (increases of `vllm:prefix_cache_queries_total`).
     pub observed_queries: u64,
+    /// Cached prompt tokens the engine reported in the responses llmgw saw.
+    pub reported_hits: u64,
+    /// Prompt tokens of those responses.
+    pub reported_tokens: u64,
     /// Over the last window, once both sides saw enough tokens.
     pub drift: Option<f64>,
 }
@@ -105,6 +118,15 @@ impl CacheDrift {
             .fetch_add(prompt_tokens, Ordering::Relaxed);
     }
 
+    /// A response from this replica said the engine found `cached_tokens` of its
+    /// `prompt_tokens` cached.
+    pub fn reported(&self, cached_tokens: u64, prompt_tokens: u64) {
+        self.reported_hits
+            .fetch_add(cached_tokens, Ordering::Relaxed);
+        self.reported_tokens
+            .fetch_add(prompt_tokens, Ordering::Relaxed);
+    }
+
     /// The engine's counters as scraped at `at`; `replica` names it in the log lines. A counter
     /// that went down means the engine restarted: what it shows now is all new.
     pub fn observe(&self, replica: &str, totals: CacheTotals, at: Instant) {
@@ -123,6 +145,8 @@ impl CacheDrift {
             routed_tokens: self.routed_tokens.load(Ordering::Relaxed),
             observed_hits: engine.observed_hits,
             observed_queries: engine.observed_queries,
+            reported_hits: self.reported_hits.load(Ordering::Relaxed),
+            reported_tokens: self.reported_tokens.load(Ordering::Relaxed),
         };
         if engine
             .window
@@ -144,13 +168,22 @@ impl CacheDrift {
             return;
         };
         let routed = point.routed_tokens - base.routed_tokens;
-        let queried = point.observed_queries - base.observed_queries;
-        if routed < MIN_JUDGED_TOKENS || queried < MIN_JUDGED_TOKENS {
+        // The responses where enough were seen, else the scraped counters.
+        let reported = point.reported_tokens - base.reported_tokens;
+        let (engine_hits, engine_tokens) = if reported >= MIN_JUDGED_TOKENS {
+            (point.reported_hits - base.reported_hits, reported)
+        } else {
+            (
+                point.observed_hits - base.observed_hits,
+                point.observed_queries - base.observed_queries,
+            )
+        };
+        if routed < MIN_JUDGED_TOKENS || engine_tokens < MIN_JUDGED_TOKENS {
             engine.drift = None;
             return;
         }
         let expected = (point.expected_hits - base.expected_hits) as f64 / routed as f64;
-        let observed = (point.observed_hits - base.observed_hits) as f64 / queried as f64;
+        let observed = engine_hits as f64 / engine_tokens as f64;
         let drift = disagreement(expected, observed);
         engine.drift = Some(drift);
         if !engine.alarmed && drift >= DRIFT_ALERT {
@@ -181,6 +214,8 @@ impl CacheDrift {
             routed_tokens: self.routed_tokens.load(Ordering::Relaxed),
             observed_hits: engine.observed_hits,
             observed_queries: engine.observed_queries,
+            reported_hits: self.reported_hits.load(Ordering::Relaxed),
+            reported_tokens: self.reported_tokens.load(Ordering::Relaxed),
             drift: engine.drift,
         }
     }
@@ -232,6 +267,37 @@ mod tests {
         // Only the last window counts: 6 % observed against 60 % expected.
         let judged = drift.view().drift.expect("judged");
         assert!((judged - 0.9).abs() < 1e-9, "{judged}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_responses_judge_first_where_enough_were_seen() {
+        let drift = CacheDrift::default();
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        drift.observe("r", totals(0.0, 0.0), at(0));
+        // This router expects 60 % and its responses say 60 %; the scrapes show 20 %, since
+        // most of what the engine served came from elsewhere (clients sent straight to it).
+        drift.expect(3000, 5000);
+        drift.reported(3000, 5000);
+        drift.observe("r", totals(4000.0, 20_000.0), at(1));
+        let view = drift.view();
+        assert_eq!((view.reported_hits, view.reported_tokens), (3000, 5000));
+        assert_eq!(view.drift, Some(0.0), "{view:?}");
+        // Too few responses in the window (streams without usage): the scrapes judge.
+        let drift = CacheDrift::default();
+        drift.observe("r", totals(0.0, 0.0), at(0));
+        drift.expect(3000, 5000);
+        drift.reported(300, 500);
+        drift.observe("r", totals(1000.0, 5000.0), at(1));
+        let judged = drift.view().drift.expect("judged");
+        assert!((judged - (0.6 - 0.2) / 0.6).abs() < 1e-9, "{judged}");
+        // The responses disagree with what was expected: drift, whatever the scrapes say.
+        let drift = CacheDrift::default();
+        drift.observe("r", totals(0.0, 0.0), at(0));
+        drift.expect(3000, 5000);
+        drift.reported(0, 5000);
+        drift.observe("r", totals(3000.0, 5000.0), at(1));
+        assert_eq!(drift.view().drift, Some(1.0));
     }
 
     #[tokio::test(start_paused = true)]

@@ -367,10 +367,24 @@ impl Picker for Router {
         vec![(CONFORMANCE_SERVED_HEADER, served.to_owned())]
     }
 
-    /// GIE's per-request metrics: duration, response size, the usage's token counts, and the
-    /// upstream's error status.
+    /// GIE's per-request metrics (duration, response size, the usage's token counts, the
+    /// upstream's error status) and the cached tokens the engine reported, for its drift check.
     fn finished(&self, hold: RoutedRequest, mut exchange: Exchange) {
         let RoutedRequest { in_flight, running } = hold;
+        let usage = exchange
+            .complete
+            .then(|| usage_in_tail(exchange.response_tail()))
+            .flatten();
+        // The engine's own count of what it found cached, for the drift check of the replica
+        // that served (the pick, or where the proxy says a fallback went).
+        if let Some(usage) = usage
+            && let Some(cached) = usage.cached_tokens
+        {
+            in_flight
+                .replica()
+                .drift()
+                .reported(cached, usage.prompt_tokens);
+        }
         // Its replica has room again: a queued request may go.
         drop(in_flight);
         if let Some(flow) = &self.flow {
@@ -379,10 +393,6 @@ impl Picker for Router {
         let Some(running) = running else {
             return;
         };
-        let usage = exchange
-            .complete
-            .then(|| usage_in_tail(exchange.response_tail()))
-            .flatten();
         self.metrics.objective().finish(
             running,
             Finished {

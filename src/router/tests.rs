@@ -450,6 +450,82 @@ fn sample(metrics: &Metrics, line_start: &str) -> Option<f64> {
 }
 
 #[tokio::test]
+async fn the_cached_tokens_a_response_reports_go_to_its_replicas_drift_check() {
+    let pool = pool();
+    let metrics = Arc::new(Metrics::new(Arc::clone(&pool)));
+    let router = Router::new(
+        Scheduler::load_only(Arc::clone(&pool)).expect("builds"),
+        Arc::clone(&metrics),
+        false,
+    );
+    let reported = |endpoint: &str| {
+        let view = pool
+            .snapshot()
+            .find(endpoint)
+            .expect("replica")
+            .drift()
+            .view();
+        (view.reported_hits, view.reported_tokens)
+    };
+    let usage = br#"{"choices":[],"usage":{"prompt_tokens":40,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":32}}}"#;
+    // The destination lists the pick first, then its fallbacks.
+    let primary = |routed: &Routed<RoutedRequest>| {
+        routed
+            .destination
+            .split(',')
+            .next()
+            .expect("a pick")
+            .to_owned()
+    };
+    let finish = |routed: Routed<RoutedRequest>, body: &[u8], complete: bool| {
+        let mut exchange = Exchange::new(Instant::now());
+        exchange.status = Some(200);
+        exchange.response_chunk(body, complete);
+        router.finished(routed.hold, exchange);
+    };
+    let first = router
+        .pick(post("/v1/completions", r#"{"model":"tiny","prompt":"hi"}"#))
+        .await
+        .unwrap();
+    let picked = primary(&first);
+    finish(first, usage, true);
+    assert_eq!(reported(&picked), (32, 40));
+    // A response cut off, or one without the details, reports nothing.
+    for (body, complete) in [
+        (&usage[..], false),
+        (
+            br#"{"usage":{"prompt_tokens":40,"completion_tokens":2}}"#,
+            true,
+        ),
+    ] {
+        let routed = router
+            .pick(post("/v1/completions", r#"{"model":"tiny","prompt":"hi"}"#))
+            .await
+            .unwrap();
+        let endpoint = primary(&routed);
+        let before = reported(&endpoint);
+        finish(routed, body, complete);
+        assert_eq!(reported(&endpoint), before);
+    }
+    // Served elsewhere (the proxy's fallback): the replica that served it is credited.
+    let mut routed = router
+        .pick(post("/v1/completions", r#"{"model":"tiny","prompt":"hi"}"#))
+        .await
+        .unwrap();
+    let picked = primary(&routed);
+    let other = if picked == "127.0.0.1:8001" {
+        "127.0.0.1:8002"
+    } else {
+        "127.0.0.1:8001"
+    };
+    let (other_before, picked_before) = (reported(other), reported(&picked));
+    router.served(&mut routed.hold, other);
+    finish(routed, usage, true);
+    assert_eq!(reported(other), (other_before.0 + 32, other_before.1 + 40));
+    assert_eq!(reported(&picked), picked_before);
+}
+
+#[tokio::test]
 async fn gies_request_metrics_follow_each_request_by_model() {
     let pool = pool();
     let metrics = Arc::new(Metrics::new(Arc::clone(&pool)));
