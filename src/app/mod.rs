@@ -316,6 +316,13 @@ pub async fn serve(
     health_reporter
         .set_service_status("liveness", ServingStatus::Serving)
         .await;
+    // Not ready until `report_readiness` says so; registered now, so that a probe in between
+    // hears NOT_SERVING rather than "service not registered".
+    for service in READINESS_SERVICES {
+        health_reporter
+            .set_service_status(service, ServingStatus::NotServing)
+            .await;
+    }
     let (draining_tx, draining_rx) = tokio::sync::watch::channel(false);
     background.spawn(report_readiness(
         Arc::clone(&pool),

@@ -740,6 +740,11 @@ async fn readiness_waits_for_every_node_s_agent_to_send_its_blocks() {
     let running = start(Duration::from_secs(3600)).await;
     let bound = running.bound;
     let mut health = health_client(bound.grpc).await;
+    // From the first moment the server answers, readiness is known (not "not registered").
+    assert_eq!(
+        status_of(&mut health, "readiness").await,
+        Status::NotServing
+    );
     // The replica is healthy, but node-a's agent has not sent its blocks: not ready.
     let admin = format!("http://{}", bound.admin);
     for _ in 0..200 {
