@@ -452,12 +452,7 @@ fn sample(metrics: &Metrics, line_start: &str) -> Option<f64> {
 #[tokio::test]
 async fn the_cached_tokens_a_response_reports_go_to_its_replicas_drift_check() {
     let pool = pool();
-    let metrics = Arc::new(Metrics::new(Arc::clone(&pool)));
-    let router = Router::new(
-        Scheduler::load_only(Arc::clone(&pool)).expect("builds"),
-        Arc::clone(&metrics),
-        false,
-    );
+    let router = router(&pool, false);
     let reported = |endpoint: &str| {
         let view = pool
             .snapshot()
