@@ -371,24 +371,22 @@ impl Picker for Router {
     /// upstream's error status) and the cached tokens the engine reported, for its drift check.
     fn finished(&self, hold: RoutedRequest, mut exchange: Exchange) {
         let RoutedRequest { in_flight, running } = hold;
+        // The replica that served: the pick, or where the proxy says a fallback went.
+        let served = Arc::clone(in_flight.replica());
+        // Its replica has room again: a queued request may go (before any parsing below).
+        drop(in_flight);
+        if let Some(flow) = &self.flow {
+            flow.request_finished();
+        }
         let usage = exchange
             .complete
             .then(|| usage_in_tail(exchange.response_tail()))
             .flatten();
-        // The engine's own count of what it found cached, for the drift check of the replica
-        // that served (the pick, or where the proxy says a fallback went).
+        // The engine's own count of what it found cached, for that replica's drift check.
         if let Some(usage) = usage
             && let Some(cached) = usage.cached_tokens
         {
-            in_flight
-                .replica()
-                .drift()
-                .reported(cached, usage.prompt_tokens);
-        }
-        // Its replica has room again: a queued request may go.
-        drop(in_flight);
-        if let Some(flow) = &self.flow {
-            flow.request_finished();
+            served.drift().reported(cached, usage.prompt_tokens);
         }
         let Some(running) = running else {
             return;
