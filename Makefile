@@ -191,6 +191,33 @@ e2e-vllm: $(ENVOY)
 	  LLMGW_E2E_VLLM_LORA=$(E2E_LORA) \
 	  $(CARGO) test -p llmgw-integration --test e2e_vllm -- --ignored --nocapture
 
+# The routing policies of `make bench-routing` on real vLLM engines instead of llmgw-sim: vLLM's
+# CPU build (the venv `make e2e-vllm` installs) serving the tiny model, blocks of 32 tokens, 80
+# blocks per engine, the ceiling on one more engine. Sized for a 2-core machine: 4 engines
+# (about 1.5 GB each), 8 tenants, a fixed low --rate (no capacity calibration), 90 s per policy.
+# Opt-in, never part of `make test` or CI; takes about 20 minutes with every policy. The report
+# and the engines' logs land in target/bench-routing-vllm/.
+# `make bench-routing-vllm BENCH_ROUTING_VLLM_ARGS="--policies round_robin,llmgw_precise"`.
+BENCH_ROUTING_VLLM_DEFAULTS := --replicas 4 --tenants 8 --rate 3 --seconds 90 --warmup-seconds 15
+.PHONY: bench-routing-vllm
+bench-routing-vllm: $(ENVOY) $(E2E_MODEL)/config.json
+	e2e/install_vllm.sh $(VLLM_VENV) $(VLLM_VERSION)
+	$(VENV)/bin/pip install --quiet "vllm-router==$(VLLM_ROUTER_VERSION)" || \
+	  echo "vllm-router could not be installed: its policies will be skipped"
+	$(VENV)/bin/pip install --quiet matplotlib
+	$(CARGO) build --release -p llmgw -p llmgw-agent -p llmgw-bench --bins
+	target/release/llmgw-bench-routing --vllm-python $(VLLM_VENV)/bin/python \
+	  --vllm-model $(E2E_MODEL) --out-dir target/bench-routing-vllm \
+	  $(BENCH_ROUTING_VLLM_DEFAULTS) $(BENCH_ROUTING_VLLM_ARGS)
+	$(PYTHON) bench/plot_routing.py target/bench-routing-vllm/ttft.json \
+	  target/bench-routing-vllm/ttft.png
+
+# The tiny model, rebuilt only when its script or the sim's tokenizer changed (so that a run
+# never rewrites it under engines that are using it); installs vLLM first.
+$(E2E_MODEL)/config.json: e2e/make_tiny_model.py sim/assets/tokenizer.json sim/assets/chat_template.jinja
+	e2e/install_vllm.sh $(VLLM_VENV) $(VLLM_VERSION)
+	$(VLLM_VENV)/bin/python e2e/make_tiny_model.py $(E2E_MODEL)
+
 # Golden vectors made with vLLM's own code (fixtures/, read by the router's tests): how vLLM turns
 # an Anthropic /v1/messages request and an OpenAI /v1/responses request into the chat it renders,
 # and the block hashes of LoRA adapter requests (name and path in every block's extra keys).

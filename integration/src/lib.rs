@@ -17,6 +17,7 @@ pub mod prom;
 pub mod router;
 pub mod soak;
 pub mod system;
+pub mod vllm;
 pub mod workload;
 
 use std::io::{BufRead as _, BufReader};
@@ -160,9 +161,15 @@ pub fn free_addr() -> SocketAddr {
 }
 
 /// A child process killed (and reaped) when dropped, so a failing test leaves nothing running.
+/// One made by [`ChildGuard::group`] leads its own process group, and the whole group is
+/// killed (vLLM's API server leaves EngineCore and worker processes behind otherwise).
 pub struct ChildGuard {
     pub child: Child,
     pub name: String,
+    /// The child leads a process group of its own: kill the group, not just the child.
+    group: bool,
+    /// Already killed and reaped: its group id may belong to someone else by now.
+    killed: bool,
 }
 
 impl ChildGuard {
@@ -170,11 +177,42 @@ impl ChildGuard {
         ChildGuard {
             child,
             name: name.into(),
+            group: false,
+            killed: false,
+        }
+    }
+
+    /// A child started with `process_group(0)` (it leads its own group): [`ChildGuard::kill`]
+    /// and dropping the guard kill every process of the group.
+    pub fn group(name: impl Into<String>, child: Child) -> Self {
+        ChildGuard {
+            child,
+            name: name.into(),
+            group: true,
+            killed: false,
         }
     }
 
     pub fn id(&self) -> u32 {
         self.child.id()
+    }
+
+    /// SIGKILL to the child (to its whole process group for [`ChildGuard::group`]), then reaps
+    /// it. A group outlives its leader: it is signalled even when the leader has exited (Linux
+    /// never hands out a pid that is still a live group's id).
+    pub fn kill(&mut self) {
+        if self.killed {
+            return;
+        }
+        self.killed = true;
+        if self.group {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", self.child.id())])
+                .stderr(Stdio::null())
+                .status();
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     /// Sends SIGTERM (as Kubernetes does to stop a pod) and waits at most `timeout` for the
@@ -198,12 +236,13 @@ impl ChildGuard {
 
 impl Drop for ChildGuard {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.kill();
     }
 }
 
-/// A running `llmgw-sim` process, killed when dropped.
+/// A running replica, killed when dropped: an `llmgw-sim` process ([`spawn_sim`]), or any
+/// engine that speaks vLLM's API and was started some other way ([`SimHandle::from_process`],
+/// e.g. a real vLLM engine from [`vllm`]).
 pub struct SimHandle {
     /// The HTTP address (`http://{addr}/v1/completions`).
     pub addr: SocketAddr,
@@ -215,6 +254,17 @@ pub struct SimHandle {
 }
 
 impl SimHandle {
+    /// A replica started by the caller (its `guard` kills it): serving HTTP at `addr`, its KV
+    /// events on the PUB endpoint `events` (what subscribers dial, `tcp://127.0.0.1:PORT`).
+    pub fn from_process(addr: SocketAddr, events: Option<String>, guard: ChildGuard) -> SimHandle {
+        SimHandle {
+            addr,
+            events,
+            replay: None,
+            guard,
+        }
+    }
+
     /// `http://ADDR`.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
@@ -223,8 +273,7 @@ impl SimHandle {
     /// Stops the process at once, as an engine crash would; its ports are then free for a
     /// restart ([`SimHandle::restarted_as`]).
     pub fn kill(&mut self) {
-        let _ = self.guard.child.kill();
-        let _ = self.guard.child.wait();
+        self.guard.kill();
     }
 
     /// What a restarted engine binds for its KV events: the same port on every interface

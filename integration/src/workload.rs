@@ -414,12 +414,19 @@ async fn streamed_chat(
 }
 
 /// `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` from a replica's /metrics
-/// text: (hits, queries) in tokens.
+/// text: (hits, queries) in tokens, summed over every sample (vLLM labels each with `engine`
+/// and `model_name`, one per data-parallel engine). A counter exposed without the `_total`
+/// suffix (an exporter that does not add it) is read under its bare name; `_created` samples
+/// are not counts.
 pub fn prefix_cache_counts(metrics: &str) -> (f64, f64) {
-    let total = |name| crate::prom::sum(metrics, name, &[]).unwrap_or(0.0);
+    let total = |name: &str| {
+        crate::prom::sum(metrics, &format!("{name}_total"), &[])
+            .or_else(|| crate::prom::sum(metrics, name, &[]))
+            .unwrap_or(0.0)
+    };
     (
-        total("vllm:prefix_cache_hits_total"),
-        total("vllm:prefix_cache_queries_total"),
+        total("vllm:prefix_cache_hits"),
+        total("vllm:prefix_cache_queries"),
     )
 }
 
@@ -431,13 +438,32 @@ pub async fn get_text(http: &reqwest::Client, url: &str) -> String {
     }
 }
 
-/// Empties every sim's prefix cache (`POST /reset_prefix_cache`, as vLLM's dev mode has it).
-/// The sims must be idle, or the reset is refused.
+/// Empties every replica's prefix cache (`POST /reset_prefix_cache`, as vLLM serves it with
+/// `VLLM_SERVER_DEV_MODE=1`). The replicas must be idle, or the reset is refused: vLLM then
+/// answers `{"success": false}` (the sim logs a warning), and the reset is tried again a few
+/// times before a warning is printed.
 pub async fn reset_prefix_caches(http: &reqwest::Client, sims: &[SimHandle]) {
     for sim in sims {
         let url = format!("{}/reset_prefix_cache", sim.url());
-        if let Err(error) = http.post(&url).send().await {
-            println!("warning: {url}: {error}");
+        for attempt in 1..=5 {
+            let problem = match http.post(&url).send().await {
+                Err(error) => Some(error.to_string()),
+                Ok(response) if !response.status().is_success() => Some(format!(
+                    "{} (a vLLM engine serves it only with VLLM_SERVER_DEV_MODE=1)",
+                    response.status()
+                )),
+                Ok(response) => {
+                    let body = response.text().await.unwrap_or_default();
+                    let refused = serde_json::from_str::<Value>(&body)
+                        .is_ok_and(|v| v["success"] == Value::Bool(false));
+                    refused.then(|| "refused: requests still hold KV blocks".to_owned())
+                }
+            };
+            match problem {
+                None => break,
+                Some(problem) if attempt == 5 => println!("warning: {url}: {problem}"),
+                Some(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+            }
         }
     }
     // The reset's AllBlocksCleared event goes out with the next engine step; let it settle.
@@ -466,6 +492,32 @@ mod tests {
                     vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"tiny\"} 120.0\n\
                     llmgw_kv_decisions_total{decision=\"hit\"} 7\n";
         assert_eq!(prefix_cache_counts(text), (30.0, 120.0));
+    }
+
+    #[test]
+    fn parses_vllms_counters_with_their_created_samples_and_without_total() {
+        // As vLLM 0.32's prometheus_client exposes them (two data-parallel engines).
+        let text = "\
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"tiny\"} 4096.0
+vllm:prefix_cache_queries_total{engine=\"1\",model_name=\"tiny\"} 1024.0
+# HELP vllm:prefix_cache_queries_created Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_created gauge
+vllm:prefix_cache_queries_created{engine=\"0\",model_name=\"tiny\"} 1.7649e+09
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"tiny\"} 2048.0
+vllm:prefix_cache_hits_total{engine=\"1\",model_name=\"tiny\"} 512.0
+vllm:prefix_cache_hits_created{engine=\"0\",model_name=\"tiny\"} 1.7649e+09
+vllm:external_prefix_cache_hits_total{engine=\"0\",model_name=\"tiny\"} 9.0
+";
+        assert_eq!(prefix_cache_counts(text), (2560.0, 5120.0));
+        // An exporter that leaves the suffix off.
+        let bare = "vllm:prefix_cache_hits{model_name=\"tiny\"} 3\n\
+                    vllm:prefix_cache_queries{model_name=\"tiny\"} 4\n";
+        assert_eq!(prefix_cache_counts(bare), (3.0, 4.0));
+        assert_eq!(prefix_cache_counts(""), (0.0, 0.0));
     }
 
     #[test]

@@ -1,12 +1,17 @@
 //! `make bench-routing`: routing policies side by side on the same simulated replicas and the
-//! same workload, one after another in one run.
+//! same workload, one after another in one run; `make bench-routing-vllm`: the same on real vLLM
+//! engines.
 //!
 //! The `llmgw-sim` replicas (latency model on, small KV caches) start once and serve every
-//! policy; their prefix caches are reset before each. Policies: Envoy's own `RANDOM` and
-//! `ROUND_ROBIN`; `pinned`, no router at all, each tenant's conversations sent by hand to one
-//! replica; llmgw with load scorers only, with the approximate prefix tree only, and
-//! precise (KV index fed by llmgw-agent); and the `vllm-router` peer (its own HTTP proxy) with
-//! `round_robin`, `cache_aware` and `kv_aware` (subscribed to the sims' KV events).
+//! policy; their prefix caches are reset before each. With `--vllm-python` and `--vllm-model`
+//! every replica is a real vLLM engine instead (vLLM's CPU build serving a tiny model, started
+//! in parallel as processes of their own, blocks of 32 tokens; `llmgw_integration::vllm`): the
+//! rest of the bench is the same, the engines' KV events subscribed to as the sims' are.
+//! Policies: Envoy's own `RANDOM` and `ROUND_ROBIN`; `pinned`, no router at all, each tenant's
+//! conversations sent by hand to one replica; llmgw with load scorers only, with the
+//! approximate prefix tree only, and precise (KV index fed by llmgw-agent); and the
+//! `vllm-router` peer (its own HTTP proxy) with `round_robin`, `cache_aware` and `kv_aware`
+//! (subscribed to the replicas' KV events).
 //!
 //! Load: unless `--rate` is given, the capacity is measured first as the request rate the sims
 //! complete under round robin with many conversations in flight (closed loop), and every policy
@@ -19,7 +24,8 @@
 //!
 //! Last, the hit-rate ceiling: the same conversations at the same instants sent straight to one
 //! more sim whose cache never evicts (and without the latency model), so that every prefix any
-//! earlier request computed is still there. No router can beat its hit rate.
+//! earlier request computed is still there. No router can beat its hit rate. With vLLM it is
+//! one more engine with room for every block of the run, started with the others.
 
 #![allow(
     clippy::unwrap_used,
@@ -43,6 +49,7 @@ use llmgw_integration::envoy::{EnvoyCommand, plain_envoy_config};
 use llmgw_integration::procfs::proc_stat_cpu_seconds;
 use llmgw_integration::router::{RouterAddrs, RouterCommand, RouterProcess};
 use llmgw_integration::system::envoy_config_for_routers;
+use llmgw_integration::vllm::{self, VllmConfig};
 use llmgw_integration::workload::{self, Results, WorkloadConfig};
 use llmgw_integration::{
     ChildGuard, SimHandle, cache_sim_args, free_port, repo_root, spawn_sim_with_env,
@@ -50,14 +57,16 @@ use llmgw_integration::{
 use parking_lot::Mutex;
 
 const MODEL: &str = "tiny";
-const BLOCK_SIZE: usize = 16;
+/// The sims' block size (vLLM's default on GPUs); with vLLM's CPU build it is
+/// [`vllm::CPU_BLOCK_SIZE`] (see [`Args::block_size`]).
+const SIM_BLOCK_SIZE: usize = 16;
 const SEED: &str = "1729";
 const NODE: &str = "node-a";
 
 #[derive(Parser)]
 #[command(
     name = "llmgw-bench-routing",
-    about = "Routing policies side by side on the same simulated replicas"
+    about = "Routing policies side by side on the same simulated (or real vLLM) replicas"
 )]
 struct Args {
     /// Policies to run, in order (default: all). Names: random, round_robin, least_loaded,
@@ -83,10 +92,11 @@ struct Args {
     /// Conversations in flight during the capacity measurement.
     #[arg(long, default_value_t = 48)]
     calibrate_concurrency: usize,
-    /// Simulated vLLM replicas.
+    /// Replicas (simulated, or vLLM engines with --vllm-python).
     #[arg(long, default_value_t = 4)]
     replicas: usize,
-    /// KV-cache blocks per replica (16 tokens each): small, so that routing matters.
+    /// KV-cache blocks per sim (16 tokens each): small, so that routing matters. With vLLM,
+    /// --vllm-blocks.
     #[arg(long, default_value_t = 160)]
     blocks_per_replica: usize,
     /// Tenants, each with its own long system prompt (the last one salts its requests).
@@ -98,10 +108,11 @@ struct Args {
     /// Seed of the arrival process.
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// llmgw's tokenization deadline (the sims answer /tokenize on the same two cores as
-    /// everything else).
-    #[arg(long, default_value = "300ms")]
-    tokenize_deadline: String,
+    /// llmgw's tokenization deadline (the replicas answer /tokenize on the same two cores as
+    /// everything else) [default: 300ms with sims, 800ms with vLLM, under Envoy's 1 s ext_proc
+    /// message timeout].
+    #[arg(long)]
+    tokenize_deadline: Option<String>,
     /// Extra `llmgw-router serve` flags for every llmgw policy (e.g.
     /// `--router-arg=--imbalance-threshold=16`); they come last, so they override this bench's.
     #[arg(long = "router-arg", allow_hyphen_values = true)]
@@ -109,13 +120,42 @@ struct Args {
     /// Extra `llmgw-sim` flags (e.g. `--sim-arg=--sim-prefill-us-per-token=100`).
     #[arg(long = "sim-arg", allow_hyphen_values = true)]
     sim_args: Vec<String>,
+    /// Real vLLM replicas: the python of a virtual environment with vLLM's CPU build
+    /// (`.venv-vllm/bin/python`, `e2e/install_vllm.sh`). Needs --vllm-model. Every replica,
+    /// the ceiling's too, is then a vLLM engine serving the model as `tiny`, with blocks of 32
+    /// tokens. Give --rate: the capacity calibration works but takes long on real engines.
+    #[arg(long, requires = "vllm_model")]
+    vllm_python: Option<PathBuf>,
+    /// The model directory the vLLM engines serve (`e2e/make_tiny_model.py`'s output: it
+    /// tokenizes as the sims do); `llmgw_precise` reads its tokenizer.json and
+    /// chat_template.jinja. Needs --vllm-python.
+    #[arg(long, requires = "vllm_python")]
+    vllm_model: Option<PathBuf>,
+    /// KV-cache blocks of 32 tokens per measured vLLM engine (`--num-gpu-blocks-override`): 80
+    /// holds about as many tokens as a sim's default 160 blocks of 16.
+    #[arg(long, default_value_t = 80)]
+    vllm_blocks: usize,
+    /// KV-cache blocks of the vLLM ceiling engine: room for every block of the run, so that it
+    /// never evicts.
+    #[arg(long, default_value_t = 8192)]
+    vllm_ceiling_blocks: usize,
+    /// The vLLM engines' `--max-model-len` (at most --vllm-blocks × 32).
+    #[arg(long, default_value_t = 2048)]
+    vllm_max_model_len: usize,
+    /// How long the vLLM engines, started together, may take to answer /health.
+    #[arg(long, default_value_t = 900)]
+    vllm_startup_seconds: u64,
+    /// Extra vLLM api_server flags for every engine (e.g. `--vllm-arg=--max-num-seqs=8`); they
+    /// come last.
+    #[arg(long = "vllm-arg", allow_hyphen_values = true)]
+    vllm_args: Vec<String>,
     /// The vllm-router executable (`pip install vllm-router`).
     #[arg(long)]
     vllm_router: Option<PathBuf>,
     /// Where the report, the TTFT samples and Envoy configs go.
     #[arg(long, default_value = "target/bench-routing")]
     out_dir: PathBuf,
-    /// Skip the hit-rate ceiling run (one sim with an unbounded cache) at the end.
+    /// Skip the hit-rate ceiling run (one more replica with an unbounded cache) at the end.
     #[arg(long)]
     no_ceiling: bool,
     /// llmgw routers behind the one Envoy, for every llmgw policy (the agent feeds each);
@@ -153,6 +193,63 @@ struct Args {
 }
 
 impl Args {
+    /// The vLLM engines' settings, when the replicas are vLLM engines.
+    fn vllm(&self) -> Option<VllmConfig> {
+        Some(VllmConfig {
+            python: self.vllm_python.clone()?,
+            model: self.vllm_model.clone()?,
+            served_model_name: MODEL.to_owned(),
+            seed: SEED.to_owned(),
+            block_size: vllm::CPU_BLOCK_SIZE,
+            max_model_len: self.vllm_max_model_len,
+            extra_args: self.vllm_args.clone(),
+        })
+    }
+
+    /// The replicas' block size, which the router, the agent and vllm-router are told.
+    fn block_size(&self) -> usize {
+        match self.vllm_python {
+            Some(_) => vllm::CPU_BLOCK_SIZE,
+            None => SIM_BLOCK_SIZE,
+        }
+    }
+
+    /// KV-cache blocks per measured replica.
+    fn blocks(&self) -> usize {
+        match self.vllm_python {
+            Some(_) => self.vllm_blocks,
+            None => self.blocks_per_replica,
+        }
+    }
+
+    /// What the replicas are, for the report.
+    fn engine(&self) -> &'static str {
+        match self.vllm_python {
+            Some(_) => "vLLM engine",
+            None => "sim",
+        }
+    }
+
+    fn tokenize_deadline(&self) -> String {
+        self.tokenize_deadline.clone().unwrap_or_else(|| {
+            match self.vllm_python {
+                Some(_) => "800ms",
+                None => "300ms",
+            }
+            .to_owned()
+        })
+    }
+
+    /// `llmgw_precise`'s tokenizer and chat template: the sims' assets, or the vLLM model's
+    /// (the same tokenizer, `e2e/make_tiny_model.py`).
+    fn tokenizer_files(&self) -> (PathBuf, PathBuf) {
+        let dir = match &self.vllm_model {
+            Some(model) => model.clone(),
+            None => repo_root().join("sim/assets"),
+        };
+        (dir.join("tokenizer.json"), dir.join("chat_template.jinja"))
+    }
+
     /// When replica 0 goes down and for how long, if it does.
     fn restart(&self) -> Option<(Duration, Duration)> {
         (self.restart_replica_at > 0).then(|| {
@@ -195,6 +292,9 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     if args.warmup_seconds >= args.seconds {
         bail!("--warmup-seconds must be below --seconds");
     }
+    if args.vllm_python.is_some() {
+        check_vllm_args(&mut args)?;
+    }
     if let Some((at, downtime)) = args.restart()
         && (at < Duration::from_secs(args.warmup_seconds)
             || at + downtime >= Duration::from_secs(args.seconds))
@@ -211,12 +311,9 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
         .unwrap_or_else(|| repo_root().join(".venv/bin/vllm-router"));
     let machine_before = machine_state();
 
-    println!(
-        "starting {} llmgw-sim replicas ({} blocks of {BLOCK_SIZE} tokens each) …",
-        args.replicas, args.blocks_per_replica
-    );
-    let mut sims = start_sims(&args);
     let http = reqwest::Client::new();
+    // With vLLM the ceiling's engine starts with the others (a start takes a minute).
+    let (mut sims, ceiling_engine) = start_replicas(&args, &http).await?;
 
     let (rate, calibration) = match args.rate {
         Some(rate) => (
@@ -224,6 +321,13 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
             format!("offered rate {rate:.1} req/s, given by --rate"),
         ),
         None => {
+            if args.vllm_python.is_some() {
+                println!(
+                    "note: no --rate: measuring the capacity of real vLLM engines ({} \
+                     conversations in flight) takes long and loads the machine; give --rate",
+                    args.calibrate_concurrency
+                );
+            }
             let capacity = measure_capacity(&args, &sims, &http).await?;
             let rate = offered_rate(capacity, args.load);
             (
@@ -291,13 +395,17 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     let ceiling = if args.no_ceiling {
         String::new()
     } else {
-        println!("\n== hit-rate ceiling: one sim whose cache never evicts ==");
-        let ceiling = measure_ceiling(&args, rate, &http).await?;
+        println!(
+            "\n== hit-rate ceiling: one {} whose cache never evicts ==",
+            args.engine()
+        );
+        let ceiling = measure_ceiling(&args, rate, ceiling_engine, &http).await?;
         let line = match ceiling.hit_rate {
             Some(hit_rate) => format!(
                 "Hit-rate ceiling: {:.1} % (the same conversations at the same instants, straight \
-                 to one sim whose cache never evicts; no router can do better).\n",
-                hit_rate * 100.0
+                 to one {} whose cache never evicts; no router can do better).\n",
+                hit_rate * 100.0,
+                args.engine()
             ),
             None => "Hit-rate ceiling: no requests measured.\n".to_string(),
         };
@@ -308,12 +416,22 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     let table = markdown_table(&reports);
     let machine_after = machine_state();
     let report = format!(
-        "{table}\n{ceiling}{calibration}; {} replicas × {} blocks; {} tenants{}{}, {} turns per \
-         conversation; {} s per policy, first {} s not measured; seed {}; {} llmgw router(s) \
-         per llmgw policy, extra flags {:?}.\n\
+        "{table}\n{ceiling}{calibration}; {} {}s × {} blocks of {} tokens{}; {} tenants{}{}, {} \
+         turns per conversation; {} s per policy, first {} s not measured; seed {}; {} llmgw \
+         router(s) per llmgw policy, extra flags {:?}.\n\
          machine before: {machine_before}\nmachine after: {machine_after}\n{}",
         args.replicas,
-        args.blocks_per_replica,
+        args.engine(),
+        args.blocks(),
+        args.block_size(),
+        match &args.vllm_model {
+            Some(model) => format!(
+                " (vLLM's CPU build serving {}, extra flags {:?})",
+                model.display(),
+                args.vllm_args
+            ),
+            None => String::new(),
+        },
         args.tenants,
         match args.adapters {
             0 => String::new(),
@@ -349,16 +467,107 @@ fn write(path: &Path, text: &str) -> anyhow::Result<()> {
     std::fs::write(path, text).with_context(|| format!("write {}", path.display()))
 }
 
-/// The sims, once for every policy.
-fn start_sims(args: &Args) -> Vec<SimHandle> {
-    (0..args.replicas)
-        .map(|_| {
-            spawn_sim_with_env(
-                sim_args(args, "tcp://127.0.0.1:*"),
-                [("PYTHONHASHSEED", SEED)],
-            )
-        })
-        .collect()
+/// What `--vllm-python` rules out or needs; makes the model path absolute.
+fn check_vllm_args(args: &mut Args) -> anyhow::Result<()> {
+    if args.restart_replica_at > 0 {
+        bail!(
+            "--restart-replica-at needs sims: a vLLM engine takes about a minute to start again, \
+             longer than a run"
+        );
+    }
+    if args.adapters > 0 {
+        bail!("--adapters needs sims (the vLLM engines serve no LoRA adapter here)");
+    }
+    if !args.sim_args.is_empty() {
+        bail!("--sim-arg is for sims: give vLLM's flags with --vllm-arg");
+    }
+    if args.vllm_blocks * vllm::CPU_BLOCK_SIZE < args.vllm_max_model_len {
+        bail!(
+            "--vllm-blocks {} × {} tokens must hold --vllm-max-model-len {}",
+            args.vllm_blocks,
+            vllm::CPU_BLOCK_SIZE,
+            args.vllm_max_model_len
+        );
+    }
+    let python = args.vllm_python.as_ref().context("--vllm-python")?;
+    if !python.exists() {
+        bail!(
+            "{} not found: install vLLM with e2e/install_vllm.sh .venv-vllm (make bench-routing-vllm does)",
+            python.display()
+        );
+    }
+    let model = args.vllm_model.as_ref().context("--vllm-model")?;
+    // vLLM loads the model from its own working directory: make the path absolute.
+    let model =
+        std::path::absolute(model).with_context(|| format!("--vllm-model {}", model.display()))?;
+    if !model.join("tokenizer.json").exists() || !model.join("config.json").exists() {
+        bail!(
+            "{} holds no model: build it with `.venv-vllm/bin/python e2e/make_tiny_model.py {0}`",
+            model.display()
+        );
+    }
+    args.vllm_model = Some(model);
+    Ok(())
+}
+
+/// The measured replicas, once for every policy, and with vLLM the ceiling's engine (with sims
+/// it is started at the end, by [`measure_ceiling`]).
+async fn start_replicas(
+    args: &Args,
+    http: &reqwest::Client,
+) -> anyhow::Result<(Vec<SimHandle>, Option<SimHandle>)> {
+    let Some(vllm) = args.vllm() else {
+        println!(
+            "starting {} llmgw-sim replicas ({} blocks of {SIM_BLOCK_SIZE} tokens each) …",
+            args.replicas, args.blocks_per_replica
+        );
+        let sims = (0..args.replicas)
+            .map(|_| {
+                spawn_sim_with_env(
+                    sim_args(args, "tcp://127.0.0.1:*"),
+                    [("PYTHONHASHSEED", SEED)],
+                )
+            })
+            .collect();
+        return Ok((sims, None));
+    };
+    let ceiling = !args.no_ceiling;
+    println!(
+        "starting {} vLLM engines ({} blocks of {} tokens each){} in parallel, logs in {}/vllm-*.log …",
+        args.replicas,
+        args.vllm_blocks,
+        vllm.block_size,
+        if ceiling {
+            format!(" and the ceiling's ({} blocks)", args.vllm_ceiling_blocks)
+        } else {
+            String::new()
+        },
+        args.out_dir.display()
+    );
+    let mut engines = Vec::new();
+    for i in 0..args.replicas {
+        let name = i.to_string();
+        let log = args.out_dir.join(format!("vllm-{name}.log"));
+        engines.push(vllm.spawn(&name, args.vllm_blocks, &log)?);
+    }
+    if ceiling {
+        let log = args.out_dir.join("vllm-ceiling.log");
+        engines.push(vllm.spawn("ceiling", args.vllm_ceiling_blocks, &log)?);
+    }
+    let limit = Duration::from_secs(args.vllm_startup_seconds);
+    let started = vllm::wait_healthy(http, &mut engines, limit).await?;
+    println!(
+        "every vLLM engine up after {:.0} s",
+        started
+            .iter()
+            .max()
+            .copied()
+            .unwrap_or_default()
+            .as_secs_f64()
+    );
+    let mut replicas: Vec<SimHandle> = engines.into_iter().map(|e| e.replica).collect();
+    let ceiling = ceiling.then(|| replicas.pop()).flatten();
+    Ok((replicas, ceiling))
 }
 
 /// A measured sim's flags, its KV events bound at `events` on vLLM's default topic (empty),
@@ -366,7 +575,7 @@ fn start_sims(args: &Args) -> Vec<SimHandle> {
 fn sim_args(args: &Args, events: &str) -> Vec<String> {
     let events =
         format!(r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"{events}"}}"#);
-    let mut sim_args = cache_sim_args(MODEL, BLOCK_SIZE, args.blocks_per_replica, &events);
+    let mut sim_args = cache_sim_args(MODEL, SIM_BLOCK_SIZE, args.blocks_per_replica, &events);
     sim_args.extend(lora_sim_args(args, args.max_loras));
     sim_args.extend(args.sim_args.iter().cloned());
     sim_args
@@ -422,17 +631,41 @@ fn scenario(args: &Args) -> String {
 }
 
 /// The workload at `rate` straight to one sim with room for every block the run computes and
-/// no latency model: the most any router could get from the replicas' prefix caches.
+/// no latency model: the most any router could get from the replicas' prefix caches. With
+/// vLLM, to `engine`, the ceiling's engine started with the others (room for every block; its
+/// latency is real).
 async fn measure_ceiling(
     args: &Args,
     rate: f64,
+    engine: Option<SimHandle>,
     http: &reqwest::Client,
 ) -> anyhow::Result<PolicyReport> {
+    let mut sim = match engine {
+        Some(engine) => engine,
+        None => spawn_ceiling_sim(args),
+    };
+    workload::reset_prefix_caches(http, std::slice::from_ref(&sim)).await;
+    let stack = Stack {
+        url: sim.url(),
+        llmgw_admins: Vec::new(),
+        router_pids: Vec::new(),
+        envoy_pid: None,
+        _guards: Vec::new(),
+    };
+    let sims = std::slice::from_mut(&mut sim);
+    let (report, _, _) = measure_policy(Policy::RoundRobin, &stack, args, rate, sims, None, http)
+        .await
+        .context("measuring the hit-rate ceiling")?;
+    Ok(report)
+}
+
+/// The ceiling's sim: room for every block, no latency model.
+fn spawn_ceiling_sim(args: &Args) -> SimHandle {
     // The same context limit as the measured sims, so that the same requests are refused.
-    let max_model_len = ((args.blocks_per_replica.saturating_sub(1)) * BLOCK_SIZE)
+    let max_model_len = ((args.blocks_per_replica.saturating_sub(1)) * SIM_BLOCK_SIZE)
         .min(8192)
         .to_string();
-    let block_size = BLOCK_SIZE.to_string();
+    let block_size = SIM_BLOCK_SIZE.to_string();
     let mut sim_args: Vec<String> = [
         "--served-model-name",
         MODEL,
@@ -448,19 +681,7 @@ async fn measure_ceiling(
     .to_vec();
     // Every adapter in a slot of its own: the ceiling waits for no adapter.
     sim_args.extend(lora_sim_args(args, args.adapters.max(1)));
-    let mut sim = spawn_sim_with_env(sim_args, [("PYTHONHASHSEED", SEED)]);
-    let stack = Stack {
-        url: sim.url(),
-        llmgw_admins: Vec::new(),
-        router_pids: Vec::new(),
-        envoy_pid: None,
-        _guards: Vec::new(),
-    };
-    let sims = std::slice::from_mut(&mut sim);
-    let (report, _, _) = measure_policy(Policy::RoundRobin, &stack, args, rate, sims, None, http)
-        .await
-        .context("measuring the hit-rate ceiling")?;
-    Ok(report)
+    spawn_sim_with_env(sim_args, [("PYTHONHASHSEED", SEED)])
 }
 
 /// Requests per second the sims complete under Envoy round robin with many conversations in
@@ -562,10 +783,9 @@ async fn start_stack(
         | Policy::LlmgwPrecise
         | Policy::LlmgwPreciseTokenize => {
             // Every router of the policy gets the same flags.
-            let mut flags: Vec<String> = vec![
-                "--tokenize-deadline".to_owned(),
-                args.tokenize_deadline.clone(),
-            ];
+            let mut flags: Vec<String> =
+                vec!["--tokenize-deadline".to_owned(), args.tokenize_deadline()];
+            let block_size = args.block_size();
             // Replicas belong to the agent's node only where an agent runs: otherwise the
             // router would wait for that node's blocks before it is ready.
             let models: Vec<String> = std::iter::once(MODEL.to_owned())
@@ -588,20 +808,20 @@ async fn start_stack(
                 Policy::LlmgwPrecise => {
                     // The model's own tokenizer and chat template, as a user gives them: the
                     // router tokenizes in process (checking a sample against /tokenize).
-                    let assets = llmgw_integration::repo_root().join("sim/assets");
+                    let (tokenizer, chat_template) = args.tokenizer_files();
                     flags.extend([
                         "--model".to_owned(),
                         format!(
-                            "{MODEL}=block_size={BLOCK_SIZE},seed={SEED},tokenizer={},chat_template={}",
-                            assets.join("tokenizer.json").display(),
-                            assets.join("chat_template.jinja").display()
+                            "{MODEL}=block_size={block_size},seed={SEED},tokenizer={},chat_template={}",
+                            tokenizer.display(),
+                            chat_template.display()
                         ),
                     ]);
                 }
                 Policy::LlmgwPreciseTokenize => {
                     flags.extend([
                         "--model".to_owned(),
-                        format!("{MODEL}=block_size={BLOCK_SIZE},seed={SEED}"),
+                        format!("{MODEL}=block_size={block_size},seed={SEED}"),
                     ]);
                 }
                 // No hash settings: the affinity slot can only use the prefix tree.
@@ -626,7 +846,7 @@ async fn start_stack(
                     agent = agent.router(r.feed);
                 }
                 let mut agent = agent
-                    .hash_settings(MODEL, SEED, BLOCK_SIZE)
+                    .hash_settings(MODEL, SEED, block_size)
                     .args(["--admin-addr", "127.0.0.1:0"])
                     .env("LLMGW_AGENT_LOG", "warn");
                 for sim in sims {
@@ -677,7 +897,7 @@ async fn start_stack(
                 .args(sims.iter().map(SimHandle::url));
             if vllm_policy == llmgw_bench::routing::VllmRouterPolicy::KvAware {
                 cmd.args(["--kv-event-model", MODEL])
-                    .args(["--kv-event-block-size", &BLOCK_SIZE.to_string()]);
+                    .args(["--kv-event-block-size", &args.block_size().to_string()]);
                 for sim in sims {
                     let events = sim.events.as_deref().context("a sim publishes no events")?;
                     cmd.arg("--kv-event-source")
@@ -850,6 +1070,11 @@ async fn measure_policy(
         counted_before_restart = crash_and_restart(args, sim, downtime, http).await?;
     }
     traffic.await.context("workload task")?;
+    if args.vllm_python.is_some() {
+        // vLLM's API server updates its counters from the engine's stats as outputs arrive:
+        // let the last ones land.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     let after = snapshot(stack, http, sims).await?;
 
     let results = std::mem::take(&mut *results.lock());
