@@ -116,6 +116,50 @@ struct ReplicaBook {
     blocks: u32,
     /// Blocks stored so far; their count in units of an epoch dates each holder.
     stores: u64,
+    churn: ReplicaChurn,
+    /// Hashes of recent evictions, by `recent_cell`; 0 is an empty cell.
+    recent_evictions: Option<Box<[u64]>>,
+}
+
+/// Cells of a replica's table of recent evictions.
+pub const RECENT_EVICTIONS: usize = 4096;
+
+/// The cell of `hash` in a table of recent evictions: its high bits (the low ones choose the
+/// shard).
+fn recent_cell(hash: ExternalHash) -> usize {
+    (hash.0 >> 40) as usize % RECENT_EVICTIONS
+}
+
+impl ReplicaBook {
+    /// The replica's engine no longer holds `hash` on any tier.
+    fn evicted(&mut self, hash: ExternalHash) {
+        self.churn.evicted += 1;
+        let table = self
+            .recent_evictions
+            .get_or_insert_with(|| vec![0; RECENT_EVICTIONS].into_boxed_slice());
+        table[recent_cell(hash)] = hash.0;
+    }
+
+    /// The replica's engine holds `hash` again (it held none of it before this store).
+    fn stored_new(&mut self, hash: ExternalHash) {
+        if let Some(table) = &mut self.recent_evictions {
+            let cell = &mut table[recent_cell(hash)];
+            if *cell == hash.0 && hash.0 != 0 {
+                *cell = 0;
+                self.churn.rebuilt += 1;
+            }
+        }
+    }
+}
+
+/// A replica's cumulative eviction counts since the index first saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReplicaChurn {
+    /// Blocks its engine removed from every tier (evictions; a clear is not counted).
+    pub evicted: u64,
+    /// Blocks its engine stored again while still among its recent evictions: prefixes it
+    /// dropped and then had to compute again.
+    pub rebuilt: u64,
 }
 
 /// Epochs per block cap: holders are dated to 1/16 of the cap, and the oldest go first.
@@ -214,6 +258,43 @@ impl KvIndex {
             .map_or(0, |book| u64::from(book.lock().blocks))
     }
 
+    /// The eviction counts of the replica in `slot`.
+    pub fn churn(&self, slot: ReplicaSlot) -> ReplicaChurn {
+        let table = self.replicas.read();
+        table
+            .books
+            .get(slot.index())
+            .map_or_else(ReplicaChurn::default, |book| book.lock().churn)
+    }
+
+    /// How many of `hashes` the replica in `slot` evicted recently (and has not stored since):
+    /// blocks a request sent there would make it compute again.
+    pub fn recently_evicted(&self, slot: ReplicaSlot, hashes: &[ExternalHash]) -> usize {
+        let table = self.replicas.read();
+        let Some(book) = table.books.get(slot.index()) else {
+            return 0;
+        };
+        let book = book.lock();
+        let Some(recent) = &book.recent_evictions else {
+            return 0;
+        };
+        hashes
+            .iter()
+            .filter(|h| h.0 != 0 && recent[recent_cell(**h)] == h.0)
+            .count()
+    }
+
+    /// Every (replica, eviction counts) pair, for metrics.
+    pub fn replica_churn(&self) -> Vec<(String, ReplicaChurn)> {
+        let table = self.replicas.read();
+        table
+            .names
+            .iter()
+            .zip(&table.books)
+            .map(|(name, book)| (name.clone(), book.lock().churn))
+            .collect()
+    }
+
     /// Distinct block hashes in the index (across replicas).
     pub fn distinct_blocks(&self) -> usize {
         self.shards.iter().map(|s| s.read().len()).sum()
@@ -267,6 +348,7 @@ impl KvIndex {
                 refs_of(copies),
             ) {
                 book.blocks += 1;
+                book.stored_new(hash);
             }
         }
         let cap = self.config.max_blocks_per_replica;
@@ -311,6 +393,7 @@ impl KvIndex {
                 .remove(hash, slot, medium, refs_of(copies))
             {
                 book.blocks = book.blocks.saturating_sub(1);
+                book.evicted(hash);
             }
         }
     }
@@ -320,6 +403,9 @@ impl KvIndex {
         let mut book = table.books[slot.index()].lock();
         self.drop_holders(|h| h.slot() == slot);
         book.blocks = 0;
+        // A cleared (or restarted) engine recomputes what it held because it lost everything,
+        // not because its cache is too small.
+        book.recent_evictions = None;
     }
 
     /// Removes every holder `drop` selects, shard by shard; returns how many.

@@ -292,3 +292,161 @@ fn shared_blocks_collapse_back_when_all_but_one_holder_leaves() {
     index.removed("a:1", &hashes(&[6]), Medium::Gpu);
     assert_eq!(index.distinct_blocks(), 0);
 }
+
+#[test]
+fn blocks_stored_again_after_an_eviction_count_as_rebuilt() {
+    let index = KvIndex::new(IndexConfig::default());
+    let spread = |bs: &[u8]| bs.iter().map(|&b| spread(b)).collect::<Vec<_>>();
+    let churn = |index: &KvIndex| index.churn(index.slot("a:1").expect("seen"));
+    index.stored("a:1", &spread(&[1, 2, 3]), Medium::Gpu);
+    index.removed("a:1", &spread(&[1, 2]), Medium::Gpu);
+    assert_eq!(
+        churn(&index),
+        ReplicaChurn {
+            evicted: 2,
+            rebuilt: 0
+        }
+    );
+    // Block 1 comes back, block 4 is new.
+    index.stored("a:1", &spread(&[1, 4]), Medium::Gpu);
+    assert_eq!(
+        churn(&index),
+        ReplicaChurn {
+            evicted: 2,
+            rebuilt: 1
+        }
+    );
+    let slot = index.slot("a:1").expect("seen");
+    assert_eq!(
+        index.recently_evicted(slot, &spread(&[1, 2, 3, 4])),
+        1,
+        "2 only"
+    );
+    // Once rebuilt it is no longer a recent eviction; a second store changes nothing.
+    index.stored("a:1", &spread(&[1]), Medium::Gpu);
+    assert_eq!(churn(&index).rebuilt, 1);
+
+    // Offloading is not eviction: the block stays held on the CPU tier.
+    index.stored("a:1", &spread(&[3]), Medium::Offloaded);
+    index.removed("a:1", &spread(&[3]), Medium::Gpu);
+    index.stored("a:1", &spread(&[3]), Medium::Gpu);
+    assert_eq!(
+        churn(&index),
+        ReplicaChurn {
+            evicted: 2,
+            rebuilt: 1
+        }
+    );
+
+    // A clear is not an eviction, and what a restarted engine computes again is not counted.
+    index.cleared("a:1");
+    index.stored("a:1", &spread(&[2]), Medium::Gpu);
+    assert_eq!(
+        churn(&index),
+        ReplicaChurn {
+            evicted: 2,
+            rebuilt: 1
+        }
+    );
+    // Another replica's evictions are its own.
+    index.stored("b:1", &spread(&[4]), Medium::Gpu);
+    index.removed("b:1", &spread(&[4]), Medium::Gpu);
+    assert_eq!(churn(&index).evicted, 2);
+    assert_eq!(
+        index.replica_churn(),
+        vec![
+            (
+                "a:1".to_owned(),
+                ReplicaChurn {
+                    evicted: 2,
+                    rebuilt: 1
+                }
+            ),
+            (
+                "b:1".to_owned(),
+                ReplicaChurn {
+                    evicted: 1,
+                    rebuilt: 0
+                }
+            ),
+        ]
+    );
+}
+
+#[test]
+fn a_newer_eviction_in_the_same_cell_replaces_the_older() {
+    let index = KvIndex::new(IndexConfig::default());
+    // Small hashes share cell 0 (the cell is chosen by the high bits).
+    index.stored("a:1", &hashes(&[5, 6]), Medium::Gpu);
+    index.removed("a:1", &hashes(&[5, 6]), Medium::Gpu);
+    index.stored("a:1", &hashes(&[5, 6]), Medium::Gpu);
+    let churn = index.churn(index.slot("a:1").expect("seen"));
+    assert_eq!(
+        churn,
+        ReplicaChurn {
+            evicted: 2,
+            rebuilt: 1
+        },
+        "a lower bound"
+    );
+}
+
+/// Block `b` as a hash alone in its cell of the table of recent evictions.
+fn spread(b: u8) -> ExternalHash {
+    ExternalHash(((u64::from(b) + 1) << 40) | u64::from(b))
+}
+
+proptest! {
+    #[test]
+    fn churn_agrees_with_a_model(ops in prop::collection::vec(op(), 1..80)) {
+        let index = KvIndex::new(IndexConfig::default());
+        let mut model = Model::default();
+        // Per replica: (evicted, rebuilt, blocks evicted and not stored since).
+        let mut churn: HashMap<u8, (u64, u64, std::collections::HashSet<u8>)> = HashMap::new();
+        let name = |r: u8| format!("10.0.0.{r}:8000");
+        for op in ops {
+            match op {
+                Op::Store(r, blocks, gpu) => {
+                    let hs: Vec<ExternalHash> = blocks.iter().map(|&b| spread(b)).collect();
+                    index.stored(&name(r), &hs, medium(gpu));
+                    let entry = churn.entry(r).or_default();
+                    for b in blocks {
+                        if !model.holds(r, b) && entry.2.remove(&b) {
+                            entry.1 += 1;
+                        }
+                        let n = model.refs.entry((r, b, gpu)).or_default();
+                        *n = (*n + 1).min(15);
+                    }
+                }
+                Op::Remove(r, blocks, gpu) => {
+                    let hs: Vec<ExternalHash> = blocks.iter().map(|&b| spread(b)).collect();
+                    index.removed(&name(r), &hs, medium(gpu));
+                    for b in blocks {
+                        let held = model.holds(r, b);
+                        if let Some(n) = model.refs.get_mut(&(r, b, gpu)) {
+                            *n = n.saturating_sub(1);
+                        }
+                        if held && !model.holds(r, b) {
+                            let entry = churn.entry(r).or_default();
+                            entry.0 += 1;
+                            entry.2.insert(b);
+                        }
+                    }
+                }
+                Op::Clear(r) => {
+                    index.cleared(&name(r));
+                    model.refs.retain(|k, _| k.0 != r);
+                    if let Some(entry) = churn.get_mut(&r) {
+                        entry.2.clear();
+                    }
+                }
+                Op::Query(_) => {}
+            }
+            for r in 0..5u8 {
+                let got = index.slot(&name(r)).map(|s| index.churn(s)).unwrap_or_default();
+                let (evicted, rebuilt) = churn.get(&r).map_or((0, 0), |e| (e.0, e.1));
+                prop_assert_eq!(got, ReplicaChurn { evicted, rebuilt });
+            }
+        }
+    }
+}

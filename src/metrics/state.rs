@@ -1,5 +1,6 @@
 //! Gauges and counters read from the routing state when `/metrics` is read: the KV index's
-//! size (per replica and distinct blocks) and the tokenizer's cache and call counters.
+//! size (per replica and distinct blocks), each replica's evictions and rebuilt blocks, and the
+//! tokenizer's cache and call counters.
 //!
 //! Concurrency: encoding takes each structure's own short read locks and atomics; nothing on the
 //! request path waits for it.
@@ -46,6 +47,31 @@ impl Collector for StateCollector {
             "Blocks the KV index believes each replica holds",
             None,
             per_replica.metric_type(),
+        )?)?;
+        let evicted = Family::<ReplicaLabels, Counter>::default();
+        let rebuilt = Family::<ReplicaLabels, Counter>::default();
+        for (replica, churn) in self.index.replica_churn() {
+            evicted
+                .get_or_create(&ReplicaLabels {
+                    replica: replica.clone(),
+                })
+                .inc_by(churn.evicted);
+            rebuilt
+                .get_or_create(&ReplicaLabels { replica })
+                .inc_by(churn.rebuilt);
+        }
+        evicted.encode(encoder.encode_descriptor(
+            "llmgw_kv_index_replica_evicted_blocks",
+            "Blocks each replica's engine evicted (removed from every tier), from its KV events",
+            None,
+            evicted.metric_type(),
+        )?)?;
+        rebuilt.encode(encoder.encode_descriptor(
+            "llmgw_kv_index_replica_rebuilt_blocks",
+            "Blocks each replica's engine stored again soon after evicting them: a cache that \
+             recomputes what it just dropped holds less than it is asked for",
+            None,
+            rebuilt.metric_type(),
         )?)?;
         let gauges: [(&str, &str, u64); 2] = [
             (

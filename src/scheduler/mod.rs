@@ -17,7 +17,9 @@
 //! **Placement scorers** (the default profile's `cache_footprint`) are asked last, and only
 //! for a request the profile's affinity scorers found nowhere (each abstained or scored every
 //! candidate 0; a profile without affinity scorers never asks them): they choose a home for a
-//! new prefix by what it would evict.
+//! new prefix by what it would evict. An affinity scorer's all-zero answer marked
+//! [`Scores::placement_decides`] (`kv_cache` found the prompt only where it is being churned)
+//! hands the request to them without asking its fallback.
 //!
 //! The **imbalance guard** lets load outvote affinity: when the most loaded candidate has at
 //! least `imbalance_threshold` more requests (in flight + waiting) than the least loaded, the
@@ -624,7 +626,10 @@ async fn evaluate(
     candidates: &[Candidate],
 ) -> Evaluated {
     let primary = ask(&entry.name, &*entry.scorer, context, candidates).await;
-    if primary.scores().is_some_and(Scores::any_positive) {
+    if primary
+        .scores()
+        .is_some_and(|s| s.any_positive() || s.placement_decides)
+    {
         return Evaluated {
             primary: Some(primary),
             fallback: None,

@@ -60,6 +60,10 @@ pub struct Scores {
     pub per_candidate: Vec<f64>,
     /// Whatever the scorer wants back after the pick (e.g. the request's block hashes).
     pub memo: Option<Box<dyn Any + Send + Sync>>,
+    /// An affinity scorer's all-zero answer that is still an answer: it looked and found no
+    /// replica worth sending the request to for its cache, so the placement scorers decide and
+    /// its fallback is not asked.
+    pub placement_decides: bool,
 }
 
 impl Scores {
@@ -67,6 +71,7 @@ impl Scores {
         Scores {
             per_candidate,
             memo: None,
+            placement_decides: false,
         }
     }
 
@@ -74,7 +79,14 @@ impl Scores {
         Scores {
             per_candidate,
             memo: Some(Box::new(memo)),
+            placement_decides: false,
         }
+    }
+
+    /// Marks an all-zero answer as final (see [`Scores::placement_decides`]).
+    pub fn placement_decides(mut self) -> Scores {
+        self.placement_decides = true;
+        self
     }
 
     /// The memo, if it is a `T`.
@@ -93,6 +105,7 @@ impl std::fmt::Debug for Scores {
         f.debug_struct("Scores")
             .field("per_candidate", &self.per_candidate)
             .field("memo", &self.memo.is_some())
+            .field("placement_decides", &self.placement_decides)
             .finish()
     }
 }

@@ -583,6 +583,10 @@ fn profiles_are_built_by_name_and_errors_name_the_key() {
             "scheduler.profile.scorers[0] (kv_cache) parameters: unknown field `min_block`",
         ),
         (
+            "profile: {scorers: [{type: kv_cache, parameters: {rebuild_cost: -1}}]}",
+            "scheduler.profile.scorers[0] (kv_cache): rebuild_cost must be a number of blocks",
+        ),
+        (
             "profile: {scorers: [{type: queue, parameters: {scale: 2}}]}",
             "scheduler.profile.scorers[0] (queue) parameters: unknown field `scale`",
         ),

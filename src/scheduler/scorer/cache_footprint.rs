@@ -13,13 +13,20 @@
 //! a replica by any path: other routers, traffic sent straight to the replica, a restart that
 //! emptied it.
 //!
+//! A cache that keeps computing again what it evicted moments before ([`crate::kvindex`]'s
+//! rebuilt blocks) is fuller than its block count says: whatever a new prompt evicts there, its
+//! tenants come back for. So the blocks each replica rebuilt over about the last
+//! [`REBUILD_WINDOW`] (an exponential decay) are added to its footprint, and a prompt that
+//! `kv_cache` found only where it is being churned does not land on another churning cache.
+//!
 //! It abstains (`no_events`) when no candidate ever reported events: there is nothing to weigh.
 //!
 //! Metrics: `llmgw_cold_placements_total{decision}`: `emptiest` (the pick had the smallest
 //! footprint), `load_override` (load chose a fuller one).
 //!
-//! Concurrency: the projections are one `parking_lot::Mutex` over a vector by index slot, held
-//! for a few additions per candidate; the index's counts have their own locks.
+//! Concurrency: the projections and the rebuild rates are each one `parking_lot::Mutex` over a
+//! vector by index slot, held for a few arithmetic operations per candidate; the index's counts
+//! have their own locks.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -52,6 +59,7 @@ fn build(
     Ok(Arc::new(CacheFootprint {
         index: Arc::clone(&context.resources.index),
         projections: context.shared(|_| Projections::default()),
+        rebuilds: RecentRebuilds::default(),
         metrics: context.shared(PlacementMetrics::register),
     }))
 }
@@ -81,6 +89,7 @@ struct Footprints(Vec<f64>);
 struct CacheFootprint {
     index: Arc<KvIndex>,
     projections: Arc<Projections>,
+    rebuilds: RecentRebuilds,
     metrics: Arc<PlacementMetrics>,
 }
 
@@ -98,7 +107,71 @@ impl CacheFootprint {
             .iter()
             .map(|slot| slot.map_or(0, |s| self.index.block_count(s)))
             .collect();
-        Some(self.projections.footprints(&slots, &reported, now))
+        let mut footprints = self.projections.footprints(&slots, &reported, now);
+        for (footprint, recent) in footprints
+            .iter_mut()
+            .zip(self.rebuilds.read(&self.index, &slots, now))
+        {
+            *footprint += recent;
+        }
+        Some(footprints)
+    }
+}
+
+/// The time constant of the rebuilt blocks added to a footprint.
+pub const REBUILD_WINDOW: Duration = Duration::from_secs(10);
+
+/// Blocks each replica rebuilt recently, from the index's cumulative counts read at decisions.
+#[derive(Debug, Default)]
+struct RecentRebuilds {
+    by_slot: Mutex<Vec<RebuildRate>>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct RebuildRate {
+    /// The cumulative count when last read.
+    seen: u64,
+    /// Rebuilt blocks since, decayed with [`REBUILD_WINDOW`] as time constant.
+    decayed: f64,
+    /// When last read; `None` before the first read.
+    at: Option<Instant>,
+}
+
+impl RecentRebuilds {
+    /// Each candidate's blocks rebuilt over about the last window, read from `index` now.
+    fn read(&self, index: &KvIndex, slots: &[Option<ReplicaSlot>], now: Instant) -> Vec<f64> {
+        let rebuilt: Vec<Option<u64>> = slots
+            .iter()
+            .map(|slot| slot.map(|s| index.churn(s).rebuilt))
+            .collect();
+        self.recent(slots, &rebuilt, now)
+    }
+
+    /// For each slot (aligned with its cumulative `rebuilt` count), the blocks rebuilt over about
+    /// the last window; what was rebuilt before the first read is history, not pressure.
+    fn recent(&self, slots: &[Option<ReplicaSlot>], rebuilt: &[Option<u64>], now: Instant) -> Vec<f64> {
+        let mut by_slot = self.by_slot.lock();
+        slots
+            .iter()
+            .zip(rebuilt)
+            .map(|(slot, &rebuilt)| {
+                let (Some(slot), Some(rebuilt)) = (slot, rebuilt) else {
+                    return 0.0;
+                };
+                if by_slot.len() <= slot.index() {
+                    by_slot.resize(slot.index() + 1, RebuildRate::default());
+                }
+                let rate = &mut by_slot[slot.index()];
+                if let Some(at) = rate.at {
+                    let elapsed = now.saturating_duration_since(at).as_secs_f64();
+                    rate.decayed = rate.decayed * (-elapsed / REBUILD_WINDOW.as_secs_f64()).exp()
+                        + rebuilt.saturating_sub(rate.seen) as f64;
+                }
+                rate.seen = rebuilt;
+                rate.at = Some(now);
+                rate.decayed
+            })
+            .collect()
     }
 }
 
@@ -282,6 +355,28 @@ mod tests {
             projections.footprints(&slots, &[1, 2, 3], t0 + Duration::from_secs(10)),
             [1.0, 2.0, 3.0]
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn rebuilt_blocks_count_from_the_first_read_and_fade_with_the_window() {
+        let rebuilds = RecentRebuilds::default();
+        let (a, b) = slots();
+        let slots = [Some(a), Some(b), None];
+        let t0 = Instant::now();
+        // History before the first read does not count.
+        assert_eq!(
+            rebuilds.recent(&slots, &[Some(100), Some(0), None], t0),
+            [0.0, 0.0, 0.0]
+        );
+        assert_eq!(
+            rebuilds.recent(&slots, &[Some(150), Some(0), None], t0),
+            [50.0, 0.0, 0.0]
+        );
+        // One window later a factor e less, plus what was rebuilt since.
+        let later = t0 + REBUILD_WINDOW;
+        let recent = rebuilds.recent(&slots, &[Some(150), Some(8), None], later);
+        assert!((recent[0] - 50.0 / std::f64::consts::E).abs() < 1e-9, "{recent:?}");
+        assert_eq!(recent[1..], [8.0, 0.0]);
     }
 
     #[tokio::test(start_paused = true)]

@@ -14,13 +14,24 @@
 //! `/v1/models` says it loaded the adapter from ([`crate::pool::adapters`]); candidates that
 //! loaded it from different paths are matched against their own hashes.
 //!
+//! A holder whose engine evicted the rest of the prompt moments ago (the KV index remembers each
+//! replica's recent evictions) is **churning** that prefix: its cache holds more working set
+//! than fits, and sending the request there recomputes the evicted blocks and evicts others'
+//! again. With `rebuild_cost` above 0 (off by default; 2 is the measured setting), each such
+//! block costs that many held blocks of its score. When that leaves no replica worth its cache,
+//! and also when no replica holds the prompt's first block but one evicted its blocks moments
+//! ago (the fallback's memory of where the text went is then known to be stale), the answer is
+//! final (`churn_placement`): the placement scorers choose a home by footprint, churn and load,
+//! and the fallback is not asked.
+//!
 //! Parameters: `min_blocks` (leading blocks a replica must hold before its cache counts,
 //! default 1), `speculative_ttl` (how long a pick credits the chosen replica, default 2s; 0
-//! off).
+//! off), `rebuild_cost` (held blocks a block the holder evicted moments ago costs; default 0,
+//! churn ignored; 2 is the measured setting).
 //!
 //! Metrics: `llmgw_kv_decisions_total{decision}`: hit, miss, load_override when its scores
-//! decided; `index_miss` when it matched nothing and the fallback decided; else the reason it
-//! abstained.
+//! decided, churn_placement when churn left the placement scorers to decide; `index_miss` when
+//! it matched nothing and the fallback decided; else the reason it abstained.
 //!
 //! Each pick also records the blocks it adds to the chosen replica ([`Projections`]), which
 //! `cache_footprint` counts until the engine's events can have arrived, and the tokens the
@@ -64,6 +75,13 @@ struct Parameters {
     min_blocks: u32,
     #[serde(with = "crate::duration::text")]
     speculative_ttl: Duration,
+    /// What a block its holder evicted moments ago costs, in blocks it holds (0: churn
+    /// ignored). 2 is the measured setting: this request's prefill of the block, and as much
+    /// again for what storing it evicts there, which a cache that churns will be asked for
+    /// again. Off by default: it shortens the recovery after a replica restart, but where every
+    /// cache holds less than its tenants need, moving prompts only moves the churn
+    /// (docs/results/2026-12-03-churn-and-real-vllm.md).
+    rebuild_cost: f64,
 }
 
 impl Default for Parameters {
@@ -71,15 +89,23 @@ impl Default for Parameters {
         Parameters {
             min_blocks: 1,
             speculative_ttl: Duration::from_secs(2),
+            rebuild_cost: 0.0,
         }
     }
 }
 
 fn build(context: &mut BuildContext<'_>, value: serde_yaml::Value) -> Result<Arc<dyn Scorer>, PluginError> {
     let parameters: Parameters = parameters(value)?;
+    if !(parameters.rebuild_cost.is_finite() && parameters.rebuild_cost >= 0.0) {
+        return Err(PluginError::Invalid(format!(
+            "rebuild_cost must be a number of blocks, 0 or more (got {})",
+            parameters.rebuild_cost
+        )));
+    }
     let resources = context.resources.clone();
     Ok(Arc::new(KvCacheScorer {
         min_blocks: parameters.min_blocks,
+        rebuild_cost: parameters.rebuild_cost,
         hashers: resources.hashers,
         index: resources.index,
         tokenizer: resources.tokenizer,
@@ -118,11 +144,18 @@ impl KvMetrics {
     }
 }
 
+
+/// Most blocks past a holder's match looked up among its recent evictions (a bound on the
+/// work per candidate; a longer run of evicted blocks already outweighs most matches).
+const MAX_REBUILD_CHECK: usize = 256;
+
 /// Prompts whose block hashes are remembered (about 1 KB each for a 2k-token prompt).
 const HASH_CACHE_ENTRIES: usize = 8192;
 
 struct KvCacheScorer {
     min_blocks: u32,
+    /// Held blocks a block the holder must compute again costs its score (0: churn ignored).
+    rebuild_cost: f64,
     hashers: Arc<HashersByModel>,
     index: Arc<KvIndex>,
     tokenizer: Arc<Tokenizer>,
@@ -295,6 +328,8 @@ impl KvCacheScorer {
         let mut weighted = vec![0f32; candidates.len()];
         let mut stored = vec![0u32; candidates.len()];
         let mut held = vec![0u32; candidates.len()];
+        // Blocks of the prompt past what each holds that its engine evicted moments ago.
+        let mut rebuilt = vec![0u32; candidates.len()];
         let mut matches: Vec<PrefixMatch> = Vec::with_capacity(candidates.len());
         let mut group_slots: Vec<Option<ReplicaSlot>> = vec![None; candidates.len()];
         let mut group_held: Vec<u32> = vec![0; candidates.len()];
@@ -331,29 +366,48 @@ impl KvCacheScorer {
                 weighted[i] = matches[i].weighted;
                 stored[i] = matches[i].blocks;
                 held[i] = group_held[i];
+                if self.rebuild_cost > 0.0
+                    && let Some(slot) = slots[i]
+                {
+                    let rest = group_hashes.get(held[i] as usize..).unwrap_or_default();
+                    let rest = &rest[..rest.len().min(MAX_REBUILD_CHECK)];
+                    rebuilt[i] = self.index.recently_evicted(slot, rest) as u32;
+                }
             }
         }
 
-        let scores = (0..candidates.len())
+        let scores: Vec<f64> = (0..candidates.len())
             .map(|i| {
                 let total = hashes[i].len().max(1) as f64;
-                if held[i] < self.min_blocks {
+                let value = if held[i] < self.min_blocks {
                     0.0
                 } else if held[i] > stored[i] {
                     // Speculative blocks are assumed to be on the GPU.
-                    (f64::from(weighted[i]) + f64::from(held[i] - stored[i])) / total
+                    f64::from(weighted[i]) + f64::from(held[i] - stored[i])
                 } else {
-                    f64::from(weighted[i]) / total
-                }
+                    f64::from(weighted[i])
+                };
+                // A holder that evicted the rest of this prompt moments ago is churning it: what
+                // it holds is worth less than what it will compute again and evict anew.
+                (value - self.rebuild_cost * f64::from(rebuilt[i])).max(0.0) / total
             })
             .collect();
+        // No replica worth its cache, and one that evicted this very prompt moments ago: the
+        // index knows where the prompt was and that it is gone, so the prefix tree's memory of
+        // where its text went is stale, and placement decides.
+        let churning = scores.iter().all(|&s| s <= 0.0) && rebuilt.iter().any(|&r| r > 0);
         let memo = Memo {
             hashes,
             held,
             prompt_tokens: tokens.len(),
             block_size: hasher.block_size(),
         };
-        Answer::Scored(Scores::with_memo(scores, memo))
+        let scores = Scores::with_memo(scores, memo);
+        Answer::Scored(if churning {
+            scores.placement_decides()
+        } else {
+            scores
+        })
     }
 
     /// The chosen replica is about to cache the prompt's blocks: count them as its own until its
@@ -400,7 +454,11 @@ impl Scorer for KvCacheScorer {
                 let Some(memo) = scores.memo::<Memo>() else {
                     return;
                 };
-                let decision = classify(memo.held.iter().map(|&b| f64::from(b)), pick.chosen);
+                let decision = if scores.placement_decides {
+                    "churn_placement"
+                } else {
+                    classify(memo.held.iter().map(|&b| f64::from(b)), pick.chosen)
+                };
                 self.metrics.count(decision);
                 route.record("prefix_outcome", decision);
                 route.record("tier", "index");

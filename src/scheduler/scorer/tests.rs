@@ -240,20 +240,18 @@ async fn an_index_miss_goes_where_the_tree_sent_the_prefix_before() {
     // No speculative entries, so that only the tree remembers the first pick.
     let f = affinity(2000, "0s").await;
     let request = completion("m", "abcdefgh", None);
-    let hashes = hashes_of("abcdefgh", None);
-    f.index.stored(f.endpoint(2), &hashes, Medium::Gpu);
     f.index
         .stored(f.endpoint(1), &hashes_of("zzzz", None), Medium::Gpu);
-    assert_eq!(f.pick(&request).await, f.endpoint(2));
-    // Its engine has since evicted the blocks.
-    f.index.removed(f.endpoint(2), &hashes, Medium::Gpu);
-    assert_eq!(f.pick(&request).await, f.endpoint(2));
+    let first = f.pick(&request).await;
+    assert_eq!(f.kv("miss"), 1.0);
+    // The engine's events for the prompt have not arrived: the index misses, the tree knows.
+    assert_eq!(f.pick(&request).await, first);
     assert_eq!(f.kv("index_miss"), 1.0);
     assert_eq!(f.tree("hit"), 1.0);
 
     // The tree never sends a salted request after unsalted text.
     f.pick(&completion("m", "abcdefgh", Some("tenant-1"))).await;
-    assert_eq!(f.kv("miss"), 1.0);
+    assert_eq!(f.kv("miss"), 2.0);
     assert_eq!(f.tree("hit"), 1.0);
 }
 
@@ -300,6 +298,17 @@ async fn metrics_expose_decisions_and_tier_sizes() {
         )),
         4.0
     );
+    // The engine evicts a block and computes it again: an eviction and a rebuilt block.
+    let first = &hashes_of(prompt, None)[..1];
+    f.index.removed(f.endpoint(2), first, Medium::Gpu);
+    f.index.stored(f.endpoint(2), first, Medium::Gpu);
+    for (name, value) in [
+        ("llmgw_kv_index_replica_evicted_blocks_total", 1.0),
+        ("llmgw_kv_index_replica_rebuilt_blocks_total", 1.0),
+    ] {
+        let sample = format!("{name}{{replica=\"{}\"}}", f.endpoint(2));
+        assert_eq!(f.metric(&sample), value, "{sample}");
+    }
 }
 
 const SESSIONS: &str = "
@@ -602,4 +611,117 @@ async fn adapter_requests_go_where_the_adapter_runs_and_never_wait_for_a_slot_if
     // Base-model requests are not the adapter plugins' business.
     f.pick(&completion("m", "abcdefgh", None)).await;
     assert_eq!(picks("running") + picks("free_slot") + picks("full"), 3.0);
+}
+
+const WITH_PLACEMENT: &str = "
+profile:
+  scorers:
+    - type: kv_cache
+      parameters: {speculative_ttl: 0s, rebuild_cost: 2}
+      fallback: {type: prefix_tree, parameters: {chunk_bytes: 4}}
+    - {type: cache_footprint, weight: 1}
+    - {type: in_flight, weight: 1}
+";
+
+#[tokio::test]
+async fn a_holder_that_just_evicted_the_rest_of_the_prompt_leaves_it_to_placement() {
+    let f = fixture(WITH_PLACEMENT, 2000).await;
+    let prompt = "abcdefghijklmnop"; // 4 blocks
+    let blocks = hashes_of(prompt, None);
+    let request = completion("m", prompt, None);
+    f.index.stored(f.endpoint(2), &blocks, Medium::Gpu);
+    f.index.stored(
+        f.endpoint(2),
+        &hashes_of("qrstuvwxyz012345", None),
+        Medium::Gpu,
+    );
+    f.index
+        .stored(f.endpoint(1), &hashes_of("zzzz", None), Medium::Gpu);
+    // The routing tree learns that the prompt went to replica 2.
+    assert_eq!(f.pick(&request).await, f.endpoint(2));
+    assert_eq!(f.kv("hit"), 1.0);
+
+    // Its engine evicts the last block: 3 held, 1 to compute again, still worth going to.
+    f.index.removed(f.endpoint(2), &blocks[3..], Medium::Gpu);
+    assert_eq!(f.pick(&request).await, f.endpoint(2));
+    assert_eq!(f.kv("hit"), 2.0);
+
+    // Meanwhile replica 2 computes again two blocks it had just evicted; replica 1 is calm.
+    let filler = &hashes_of("qrstuvwxyz012345", None)[..2];
+    f.index.removed(f.endpoint(2), filler, Medium::Gpu);
+    f.index.stored(f.endpoint(2), filler, Medium::Gpu);
+
+    // It evicts the last two: 2 held against 2 to compute again (and as much to evict anew) is
+    // worth nothing, so the emptiest cache gets it, not the tree's memory of replica 2.
+    f.index.removed(f.endpoint(2), &blocks[2..3], Medium::Gpu);
+    assert_ne!(f.pick(&request).await, f.endpoint(2));
+    assert_eq!(f.kv("churn_placement"), 1.0);
+    assert_eq!(
+        f.metric("llmgw_cold_placements_total{decision=\"emptiest\"}"),
+        1.0
+    );
+    assert_eq!(
+        f.tree("hit") + f.tree("miss"),
+        0.0,
+        "the fallback is not asked"
+    );
+
+    // Its engine evicts the whole prompt: the index knows it was there and is gone, so the
+    // tree's memory of replica 2 is not asked either.
+    let before = f.kv("churn_placement");
+    f.index.removed(f.endpoint(2), &blocks[..2], Medium::Gpu);
+    assert_ne!(f.pick(&request).await, f.endpoint(2));
+    assert_eq!(f.kv("churn_placement"), before + 1.0);
+    assert_eq!(f.tree("hit") + f.tree("miss"), 0.0);
+    f.index.stored(f.endpoint(2), &blocks[..2], Medium::Gpu);
+
+    // Once later evictions have taken their cells in the replica's memory of recent
+    // evictions, those blocks are forgotten, and what it holds counts in full again.
+    let later: Vec<ExternalHash> = blocks.iter().map(|h| ExternalHash(h.0 ^ 1)).collect();
+    f.index.stored(f.endpoint(2), &later, Medium::Gpu);
+    f.index.removed(f.endpoint(2), &later, Medium::Gpu);
+    assert_eq!(f.pick(&request).await, f.endpoint(2));
+    assert_eq!(f.kv("hit"), 3.0);
+}
+
+#[tokio::test]
+async fn a_new_prompt_is_placed_away_from_caches_that_churn() {
+    let f = fixture(WITH_PLACEMENT, 2000).await;
+    let fillers = ["0000111122223333", "4444555566667777", "88889999aaaabbbb"];
+    for (replica, filler) in fillers.iter().enumerate() {
+        f.index
+            .stored(f.endpoint(replica), &hashes_of(filler, None), Medium::Gpu);
+    }
+    // A first cold placement reads every replica's churn (nothing so far).
+    f.pick(&completion("m", "alpha beta gamma", None)).await;
+    // Replicas 0 and 1 compute again two blocks they had just evicted; replica 2 is calm.
+    for replica in [0, 1] {
+        let again = &hashes_of(fillers[replica], None)[..2];
+        f.index.removed(f.endpoint(replica), again, Medium::Gpu);
+        f.index.stored(f.endpoint(replica), again, Medium::Gpu);
+    }
+    assert_eq!(
+        f.pick(&completion("m", "omega psi chi ph", None)).await,
+        f.endpoint(2)
+    );
+    assert_eq!(
+        f.metric("llmgw_cold_placements_total{decision=\"emptiest\"}"),
+        2.0
+    );
+}
+
+#[tokio::test]
+async fn by_default_churn_is_ignored() {
+    let profile = WITH_PLACEMENT.replace(", rebuild_cost: 2", "");
+    let f = fixture(&profile, 2000).await;
+    let prompt = "abcdefghijklmnop";
+    let blocks = hashes_of(prompt, None);
+    f.index.stored(f.endpoint(2), &blocks, Medium::Gpu);
+    f.index
+        .stored(f.endpoint(1), &hashes_of("zzzz", None), Medium::Gpu);
+    // Two held against two just evicted: with churn weighed, placement would decide.
+    f.index.removed(f.endpoint(2), &blocks[2..], Medium::Gpu);
+    assert_eq!(f.pick(&completion("m", prompt, None)).await, f.endpoint(2));
+    assert_eq!(f.kv("hit"), 1.0);
+    assert_eq!(f.kv("churn_placement"), 0.0);
 }
