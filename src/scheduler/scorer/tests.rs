@@ -646,11 +646,6 @@ async fn a_holder_that_just_evicted_the_rest_of_the_prompt_leaves_it_to_placemen
     assert_eq!(f.pick(&request).await, f.endpoint(2));
     assert_eq!(f.kv("hit"), 2.0);
 
-    // Meanwhile replica 2 computes again two blocks it had just evicted; replica 1 is calm.
-    let filler = &hashes_of("qrstuvwxyz012345", None)[..2];
-    f.index.removed(f.endpoint(2), filler, Medium::Gpu);
-    f.index.stored(f.endpoint(2), filler, Medium::Gpu);
-
     // It evicts the last two: 2 held against 2 to compute again (and as much to evict anew) is
     // worth nothing, so the emptiest cache gets it, not the tree's memory of replica 2.
     f.index.removed(f.endpoint(2), &blocks[2..3], Medium::Gpu);
