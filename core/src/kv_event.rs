@@ -36,8 +36,15 @@ pub trait KvEventSink: Send + Sync {
     fn stored_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium);
     /// `copies` fewer references to each block.
     fn removed_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium);
-    /// Everything the replica held is gone (engine restart, cache reset, stream gap).
+    /// Forget everything the replica held (before a snapshot restates it, or when its reports
+    /// are refused or their source is gone).
     fn cleared(&self, replica: &str);
+    /// The replica's engine lost everything it held (an engine restart, a cache reset, a gap
+    /// in its events): like [`cleared`](Self::cleared), but an index may remember what was
+    /// there, the prompts whose home the replica was.
+    fn lost(&self, replica: &str) {
+        self.cleared(replica);
+    }
 
     /// One more reference to each block.
     fn stored(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {

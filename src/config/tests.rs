@@ -414,6 +414,8 @@ fn a_bad_flag_value_is_refused_by_the_parser_naming_the_flag() {
         "20ms",
         "--offloaded-weight",
         "0.25",
+        "--index-home-memory",
+        "5s",
         "--feed-max-blocks-per-engine",
         "9",
         "--probe-timeout",
@@ -425,6 +427,7 @@ fn a_bad_flag_value_is_refused_by_the_parser_naming_the_flag() {
     let settings = Settings::resolve(&parsed.args).unwrap();
     assert_eq!(settings.tokenizer.deadline, Duration::from_millis(20));
     assert_eq!(settings.index.offloaded_weight, 0.25);
+    assert_eq!(settings.index.home_memory, Duration::from_secs(5));
     assert_eq!(settings.feed.limits.max_blocks_per_engine, 9);
     assert_eq!(settings.probes.timeout, Duration::from_secs(3));
     assert_eq!(

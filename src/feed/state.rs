@@ -755,7 +755,7 @@ impl FeedState {
         if d.reset {
             view.blocks.clear();
             view.held = 0;
-            self.rebuild(sink, &replica);
+            self.rebuild_after_loss(sink, &replica);
         }
         let Some(Some(view)) = self
             .nodes
@@ -841,6 +841,18 @@ impl FeedState {
     /// Clears `replica` in the index and stores again what every engine reporting it holds.
     fn rebuild(&self, sink: &dyn KvEventSink, replica: &str) {
         sink.cleared(replica);
+        self.restore(sink, replica);
+    }
+
+    /// As [`rebuild`](Self::rebuild), after an engine of `replica` lost its cache (a delta
+    /// that resets: a restart, a cache reset, a gap): the index may remember what it held.
+    fn rebuild_after_loss(&self, sink: &dyn KvEventSink, replica: &str) {
+        sink.lost(replica);
+        self.restore(sink, replica);
+    }
+
+    /// Stores in the index what every engine reporting `replica` holds.
+    fn restore(&self, sink: &dyn KvEventSink, replica: &str) {
         for node in self.nodes.values() {
             for view in node.engines.values().filter(|v| v.replica == replica) {
                 let blocks = by_medium(view.blocks.keys().map(|k| (*k, 1)));

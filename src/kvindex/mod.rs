@@ -12,13 +12,19 @@
 //! per node) take one shard's write lock per block, briefly. A lookup takes each shard's read
 //! lock at most once, lazily, and holds them only for the length of one prompt's walk. The
 //! replica table is a separate `RwLock` taken for reads on every change and for writes only
-//! when a replica is first seen. Lock order: replica table, then shards in index order; no lock
-//! is held across an `.await` (there are none here).
+//! when a replica is first seen. Each replica's book (block count, churn, recent evictions, the
+//! home memory of a lost cache) is a `parking_lot::Mutex` that a change holds while it writes
+//! that replica's blocks; lookups of churn or homes take it briefly, and a lookup of homes takes
+//! no lock at all while no replica has lost its cache within `home_memory` (an atomic count).
+//! Lock order: replica table, then the book, then shards in index order; no lock is held across
+//! an `.await` (there are none here).
 //!
 //! # Memory
 //! One 12-byte bucket per block hash with its first holder (see `shard`); up to three more
 //! holders share one 20-byte bucket of a second map, and more than that are boxed. Each replica has a cap on held blocks; going over it drops
-//! that replica's oldest blocks (dated in sixteenths of the cap), found with one scan.
+//! that replica's oldest blocks (dated in sixteenths of the cap), found with one scan. A lost
+//! cache is remembered as at most [`MAX_HOME_BLOCKS`] hashes (about 1 MB), freed when a lookup
+//! finds it older than `home_memory` or at the replica's next loss.
 
 mod shard;
 mod speculative;
@@ -26,10 +32,13 @@ mod speculative;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use parking_lot::{RwLock, RwLockReadGuard};
 use shard::{Holder, MAX_SLOTS, Shard, slot_bit};
+use tokio::time::Instant;
 
 use crate::blockhash::ExternalHash;
 
@@ -62,6 +71,9 @@ pub struct IndexConfig {
     pub max_blocks_per_replica: u32,
     /// Weight of a block held only offloaded, relative to 1.0 for one in GPU memory.
     pub offloaded_weight: f32,
+    /// How long a replica that lost its cache stays the home of what it held
+    /// ([`KvIndex::home_prefix`]); zero remembers nothing.
+    pub home_memory: Duration,
 }
 
 impl Default for IndexConfig {
@@ -69,6 +81,7 @@ impl Default for IndexConfig {
         IndexConfig {
             max_blocks_per_replica: 4_000_000,
             offloaded_weight: 0.5,
+            home_memory: Duration::from_secs(60),
         }
     }
 }
@@ -84,6 +97,12 @@ pub struct IndexOptions {
     /// Weight of a block held only in CPU (offloaded) memory, relative to GPU (default 0.5).
     #[arg(long, env = "LLMGW_OFFLOADED_WEIGHT")]
     pub offloaded_weight: Option<f32>,
+    /// How long a replica whose engine lost its cache (a restart, a cache reset) draws back
+    /// the prompts it held, so that its tenants return from where they went meanwhile
+    /// (default 60s; 0 turns it off).
+    #[arg(long, env = "LLMGW_INDEX_HOME_MEMORY", value_parser = crate::duration::parse)]
+    #[serde(default, deserialize_with = "crate::duration::optional")]
+    pub index_home_memory: Option<Duration>,
 }
 
 impl IndexOptions {
@@ -97,6 +116,9 @@ impl IndexOptions {
             offloaded_weight: (self.offloaded_weight)
                 .or(file.offloaded_weight)
                 .unwrap_or(default.offloaded_weight),
+            home_memory: (self.index_home_memory)
+                .or(file.index_home_memory)
+                .unwrap_or(default.home_memory),
         }
     }
 }
@@ -119,7 +141,20 @@ struct ReplicaBook {
     churn: ReplicaChurn,
     /// Hashes of recent evictions, by `recent_cell`; 0 is an empty cell.
     recent_evictions: Option<Box<[u64]>>,
+    /// What the engine held when it last lost its cache, while that is remembered.
+    home: Option<HomeMemory>,
 }
+
+/// The blocks a replica held when its engine lost them: the prompts whose home it was. A block
+/// the engine evicts again (after computing it anew) leaves the memory: the cache let it go.
+#[derive(Debug)]
+struct HomeMemory {
+    lost_at: Instant,
+    blocks: HashSet<u64, foldhash::fast::RandomState>,
+}
+
+/// Most blocks remembered per replica (about 1 MB): a larger cache is remembered in part.
+pub const MAX_HOME_BLOCKS: usize = 1 << 16;
 
 /// Cells of a replica's table of recent evictions.
 pub const RECENT_EVICTIONS: usize = 4096;
@@ -134,6 +169,9 @@ impl ReplicaBook {
     /// The replica's engine no longer holds `hash` on any tier.
     fn evicted(&mut self, hash: ExternalHash) {
         self.churn.evicted += 1;
+        if let Some(home) = &mut self.home {
+            home.blocks.remove(&hash.0);
+        }
         let table = self
             .recent_evictions
             .get_or_insert_with(|| vec![0; RECENT_EVICTIONS].into_boxed_slice());
@@ -184,6 +222,9 @@ pub struct KvIndex {
     config: IndexConfig,
     shards: Box<[RwLock<Shard>]>,
     replicas: RwLock<ReplicaTable>,
+    /// Replicas with a home memory: while there are none (almost always), a lookup of homes
+    /// takes no lock.
+    homes: AtomicUsize,
 }
 
 impl std::fmt::Debug for KvIndex {
@@ -201,6 +242,7 @@ impl KvIndex {
             config,
             shards: (0..SHARDS).map(|_| RwLock::new(Shard::default())).collect(),
             replicas: RwLock::new(ReplicaTable::default()),
+            homes: AtomicUsize::new(0),
         }
     }
 
@@ -401,6 +443,63 @@ impl KvIndex {
     fn clear(&self, slot: ReplicaSlot) {
         let table = self.replicas.read();
         let mut book = table.books[slot.index()].lock();
+        self.drop_all(slot, &mut book);
+    }
+
+    /// Clears the replica and remembers what it held as the home of those prompts (unless it
+    /// held nothing: a second loss before it cached anything keeps the first memory).
+    fn lose(&self, slot: ReplicaSlot) {
+        let table = self.replicas.read();
+        let mut book = table.books[slot.index()].lock();
+        if !self.config.home_memory.is_zero() && book.blocks > 0 {
+            let mut held = Vec::new();
+            for shard in self.shards.iter() {
+                shard.read().blocks_of(slot, &mut held);
+                if held.len() >= MAX_HOME_BLOCKS {
+                    break;
+                }
+            }
+            held.truncate(MAX_HOME_BLOCKS);
+            let memory = HomeMemory {
+                lost_at: Instant::now(),
+                blocks: held.into_iter().map(|h| h.0).collect(),
+            };
+            if book.home.replace(memory).is_none() {
+                self.homes.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.drop_all(slot, &mut book);
+    }
+
+    /// How many of the prompt's leading blocks the replica in `slot` held when its engine last
+    /// lost its cache, if that was less than `home_memory` ago: it is those prompts' home, and
+    /// the copies other replicas made while it was gone are refugees. Blocks it evicted since
+    /// (after computing them again) do not count. 0 when it remembers nothing.
+    pub fn home_prefix(&self, slot: ReplicaSlot, prompt: &[ExternalHash], now: Instant) -> u32 {
+        if self.homes.load(Ordering::Relaxed) == 0 {
+            return 0;
+        }
+        let table = self.replicas.read();
+        let Some(book) = table.books.get(slot.index()) else {
+            return 0;
+        };
+        let mut book = book.lock();
+        let Some(home) = &book.home else {
+            return 0;
+        };
+        if now.saturating_duration_since(home.lost_at) > self.config.home_memory {
+            book.home = None;
+            self.homes.fetch_sub(1, Ordering::Relaxed);
+            return 0;
+        }
+        prompt
+            .iter()
+            .take_while(|h| home.blocks.contains(&h.0))
+            .count() as u32
+    }
+
+    /// Drops every block of the replica in `slot`, whose book `book` is.
+    fn drop_all(&self, slot: ReplicaSlot, book: &mut ReplicaBook) {
         self.drop_holders(|h| h.slot() == slot);
         book.blocks = 0;
         // A cleared (or restarted) engine recomputes what it held because it lost everything,
@@ -580,6 +679,12 @@ impl KvEventSink for KvIndex {
     fn cleared(&self, replica: &str) {
         if let Some(slot) = self.slot(replica) {
             self.clear(slot);
+        }
+    }
+
+    fn lost(&self, replica: &str) {
+        if let Some(slot) = self.slot(replica) {
+            self.lose(slot);
         }
     }
 }

@@ -174,6 +174,7 @@ enum Op {
     Store(u8, Vec<u8>, bool),
     Remove(u8, Vec<u8>, bool),
     Clear(u8),
+    Lose(u8),
     Query(Vec<u8>),
 }
 
@@ -183,15 +184,18 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (replica.clone(), blocks.clone(), any::<bool>()).prop_map(|(r, b, g)| Op::Store(r, b, g)),
         3 => (replica.clone(), blocks.clone(), any::<bool>()).prop_map(|(r, b, g)| Op::Remove(r, b, g)),
-        1 => replica.prop_map(Op::Clear),
+        1 => replica.clone().prop_map(Op::Clear),
+        1 => replica.prop_map(Op::Lose),
         3 => blocks.prop_map(Op::Query),
     ]
 }
 
-/// The obvious model: reference counts per (replica, block, tier).
+/// The obvious model: reference counts per (replica, block, tier), and what each replica held
+/// when it last lost its cache less what it evicted since.
 #[derive(Default)]
 struct Model {
     refs: HashMap<(u8, u8, bool), u32>,
+    home: HashMap<u8, std::collections::HashSet<u8>>,
 }
 
 impl Model {
@@ -226,13 +230,26 @@ proptest! {
                     let hs: Vec<u64> = blocks.iter().map(|&b| u64::from(b)).collect();
                     index.removed(&name(r), &hashes(&hs), medium(gpu));
                     for b in blocks {
+                        let held = model.holds(r, b);
                         if let Some(n) = model.refs.get_mut(&(r, b, gpu)) {
                             *n = n.saturating_sub(1);
+                        }
+                        if held && !model.holds(r, b) && let Some(home) = model.home.get_mut(&r) {
+                            home.remove(&b);
                         }
                     }
                 }
                 Op::Clear(r) => {
                     index.cleared(&name(r));
+                    model.refs.retain(|k, _| k.0 != r);
+                }
+                Op::Lose(r) => {
+                    index.lost(&name(r));
+                    let held: std::collections::HashSet<u8> =
+                        (0..12u8).filter(|&b| model.holds(r, b)).collect();
+                    if !held.is_empty() {
+                        model.home.insert(r, held);
+                    }
                     model.refs.retain(|k, _| k.0 != r);
                 }
                 Op::Query(prompt) => {
@@ -251,6 +268,13 @@ proptest! {
                     let mut general = vec![PrefixMatch::default(); candidates.len()];
                     index.match_prefix_general(&hashes(&hs), &candidates, &mut general);
                     prop_assert_eq!(&masked, &general);
+                    for (r, slot) in (0..5u8).zip(&candidates) {
+                        let want = model.home.get(&r).map_or(0, |home| {
+                            prompt.iter().take_while(|b| home.contains(b)).count() as u32
+                        });
+                        let got = slot.map_or(0, |s| index.home_prefix(s, &hashes(&hs), Instant::now()));
+                        prop_assert_eq!(got, want, "home of replica {}", r);
+                    }
                     for (r, m) in (0..5u8).zip(&masked) {
                         let weight: f32 = prompt
                             .iter()
@@ -405,6 +429,7 @@ proptest! {
         let mut churn: HashMap<u8, (u64, u64, std::collections::HashSet<u8>)> = HashMap::new();
         let name = |r: u8| format!("10.0.0.{r}:8000");
         for op in ops {
+            let lose = matches!(op, Op::Lose(_));
             match op {
                 Op::Store(r, blocks, gpu) => {
                     let hs: Vec<ExternalHash> = blocks.iter().map(|&b| spread(b)).collect();
@@ -433,8 +458,14 @@ proptest! {
                         }
                     }
                 }
-                Op::Clear(r) => {
-                    index.cleared(&name(r));
+                // A loss resets the churn as a clear does: the engine lost its cache, it did
+                // not evict.
+                Op::Clear(r) | Op::Lose(r) => {
+                    if lose {
+                        index.lost(&name(r));
+                    } else {
+                        index.cleared(&name(r));
+                    }
                     model.refs.retain(|k, _| k.0 != r);
                     if let Some(entry) = churn.get_mut(&r) {
                         entry.2.clear();
@@ -449,4 +480,58 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn a_lost_cache_is_remembered_as_home_until_evicted_again_or_forgotten() {
+    let index = KvIndex::new(IndexConfig::default());
+    index.stored("a:1", &hashes(&[1, 2, 3]), Medium::Gpu);
+    index.stored("b:1", &hashes(&[1, 2]), Medium::Gpu);
+    let prompt = hashes(&[1, 2, 3, 4]);
+    let (a, b) = (index.slot("a:1").unwrap(), index.slot("b:1").unwrap());
+    let now = Instant::now();
+    assert_eq!(index.home_prefix(a, &prompt, now), 0, "nothing lost yet");
+
+    index.lost("a:1");
+    assert_eq!(matches(&index, &[1, 2, 3], &["a:1", "b:1"]), vec![0, 2]);
+    assert_eq!(index.replica_block_count("a:1"), 0);
+    assert_eq!(index.home_prefix(a, &prompt, Instant::now()), 3);
+    assert_eq!(index.home_prefix(b, &prompt, Instant::now()), 0);
+    // A plain clear (a snapshot restating the cache) remembers nothing.
+    index.cleared("b:1");
+    assert_eq!(index.home_prefix(b, &prompt, Instant::now()), 0);
+
+    // Computed again, the prompt stays home; evicted again, the cache let it go.
+    index.stored("a:1", &hashes(&[1, 2]), Medium::Gpu);
+    assert_eq!(index.home_prefix(a, &prompt, Instant::now()), 3);
+    index.removed("a:1", &hashes(&[2]), Medium::Gpu);
+    assert_eq!(index.home_prefix(a, &prompt, Instant::now()), 1);
+
+    // A second loss with nothing cached keeps the first memory; after `home_memory` it is gone.
+    index.removed("a:1", &hashes(&[1]), Medium::Gpu);
+    index.stored("a:1", &hashes(&[9]), Medium::Gpu);
+    index.lost("a:1");
+    assert_eq!(index.home_prefix(a, &hashes(&[9]), Instant::now()), 1);
+    index.lost("a:1");
+    assert_eq!(index.home_prefix(a, &hashes(&[9]), Instant::now()), 1);
+    let later = Instant::now() + IndexConfig::default().home_memory + Duration::from_secs(1);
+    assert_eq!(index.home_prefix(a, &hashes(&[9]), later), 0);
+    assert_eq!(
+        index.home_prefix(a, &hashes(&[9]), Instant::now()),
+        0,
+        "dropped"
+    );
+}
+
+#[test]
+fn with_no_home_memory_a_loss_is_a_clear() {
+    let index = KvIndex::new(IndexConfig {
+        home_memory: Duration::ZERO,
+        ..IndexConfig::default()
+    });
+    index.stored("a:1", &hashes(&[1, 2]), Medium::Gpu);
+    index.lost("a:1");
+    let a = index.slot("a:1").unwrap();
+    assert_eq!(index.home_prefix(a, &hashes(&[1, 2]), Instant::now()), 0);
+    assert_eq!(index.replica_block_count("a:1"), 0);
 }

@@ -19,6 +19,8 @@ type Copies = HashMap<(ExternalHash, Medium), u64>;
 #[derive(Default)]
 struct Recorder {
     held: Mutex<HashMap<String, Copies>>,
+    /// Replicas told they lost their cache, in order.
+    losses: Mutex<Vec<String>>,
 }
 
 impl KvEventSink for Recorder {
@@ -47,6 +49,10 @@ impl KvEventSink for Recorder {
     }
     fn cleared(&self, replica: &str) {
         self.held.lock().remove(replica);
+    }
+    fn lost(&self, replica: &str) {
+        self.losses.lock().push(replica.to_owned());
+        self.cleared(replica);
     }
 }
 
@@ -78,6 +84,10 @@ impl KvEventSink for Tee<'_> {
     fn cleared(&self, replica: &str) {
         self.0.cleared(replica);
         self.1.cleared(replica);
+    }
+    fn lost(&self, replica: &str) {
+        self.0.lost(replica);
+        self.1.lost(replica);
     }
 }
 
@@ -556,6 +566,25 @@ fn data_parallel_engines_of_one_replica_survive_each_others_resets() {
     f.ok(snapshot("e1#dp1", 0, 0, &[2]));
     f.ok(delta("e1", 1, 1, true, &[3], &[]));
     assert_eq!(f.rec.hashes("r1"), [2, 3].into());
+}
+
+#[test]
+fn a_delta_that_resets_tells_the_index_the_cache_was_lost_and_a_snapshot_does_not() {
+    let mut f = Fixture::new();
+    f.ok(snapshot("e1", 0, 0, &[1, 2]));
+    assert!(
+        f.rec.losses.lock().is_empty(),
+        "a snapshot restates the cache"
+    );
+    f.ok(delta("e1", 1, 1, true, &[3], &[]));
+    assert_eq!(*f.rec.losses.lock(), ["r1"]);
+    assert_eq!(f.rec.hashes("r1"), [3].into());
+    f.ok(delta("e1", 1, 2, false, &[4], &[3]));
+    assert_eq!(
+        f.rec.losses.lock().len(),
+        1,
+        "an ordinary delta loses nothing"
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -24,13 +24,21 @@
 //! final (`churn_placement`): the placement scorers choose a home by footprint, churn and load,
 //! and the fallback is not asked.
 //!
+//! A replica whose engine lost its cache (a restart, a cache reset) is the **home** of the
+//! prompts it held, for as long as the index remembers them ([`KvIndex::home_prefix`],
+//! `--index-home-memory`): it scores as if it still held them, and a copy another replica made
+//! meanwhile that holds no more of the prompt counts for nothing, so the tenants that left a
+//! restarted replica come back instead of crowding the caches they fled to. A conversation
+//! that went on elsewhere (a longer match there) stays where it is.
+//!
 //! Parameters: `min_blocks` (leading blocks a replica must hold before its cache counts,
 //! default 1), `speculative_ttl` (how long a pick credits the chosen replica, default 2s; 0
 //! off), `rebuild_cost` (held blocks a block the holder evicted moments ago costs; default 0,
 //! churn ignored; 2 is the measured setting).
 //!
 //! Metrics: `llmgw_kv_decisions_total{decision}`: hit, miss, load_override when its scores
-//! decided, churn_placement when churn left the placement scorers to decide; `index_miss` when
+//! decided, homecoming when the pick went home to compute the prompt again, churn_placement
+//! when churn left the placement scorers to decide; `index_miss` when
 //! it matched nothing and the fallback decided; else the reason it abstained.
 //!
 //! Each pick also records the blocks it adds to the chosen replica ([`Projections`]), which
@@ -195,6 +203,8 @@ struct Memo {
     hashes: Vec<Arc<[ExternalHash]>>,
     /// Leading blocks each candidate holds (speculative ones included).
     held: Vec<u32>,
+    /// Leading blocks each candidate held when its engine last lost its cache (remembered).
+    home: Vec<u32>,
     prompt_tokens: usize,
     block_size: usize,
 }
@@ -330,6 +340,9 @@ impl KvCacheScorer {
         let mut held = vec![0u32; candidates.len()];
         // Blocks of the prompt past what each holds that its engine evicted moments ago.
         let mut rebuilt = vec![0u32; candidates.len()];
+        // Leading blocks of the prompt each held when its engine last lost its cache.
+        let mut home = vec![0u32; candidates.len()];
+        let now = Instant::now();
         let mut matches: Vec<PrefixMatch> = Vec::with_capacity(candidates.len());
         let mut group_slots: Vec<Option<ReplicaSlot>> = vec![None; candidates.len()];
         let mut group_held: Vec<u32> = vec![0; candidates.len()];
@@ -357,7 +370,7 @@ impl KvCacheScorer {
                     self.speculative.raise_matches(
                         &group_hashes,
                         &group_slots,
-                        Instant::now(),
+                        now,
                         &mut group_held,
                     );
                 });
@@ -366,6 +379,9 @@ impl KvCacheScorer {
                 weighted[i] = matches[i].weighted;
                 stored[i] = matches[i].blocks;
                 held[i] = group_held[i];
+                if let Some(slot) = slots[i] {
+                    home[i] = self.index.home_prefix(slot, &group_hashes, now);
+                }
                 if self.rebuild_cost > 0.0
                     && let Some(slot) = slots[i]
                 {
@@ -376,10 +392,17 @@ impl KvCacheScorer {
             }
         }
 
+        // A replica whose engine lost this prompt (a restart) is its home; copies the others
+        // made meanwhile hold it no longer than the home remembers and are refugees: without
+        // this, the tenants that left a restarted replica stay where they went, crowding those
+        // caches while it stays nearly empty. A longer match (a conversation that went on
+        // elsewhere) keeps its worth: moving it would compute it all again.
+        let best_home = home.iter().copied().max().unwrap_or(0);
+        let homecoming = best_home >= self.min_blocks.max(1);
         let scores: Vec<f64> = (0..candidates.len())
             .map(|i| {
                 let total = hashes[i].len().max(1) as f64;
-                let value = if held[i] < self.min_blocks {
+                let mut value = if held[i] < self.min_blocks {
                     0.0
                 } else if held[i] > stored[i] {
                     // Speculative blocks are assumed to be on the GPU.
@@ -387,6 +410,13 @@ impl KvCacheScorer {
                 } else {
                     f64::from(weighted[i])
                 };
+                if homecoming {
+                    if home[i] > 0 {
+                        value = value.max(f64::from(home[i]));
+                    } else if held[i] <= best_home {
+                        value = 0.0;
+                    }
+                }
                 // A holder that evicted the rest of this prompt moments ago is churning it: what
                 // it holds is worth less than what it will compute again and evict anew.
                 (value - self.rebuild_cost * f64::from(rebuilt[i])).max(0.0) / total
@@ -399,6 +429,7 @@ impl KvCacheScorer {
         let memo = Memo {
             hashes,
             held,
+            home,
             prompt_tokens: tokens.len(),
             block_size: hasher.block_size(),
         };
@@ -454,8 +485,11 @@ impl Scorer for KvCacheScorer {
                 let Some(memo) = scores.memo::<Memo>() else {
                     return;
                 };
+                let chosen_home = memo.home.get(pick.chosen).copied().unwrap_or(0);
                 let decision = if scores.placement_decides {
                     "churn_placement"
+                } else if chosen_home > memo.held.get(pick.chosen).copied().unwrap_or(0) {
+                    "homecoming"
                 } else {
                     classify(memo.held.iter().map(|&b| f64::from(b)), pick.chosen)
                 };

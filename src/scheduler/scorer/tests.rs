@@ -720,3 +720,42 @@ async fn by_default_churn_is_ignored() {
     assert_eq!(f.kv("hit"), 1.0);
     assert_eq!(f.kv("churn_placement"), 0.0);
 }
+
+#[tokio::test]
+async fn a_prompt_goes_back_to_the_replica_that_lost_it_unless_it_went_on_elsewhere() {
+    let f = affinity(2000, "0s").await;
+    let prompt = "abcdefghijklmnop"; // 4 blocks
+    let blocks = hashes_of(prompt, None);
+    // Replica 1 held the prompt and restarted; meanwhile replica 2 computed it.
+    f.index.stored(f.endpoint(1), &blocks, Medium::Gpu);
+    f.index.lost(f.endpoint(1));
+    f.index.stored(f.endpoint(2), &blocks, Medium::Gpu);
+    // Replica 2 is no better a holder than replica 1 was: the prompt goes home.
+    assert_eq!(f.pick(&completion("m", prompt, None)).await, f.endpoint(1));
+    assert_eq!(f.kv("homecoming"), 1.0);
+    // Once computed at home again, it stays there rather than splitting with the refugee copy.
+    f.index.stored(f.endpoint(1), &blocks, Medium::Gpu);
+    assert_eq!(f.pick(&completion("m", prompt, None)).await, f.endpoint(1));
+    assert_eq!(f.kv("hit"), 1.0);
+    // A conversation that went on at replica 2 holds more there than home remembers: it stays.
+    let longer = "abcdefghijklmnopqrstuvwx";
+    f.index
+        .stored(f.endpoint(2), &hashes_of(longer, None)[4..], Medium::Gpu);
+    assert_eq!(f.pick(&completion("m", longer, None)).await, f.endpoint(2));
+    // Evicted at home after all, the prompt is no longer drawn there.
+    f.index.removed(f.endpoint(1), &blocks, Medium::Gpu);
+    assert_eq!(f.pick(&completion("m", prompt, None)).await, f.endpoint(2));
+    assert_eq!(f.kv("homecoming"), 1.0);
+}
+
+#[tokio::test]
+async fn a_cache_restated_by_a_snapshot_is_no_home() {
+    let f = affinity(2000, "0s").await;
+    let prompt = "abcdefghijklmnop";
+    let blocks = hashes_of(prompt, None);
+    f.index.stored(f.endpoint(1), &blocks, Medium::Gpu);
+    f.index.cleared(f.endpoint(1));
+    f.index.stored(f.endpoint(2), &blocks, Medium::Gpu);
+    assert_eq!(f.pick(&completion("m", prompt, None)).await, f.endpoint(2));
+    assert_eq!(f.kv("homecoming"), 0.0);
+}
