@@ -139,7 +139,8 @@ struct Args {
     /// never evicts.
     #[arg(long, default_value_t = 8192)]
     vllm_ceiling_blocks: usize,
-    /// The vLLM engines' `--max-model-len` (at most --vllm-blocks × 32).
+    /// The vLLM engines' `--max-model-len` (at most (--vllm-blocks - 1) × 32: vLLM keeps one
+    /// block aside).
     #[arg(long, default_value_t = 2048)]
     vllm_max_model_len: usize,
     /// How long the vLLM engines, started together, may take to answer /health.
@@ -481,9 +482,12 @@ fn check_vllm_args(args: &mut Args) -> anyhow::Result<()> {
     if !args.sim_args.is_empty() {
         bail!("--sim-arg is for sims: give vLLM's flags with --vllm-arg");
     }
-    if args.vllm_blocks * vllm::CPU_BLOCK_SIZE < args.vllm_max_model_len {
+    // vLLM keeps one block aside (the null block) and refuses to start when the rest cannot
+    // hold one sequence of the longest length.
+    if args.vllm_blocks.saturating_sub(1) * vllm::CPU_BLOCK_SIZE < args.vllm_max_model_len {
         bail!(
-            "--vllm-blocks {} × {} tokens must hold --vllm-max-model-len {}",
+            "--vllm-blocks {} (one of them vLLM's null block) × {} tokens must hold \
+             --vllm-max-model-len {}",
             args.vllm_blocks,
             vllm::CPU_BLOCK_SIZE,
             args.vllm_max_model_len
@@ -833,7 +837,7 @@ async fn start_stack(
             for _ in 0..args.routers {
                 let RouterProcess { addrs, guard } = RouterCommand::new()
                     .args(&flags)
-                    .env("RUST_LOG", "warn")
+                    .env("RUST_LOG", log_filter())
                     .spawn()?;
                 routers.push(addrs);
                 router_guards.push(guard);
@@ -918,9 +922,15 @@ async fn start_stack(
     }
 }
 
+/// The children's log filter: quiet by default; `LLMGW_BENCH_RUST_LOG` (e.g.
+/// `warn,llmgw::router=debug`, a line per routed request) is what diagnosing a run needs.
+fn log_filter() -> String {
+    std::env::var("LLMGW_BENCH_RUST_LOG").unwrap_or_else(|_| "warn".to_owned())
+}
+
 fn spawn(mut cmd: Command, name: &str) -> anyhow::Result<ChildGuard> {
     let child = cmd
-        .env("RUST_LOG", "warn")
+        .env("RUST_LOG", log_filter())
         .env("LLMGW_AGENT_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
