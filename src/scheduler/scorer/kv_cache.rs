@@ -31,14 +31,24 @@
 //! restarted replica come back instead of crowding the caches they fled to. A conversation
 //! that went on elsewhere (a longer match there) stays where it is.
 //!
+//! With `lend_memory` above 0 (off by default), a prompt that load sent away from the one
+//! replica holding it is **lent** ([`lends`]): for the tenant's next prompts that share its
+//! blocks, the borrower's copy counts for nothing and the lender scores as if it held the
+//! match, so they return once the lender's load allows instead of staying wherever load broke
+//! the tie. The lent conversation's own next turn stays at the borrower; a prompt lent again
+//! within the memory, or copied to more than one borrower, is a hot tenant's and its copies
+//! stand.
+//!
 //! Parameters: `min_blocks` (leading blocks a replica must hold before its cache counts,
 //! default 1), `speculative_ttl` (how long a pick credits the chosen replica, default 2s; 0
 //! off), `rebuild_cost` (held blocks a block the holder evicted moments ago costs; default 0,
-//! churn ignored; 2 is the measured setting).
+//! churn ignored; 2 is the measured setting), `lend_memory` (how long a lend is remembered,
+//! default 0s, off; 60s is the measured setting).
 //!
 //! Metrics: `llmgw_kv_decisions_total{decision}`: hit, miss, load_override when its scores
-//! decided, homecoming when the pick went home to compute the prompt again, churn_placement
-//! when churn left the placement scorers to decide; `index_miss` when
+//! decided, homecoming when the pick went home to compute the prompt again, reclaim when a
+//! lender won its prompt back from a copy as long, churn_placement when churn left the
+//! placement scorers to decide; `index_miss` when
 //! it matched nothing and the fallback decided; else the reason it abstained.
 //!
 //! Each pick also records the blocks it adds to the chosen replica ([`Projections`]), which
@@ -61,6 +71,7 @@ use serde::Deserialize;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use self::lends::{Lends, PromptEnd};
 use super::cache_footprint::Projections;
 use super::{DecisionLabels, classify};
 use crate::blockhash::{BlockHasher, ExternalHash, LoraKey, RequestKeys};
@@ -71,6 +82,8 @@ use crate::scheduler::Candidate;
 use crate::scheduler::plugin::{Answer, Category, Pick, Role, Scorer, Scores, Scoring, ScoringContext};
 use crate::scheduler::registry::{BuildContext, PluginError, ScorerPlugin, parameters};
 use crate::tokenize::Tokenizer;
+
+mod lends;
 
 pub(super) static PLUGIN: ScorerPlugin = ScorerPlugin {
     kind: "kv_cache",
@@ -90,6 +103,12 @@ struct Parameters {
     /// cache holds less than its tenants need, moving prompts only moves the churn
     /// (docs/results/2026-12-03-churn-and-real-vllm.md).
     rebuild_cost: f64,
+    /// How long a prompt load sent away from the one replica that held it stays that
+    /// replica's ([`lends`]); 0, the default, off. Off by default: in the measured restart runs
+    /// it narrowed the spread but did not raise the mean hit rate, and with a hot tenant it
+    /// cost a point of hit rate for a lower TTFT p99 (docs/results/2026-12-03-lending.md).
+    #[serde(with = "crate::duration::text")]
+    lend_memory: Duration,
 }
 
 impl Default for Parameters {
@@ -98,6 +117,7 @@ impl Default for Parameters {
             min_blocks: 1,
             speculative_ttl: Duration::from_secs(2),
             rebuild_cost: 0.0,
+            lend_memory: Duration::ZERO,
         }
     }
 }
@@ -119,6 +139,7 @@ fn build(context: &mut BuildContext<'_>, value: serde_yaml::Value) -> Result<Arc
         tokenizer: resources.tokenizer,
         speculative: SpeculativeBlocks::new(parameters.speculative_ttl),
         speculative_ttl: parameters.speculative_ttl,
+        lends: Lends::new(parameters.lend_memory),
         projections: context.shared(|_| Projections::default()),
         block_hashes: Mutex::new(LruCache::new(
             NonZeroUsize::new(HASH_CACHE_ENTRIES).unwrap_or(NonZeroUsize::MIN),
@@ -138,8 +159,8 @@ impl KvMetrics {
         let metrics = KvMetrics::default();
         registry.register(
             "llmgw_kv_decisions",
-            "Decisions of the precise KV index tier: hit, miss, load_override, or why it could \
-             not answer",
+            "Decisions of the precise KV index tier: hit, miss, load_override, homecoming, \
+             reclaim, churn_placement, or why it could not answer",
             metrics.decisions.clone(),
         );
         metrics
@@ -169,6 +190,8 @@ struct KvCacheScorer {
     tokenizer: Arc<Tokenizer>,
     speculative: SpeculativeBlocks,
     speculative_ttl: Duration,
+    /// Prompts load sent away from the one replica that held them.
+    lends: Lends,
     /// What each pick is about to store on its replica, for `cache_footprint`.
     projections: Arc<Projections>,
     /// Recent prompts' block hashes, keyed by their tokens, salt and model: a repeated prompt
@@ -205,8 +228,18 @@ struct Memo {
     held: Vec<u32>,
     /// Leading blocks each candidate held when its engine last lost its cache (remembered).
     home: Vec<u32>,
+    /// The candidate that lent this prompt under load, while the lend is remembered.
+    lender: Option<Lender>,
     prompt_tokens: usize,
     block_size: usize,
+}
+
+/// A candidate that lent the prompt under load, and the block its lend was found at (the
+/// longest match's last).
+#[derive(Debug, Clone, Copy)]
+struct Lender {
+    candidate: usize,
+    last: ExternalHash,
 }
 
 impl Memo {
@@ -399,6 +432,27 @@ impl KvCacheScorer {
         // elsewhere) keeps its worth: moving it would compute it all again.
         let best_home = home.iter().copied().max().unwrap_or(0);
         let homecoming = best_home >= self.min_blocks.max(1);
+        // A replica that held this prompt alone until load lent it to another: the copy is a
+        // loan and counts for nothing, and the lender scores as if it still held the prompt
+        // (its crowded cache may have evicted some of it meanwhile), so the prompt returns once
+        // the lender's load allows instead of staying wherever load broke the tie. A loan has
+        // one borrower: a match several others hold is a hot tenant's, spread on purpose.
+        let longest = held.iter().copied().max().unwrap_or(0);
+        let copies = held.iter().filter(|&&h| h == longest).count();
+        let lender = if homecoming || longest < self.min_blocks.max(1) || copies > 2 {
+            None
+        } else {
+            held.iter()
+                .position(|&h| h == longest)
+                .and_then(|i| Some((&hashes[i], *hashes[i].get(longest as usize - 1)?)))
+                .and_then(|(prompt, last)| {
+                    let holder = self.lends.holder(last, prompt, now)?;
+                    let candidate = (0..candidates.len()).find(|&i| slots[i] == Some(holder))?;
+                    // With the lender among them, two hold it; without, only the borrower.
+                    let borrowers = copies - usize::from(held[candidate] == longest);
+                    (borrowers == 1).then_some(Lender { candidate, last })
+                })
+        };
         let scores: Vec<f64> = (0..candidates.len())
             .map(|i| {
                 let total = hashes[i].len().max(1) as f64;
@@ -417,6 +471,13 @@ impl KvCacheScorer {
                         value = 0.0;
                     }
                 }
+                match lender {
+                    Some(Lender { candidate, .. }) if candidate == i => {
+                        value = value.max(f64::from(longest));
+                    }
+                    Some(_) => value = 0.0,
+                    None => {}
+                }
                 // A holder that evicted the rest of this prompt moments ago is churning it: what
                 // it holds is worth less than what it will compute again and evict anew.
                 (value - self.rebuild_cost * f64::from(rebuilt[i])).max(0.0) / total
@@ -430,6 +491,7 @@ impl KvCacheScorer {
             hashes,
             held,
             home,
+            lender,
             prompt_tokens: tokens.len(),
             block_size: hasher.block_size(),
         };
@@ -439,6 +501,52 @@ impl KvCacheScorer {
         } else {
             scores
         })
+    }
+
+    /// Remembers a lend when load sent the prompt away from the one candidate that held the
+    /// most of it, or away from its lender again (the prompt is hot). Names the decision when a
+    /// lend decided it: `reclaim` when the lender won over a copy as long, `load_override` when
+    /// load outvoted the lender.
+    fn settle_lend(&self, memo: &Memo, pick: Pick<'_>) -> Option<&'static str> {
+        if !self.lends.enabled() {
+            return None;
+        }
+        let now = Instant::now();
+        let slot_of = |i: usize| self.index.slot(pick.candidates.get(i)?.replica.endpoint());
+        let held = |i: usize| memo.held.get(i).copied().unwrap_or(0) as usize;
+        if let Some(Lender { candidate, last }) = memo.lender {
+            if pick.chosen == candidate {
+                let mine = held(candidate);
+                let copied = (0..memo.held.len()).any(|i| i != candidate && held(i) >= mine);
+                return copied.then_some("reclaim");
+            }
+            let end = memo.hashes.get(candidate).and_then(|h| PromptEnd::of(h));
+            if let (Some(slot), Some(end)) = (slot_of(candidate), end) {
+                self.lends.lent(&[last], end, slot, now);
+            }
+            return Some("load_override");
+        }
+        let best = (0..memo.held.len()).max_by_key(|&i| held(i))?;
+        let longest = held(best);
+        let runner_up = (0..memo.held.len())
+            .filter(|&i| i != best)
+            .map(held)
+            .max()
+            .unwrap_or(0);
+        // Not an override, or a prompt others already hold as much of (copies made earlier).
+        if held(pick.chosen) >= longest || runner_up >= longest {
+            return None;
+        }
+        // The whole prompt past what the others held, not only what the holder still held: a
+        // crowded holder may have evicted the tail of the tenant's shared prefix, which the
+        // borrower now holds whole, and the tenant's next prompts must still find the lend.
+        let prompt = memo.hashes.get(best)?;
+        if let (Some(slot), Some(alone), Some(end)) =
+            (slot_of(best), prompt.get(runner_up..), PromptEnd::of(prompt))
+        {
+            self.lends.lent(alone, end, slot, now);
+        }
+        None
     }
 
     /// The chosen replica is about to cache the prompt's blocks: count them as its own until its
@@ -490,6 +598,8 @@ impl Scorer for KvCacheScorer {
                     "churn_placement"
                 } else if chosen_home > memo.held.get(pick.chosen).copied().unwrap_or(0) {
                     "homecoming"
+                } else if let Some(decision) = self.settle_lend(memo, pick) {
+                    decision
                 } else {
                     classify(memo.held.iter().map(|&b| f64::from(b)), pick.chosen)
                 };

@@ -759,3 +759,128 @@ async fn a_cache_restated_by_a_snapshot_is_no_home() {
     assert_eq!(f.pick(&completion("m", prompt, None)).await, f.endpoint(2));
     assert_eq!(f.kv("homecoming"), 0.0);
 }
+
+/// `kv_cache` against in-flight load, weighed so that one request in flight on the holder
+/// decides a tie of copies but not its full match against none, and eight outvote its match.
+const LENDING: &str = "
+profile:
+  scorers:
+    - type: kv_cache
+      parameters: {speculative_ttl: 0s, lend_memory: MEMORY}
+      fallback: {type: prefix_tree, parameters: {chunk_bytes: 4}}
+    - {type: in_flight, weight: 4}
+";
+
+/// Replica 1 holds a 4-block prompt alone; load sends it elsewhere, whose engine computes it.
+/// Returns the replica it was lent to.
+async fn lend_from_replica_1(f: &Fixture, prompt: &str) -> usize {
+    f.index
+        .stored(f.endpoint(1), &hashes_of(prompt, None), Medium::Gpu);
+    let busy = f.hold(1, 8);
+    let borrower = f.pick(&completion("m", prompt, None)).await;
+    drop(busy);
+    assert_ne!(borrower, f.endpoint(1));
+    assert_eq!(f.kv("load_override"), 1.0);
+    let borrower = (0..3)
+        .find(|&i| f.endpoint(i) == borrower)
+        .expect("a replica");
+    f.index
+        .stored(f.endpoint(borrower), &hashes_of(prompt, None), Medium::Gpu);
+    borrower
+}
+
+#[tokio::test]
+async fn a_tenants_prompts_return_to_the_replica_that_lent_one_under_load() {
+    let f = fixture(&LENDING.replace("MEMORY", "60s"), 2000).await;
+    let lent = "abcdefghijklmnop";
+    let borrower = lend_from_replica_1(&f, lent).await;
+    // Both hold the tenant's first three blocks and the holder is a little busier: the copy is
+    // a loan, and the tenant's next prompt goes back to the holder.
+    let _one = f.hold(1, 1);
+    assert_eq!(
+        f.pick(&completion("m", "abcdefghijklyyyy", None)).await,
+        f.endpoint(1)
+    );
+    assert_eq!(f.kv("reclaim"), 1.0);
+    // The lent conversation's next turn (the whole lent prompt and more) goes on at the
+    // borrower: sending it back would compute each turn on alternate replicas.
+    assert_eq!(
+        f.pick(&completion("m", "abcdefghijklmnopqrst", None)).await,
+        f.endpoint(borrower)
+    );
+    assert_eq!(f.kv("reclaim"), 1.0);
+    // The holder's crowded cache evicted part of the shared blocks meanwhile: the lend stands,
+    // and the holder computes them again rather than leaving the tenant on the copy.
+    let third = &hashes_of(lent, None)[2..3];
+    f.index.removed(f.endpoint(1), third, Medium::Gpu);
+    assert_eq!(
+        f.pick(&completion("m", "abcdefghijklxxxx", None)).await,
+        f.endpoint(1)
+    );
+    assert_eq!(f.kv("reclaim"), 2.0);
+    f.index.stored(f.endpoint(1), third, Medium::Gpu);
+    // Lent again within the memory: the prompts are hot and the copy stands.
+    let busy = f.hold(1, 8);
+    assert_ne!(
+        f.pick(&completion("m", "abcdefghijklwwww", None)).await,
+        f.endpoint(1)
+    );
+    assert_eq!(f.kv("load_override"), 2.0);
+    drop(busy);
+    assert_eq!(
+        f.pick(&completion("m", "abcdefghijklvvvv", None)).await,
+        f.endpoint(borrower)
+    );
+    assert_eq!(f.kv("reclaim"), 2.0);
+}
+
+#[tokio::test]
+async fn without_lend_memory_a_copy_made_under_load_keeps_the_prompt() {
+    let f = fixture(&LENDING.replace("MEMORY", "0s"), 2000).await;
+    let borrower = lend_from_replica_1(&f, "abcdefghijklmnop").await;
+    let _one = f.hold(1, 1);
+    assert_eq!(
+        f.pick(&completion("m", "abcdefghijklyyyy", None)).await,
+        f.endpoint(borrower)
+    );
+    assert_eq!(f.kv("reclaim"), 0.0);
+}
+
+#[tokio::test]
+async fn a_lend_does_not_draw_prompts_to_a_holder_of_shared_blocks_alone() {
+    let f = fixture(&LENDING.replace("MEMORY", "60s"), 2000).await;
+    // Every replica holds the first block (a system prompt all tenants share); replica 1 alone
+    // holds the rest of the lent prompt.
+    let shared = &hashes_of("abcd", None);
+    for i in 0..3 {
+        f.index.stored(f.endpoint(i), shared, Medium::Gpu);
+    }
+    let prompt = "abcdefghijklmnop";
+    lend_from_replica_1(&f, prompt).await;
+    // A new tenant's prompt matches only the shared block: the lend has no say.
+    let _one = f.hold(1, 1);
+    assert_ne!(
+        f.pick(&completion("m", "abcdyyyyyyyy", None)).await,
+        f.endpoint(1)
+    );
+    assert_eq!(f.kv("reclaim"), 0.0);
+}
+
+#[tokio::test]
+async fn a_prefix_copied_to_several_replicas_is_spread_and_no_lend_gathers_it() {
+    let f = fixture(&LENDING.replace("MEMORY", "60s"), 2000).await;
+    let lent = "abcdefghijklmnop";
+    let borrower = lend_from_replica_1(&f, lent).await;
+    // A hot tenant: load spread its prefix to the third replica as well.
+    let third = (0..3)
+        .find(|&i| i != 1 && i != borrower)
+        .expect("a third replica");
+    f.index
+        .stored(f.endpoint(third), &hashes_of(lent, None), Medium::Gpu);
+    let _one = f.hold(1, 1);
+    assert_ne!(
+        f.pick(&completion("m", "abcdefghijklyyyy", None)).await,
+        f.endpoint(1)
+    );
+    assert_eq!(f.kv("reclaim"), 0.0);
+}
