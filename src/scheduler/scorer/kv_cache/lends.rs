@@ -1,18 +1,20 @@
 //! Prompts lent under load: when load sends a prompt away from the one replica that held it,
-//! the copy the other replica computes is a loan, not a move. Without this memory the two
-//! replicas tie on the next request, load breaks the tie, and the prompt stays with the
-//! borrower, whose cache then holds one tenant more than it can keep (measured after a replica
-//! restart: one survivor serving three tenants for 10+ s). With it, the holder wins the prompt
-//! back as soon as its load allows. A prompt lent again within the memory is hot: one replica
-//! cannot serve it, so its copies stand.
+//! the copy the other replica computes is treated as a loan, not a move. Without this memory
+//! the two replicas tie on the tenant's next prompt, load breaks the tie, and the tenant can
+//! stay with the borrower, whose cache then holds one tenant more than it can keep (traced
+//! after a replica restart: one survivor serving three tenants for 10+ s). With it, the lender
+//! wins the tenant back once its load allows. A prompt lent again within the memory is hot:
+//! one replica cannot serve it, so its copies stand. Measured, it narrowed the restart runs'
+//! spread without raising their mean and cost a hot tenant about a point of hit rate, so
+//! `kv_cache` keeps it off by default (docs/results/2026-12-03-lending.md).
 //!
 //! Keyed by the hash of each block of the lent prompt past what any other candidate held (the
 //! holder's crowded cache may have evicted some of them), so that the tenant's other prompts
 //! that share those blocks find the lend with one map probe at their longest match's last
 //! block. The lent conversation itself goes on at the borrower: a prompt that contains the
-//! whole lent prompt (its next turn) finds no lend, or each turn would go back and forth. Blocks every replica holds
-//! (a system prompt common to all tenants) are never keyed: a lend does not draw new prompts to
-//! the holder.
+//! lent prompt's last block (its next turn) finds no lend, or its turns would alternate
+//! between the two replicas. Blocks another candidate held too (a system prompt common to all
+//! tenants) are never keyed, so a lend does not draw new tenants to the lender.
 //!
 //! Concurrency: one mutex over a bounded LRU map, held for one probe or one lend's inserts.
 
