@@ -439,7 +439,11 @@ impl KvCacheScorer {
         // one borrower: a match several others hold is a hot tenant's, spread on purpose.
         let longest = held.iter().copied().max().unwrap_or(0);
         let copies = held.iter().filter(|&&h| h == longest).count();
-        let lender = if homecoming || longest < self.min_blocks.max(1) || copies > 2 {
+        let lender = if !self.lends.enabled()
+            || homecoming
+            || longest < self.min_blocks.max(1)
+            || copies > 2
+        {
             None
         } else {
             held.iter()
