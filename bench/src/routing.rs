@@ -17,6 +17,10 @@ pub enum Policy {
     /// No router: every tenant's conversations sent straight to one replica (tenant modulo
     /// replicas), placement by hand, to compare the routers with.
     Pinned,
+    /// The same, but a conversation whose replica is down goes on at the next one (tenant + 1
+    /// modulo replicas) rather than failing: hand placement that serves every request, to
+    /// compare the routers with in the restart scenario.
+    PinnedFailover,
     /// llmgw with the prefix slot's weight at 0: load scorers only.
     LeastLoaded,
     /// llmgw without engine hash settings or agent: the approximate prefix tree and load.
@@ -50,10 +54,11 @@ impl VllmRouterPolicy {
 
 impl Policy {
     /// Every policy, in the order they run.
-    pub const ALL: [Policy; 10] = [
+    pub const ALL: [Policy; 11] = [
         Policy::Random,
         Policy::RoundRobin,
         Policy::Pinned,
+        Policy::PinnedFailover,
         Policy::LeastLoaded,
         Policy::ApproxPrefix,
         Policy::LlmgwPrecise,
@@ -84,6 +89,9 @@ impl Policy {
             Policy::Random => "Envoy `RANDOM`, no ext_proc",
             Policy::RoundRobin => "Envoy `ROUND_ROBIN`, no ext_proc",
             Policy::Pinned => "no router: each tenant's conversations straight to one replica",
+            Policy::PinnedFailover => {
+                "no router: each tenant's conversations straight to one replica, the next one while it is down"
+            }
             Policy::LeastLoaded => "llmgw, `--weight-prefix 0`, no agent",
             Policy::ApproxPrefix => "llmgw without `--model` hash settings or agent (prefix tree)",
             Policy::LlmgwPrecise => {
@@ -107,6 +115,7 @@ impl fmt::Display for Policy {
             Policy::Random => f.write_str("random"),
             Policy::RoundRobin => f.write_str("round_robin"),
             Policy::Pinned => f.write_str("pinned"),
+            Policy::PinnedFailover => f.write_str("pinned_failover"),
             Policy::LeastLoaded => f.write_str("least_loaded"),
             Policy::ApproxPrefix => f.write_str("approx_prefix"),
             Policy::LlmgwPrecise => f.write_str("llmgw_precise"),
@@ -118,7 +127,7 @@ impl fmt::Display for Policy {
 
 #[derive(Debug, Error, PartialEq, Eq)]
 #[error(
-    "unknown policy {0:?}: expected random, round_robin, pinned, least_loaded, approx_prefix, \
+    "unknown policy {0:?}: expected random, round_robin, pinned, pinned_failover, least_loaded, approx_prefix, \
      llmgw_precise, llmgw_precise_tokenize, vllm-router:round_robin, vllm-router:cache_aware or vllm-router:kv_aware"
 )]
 pub struct UnknownPolicy(pub String);

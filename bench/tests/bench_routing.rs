@@ -23,7 +23,7 @@ fn a_replica_restarted_mid_run_is_measured_for_every_policy() {
     command
         .args([
             "--policies",
-            "pinned,llmgw_precise_tokenize",
+            "pinned,pinned_failover,llmgw_precise_tokenize",
             "--no-ceiling",
         ])
         .args(["--replicas", "2", "--tenants", "2", "--rate", "6"])
@@ -35,11 +35,14 @@ fn a_replica_restarted_mid_run_is_measured_for_every_policy() {
     let _ = std::fs::remove_dir_all(&out);
     assert_eq!(
         stdout.matches("restarted with an empty cache").count(),
-        2,
+        3,
         "once per policy:\n{stdout}"
     );
     let rows = report.as_array().expect("one row per policy");
-    assert_eq!(rows.len(), 2, "{report}");
+    assert_eq!(rows.len(), 3, "{report}");
+    // Hand placement with failover loses no request to the restart.
+    assert_eq!(rows[1]["policy"], "pinned_failover", "{report}");
+    assert_eq!(rows[1]["errors"], 0, "{report}");
     for row in rows {
         assert!(row["requests"].as_u64().is_some_and(|n| n > 0), "{row}");
         // The restarted sim's counters start again from 0: what it counted before the kill is

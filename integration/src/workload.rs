@@ -35,6 +35,11 @@ pub struct WorkloadConfig {
     /// Only a router that reads the replicas' KV events sees what those conversations cache.
     pub bypass_every: usize,
     pub bypass: Vec<String>,
+    /// A bypassing request its replica fails (the connection refused or the stream broken: the
+    /// replica is down) is sent again to the next replicas of `bypass` in turn, and its
+    /// conversation goes on at the first that answers, as a client with fallback addresses
+    /// would; false: the conversation ends with the error.
+    pub bypass_failover: bool,
     /// Percent (0-100) of conversations that belong to tenant 0, a hot tenant, on top of its
     /// share of the rest: enough of them saturate a replica, and load must outvote affinity.
     pub hot_tenant_percent: u8,
@@ -53,6 +58,7 @@ impl Default for WorkloadConfig {
             max_tokens: 12,
             bypass_every: 0,
             bypass: Vec::new(),
+            bypass_failover: false,
             hot_tenant_percent: 0,
         }
     }
@@ -297,11 +303,9 @@ async fn conversation(
     started: Instant,
 ) -> bool {
     let tenant = config.tenant_of(id);
-    let bypass = config
-        .bypasses(id)
-        .then(|| config.bypass.get(tenant % config.bypass.len().max(1)))
-        .flatten();
-    let base_url = bypass.map_or(base_url, String::as_str);
+    // The replica a bypassing conversation is sent to, as an index into `config.bypass`.
+    let mut bypass =
+        (config.bypasses(id) && !config.bypass.is_empty()).then(|| tenant % config.bypass.len());
     // The last tenant salts its requests: they must never share blocks with the others.
     let salt =
         (tenant + 1 == config.tenants && config.tenants > 1).then(|| format!("tenant-{tenant}"));
@@ -327,7 +331,22 @@ async fn conversation(
             body["cache_salt"] = json!(salt);
         }
         let sent_at = started.elapsed();
-        match streamed_chat(client, base_url, &body).await {
+        let mut sent = match bypass {
+            Some(at) => streamed_chat(client, &config.bypass[at], &body).await,
+            None => streamed_chat(client, base_url, &body).await,
+        };
+        if let (Err(_), Some(home), true) = (&sent, bypass, config.bypass_failover) {
+            // Its replica is down: the next ones in turn, and the conversation stays where
+            // one answers.
+            for next in (1..config.bypass.len()).map(|k| (home + k) % config.bypass.len()) {
+                sent = streamed_chat(client, &config.bypass[next], &body).await;
+                if sent.is_ok() {
+                    bypass = Some(next);
+                    break;
+                }
+            }
+        }
+        match sent {
             Ok((sample, reply)) => {
                 let ok = sample.status == 200;
                 results.lock().samples.push(Sample {
@@ -345,7 +364,7 @@ async fn conversation(
                     .push(json!({"role": "user", "content": format!("Turn {turn}: and then?")}));
             }
             Err(error) => {
-                results.lock().errors.push(error);
+                results.lock().errors.push(error.to_string());
                 return true;
             }
         }
@@ -353,19 +372,30 @@ async fn conversation(
     true
 }
 
+/// Why a streamed chat request failed.
+#[derive(Debug, thiserror::Error)]
+enum ChatError {
+    /// No response at all (the connection was refused or broke before a status came).
+    #[error("request failed: {0}")]
+    Connect(String),
+    /// The response broke off before its end.
+    #[error("stream broke: {0}")]
+    Stream(String),
+}
+
 /// Sends one streamed chat request; returns the sample and the assistant's text.
 async fn streamed_chat(
     client: &reqwest::Client,
     base_url: &str,
     body: &Value,
-) -> Result<(Sample, String), String> {
+) -> Result<(Sample, String), ChatError> {
     let sent = Instant::now();
     let response = client
         .post(format!("{base_url}/v1/chat/completions"))
         .json(body)
         .send()
         .await
-        .map_err(|e| format!("request failed: {e}"))?;
+        .map_err(|e| ChatError::Connect(e.to_string()))?;
     let status = response.status().as_u16();
     let replica = response
         .headers()
@@ -378,7 +408,7 @@ async fn streamed_chat(
     let mut text = String::new();
     let mut pending = String::new();
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| format!("stream broke: {e}"))?;
+        let chunk = chunk.map_err(|e| ChatError::Stream(e.to_string()))?;
         pending.push_str(&String::from_utf8_lossy(&chunk));
         while let Some(end) = pending.find("\n\n") {
             let event: String = pending.drain(..end + 2).collect();

@@ -1270,3 +1270,67 @@ async fn tokenize_can_be_made_slow_at_run_time_within_a_bound() {
     assert!(tokenize().await < std::time::Duration::from_millis(2000));
     assert_eq!(set(10_000_000).await, 400, "an absurd delay is refused");
 }
+
+/// The workload's failover (the bench's `pinned_failover`): conversations whose replica is
+/// down go on at the next one, where without failover they end with an error.
+#[tokio::test]
+async fn bypassing_conversations_fail_over_to_the_next_replica_while_theirs_is_down() {
+    use llmgw_integration::workload::{Results, WorkloadConfig, run_open_loop};
+    use parking_lot::Mutex;
+    use std::sync::Arc;
+
+    let live = sim(&[]);
+    // A port nothing listens on: bound, then closed.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let run = |failover: bool| {
+        let config = WorkloadConfig {
+            tenants: 1,
+            turns_per_conversation: 2,
+            duration: Duration::from_millis(800),
+            bypass_every: 1,
+            bypass: vec![format!("http://{dead}"), format!("http://{}", live.addr)],
+            bypass_failover: failover,
+            ..WorkloadConfig::default()
+        };
+        let results = Arc::new(Mutex::new(Results::default()));
+        let done = run_open_loop(
+            "http://127.0.0.1:9".to_owned(),
+            config,
+            20.0,
+            7,
+            Duration::from_secs(10),
+            Arc::clone(&results),
+        );
+        async move {
+            done.await;
+            Arc::try_unwrap(results).unwrap().into_inner()
+        }
+    };
+
+    let failed_over = run(true).await;
+    assert!(failed_over.errors.is_empty(), "{:?}", failed_over.errors);
+    assert!(!failed_over.samples.is_empty());
+    assert!(
+        failed_over
+            .samples
+            .iter()
+            .all(|s| s.status == 200 && s.bypassed),
+        "{:?}",
+        failed_over.samples
+    );
+
+    let without = run(false).await;
+    assert!(without.samples.is_empty(), "{:?}", without.samples);
+    assert!(
+        without
+            .errors
+            .iter()
+            .all(|e| e.starts_with("request failed")),
+        "{:?}",
+        without.errors
+    );
+    assert!(!without.errors.is_empty());
+}

@@ -8,7 +8,8 @@
 //! in parallel as processes of their own, blocks of 32 tokens; `llmgw_integration::vllm`): the
 //! rest of the bench is the same, the engines' KV events subscribed to as the sims' are.
 //! Policies: Envoy's own `RANDOM` and `ROUND_ROBIN`; `pinned`, no router at all, each tenant's
-//! conversations sent by hand to one replica; llmgw with load scorers only, with the
+//! conversations sent by hand to one replica (`pinned_failover`: to the next one while its own
+//! is down, so that a restart costs no request); llmgw with load scorers only, with the
 //! approximate prefix tree only, and precise (KV index fed by llmgw-agent); and the
 //! `vllm-router` peer (its own HTTP proxy) with `round_robin`, `cache_aware` and `kv_aware`
 //! (subscribed to the replicas' KV events).
@@ -69,9 +70,10 @@ const NODE: &str = "node-a";
     about = "Routing policies side by side on the same simulated (or real vLLM) replicas"
 )]
 struct Args {
-    /// Policies to run, in order (default: all). Names: random, round_robin, least_loaded,
-    /// approx_prefix, llmgw_precise, vllm-router:round_robin, vllm-router:cache_aware,
-    /// vllm-router:kv_aware.
+    /// Policies to run, in order (default: all; pinned_failover only with
+    /// --restart-replica-at). Names: random, round_robin, pinned, pinned_failover, least_loaded,
+    /// approx_prefix, llmgw_precise, llmgw_precise_tokenize, vllm-router:round_robin,
+    /// vllm-router:cache_aware, vllm-router:kv_aware.
     #[arg(long, value_delimiter = ',')]
     policies: Vec<Policy>,
     /// Seconds of traffic per policy (the first --warmup-seconds are not measured).
@@ -288,7 +290,12 @@ fn main() -> anyhow::Result<()> {
 
 async fn run(mut args: Args) -> anyhow::Result<()> {
     if args.policies.is_empty() {
-        args.policies = Policy::ALL.to_vec();
+        // Without a restart, pinned_failover is pinned run again.
+        let restart = args.restart_replica_at > 0;
+        args.policies = Policy::ALL
+            .into_iter()
+            .filter(|&p| p != Policy::PinnedFailover || restart)
+            .collect();
     }
     if args.warmup_seconds >= args.seconds {
         bail!("--warmup-seconds must be below --seconds");
@@ -760,7 +767,7 @@ async fn start_stack(
     let replicas: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
     match policy {
         // Pinned sends every request straight to a replica: its Envoy carries none.
-        Policy::Random | Policy::RoundRobin | Policy::Pinned => {
+        Policy::Random | Policy::RoundRobin | Policy::Pinned | Policy::PinnedFailover => {
             let lb = if policy == Policy::Random {
                 "RANDOM"
             } else {
@@ -1053,11 +1060,12 @@ async fn measure_policy(
         adapters: args.adapters,
         turns_per_conversation: args.turns,
         duration,
-        bypass_every: if policy == Policy::Pinned {
+        bypass_every: if matches!(policy, Policy::Pinned | Policy::PinnedFailover) {
             1
         } else {
             args.bypass_every
         },
+        bypass_failover: policy == Policy::PinnedFailover,
         bypass: sims.iter().map(|s| format!("http://{}", s.addr)).collect(),
         hot_tenant_percent: args.hot_tenant_percent,
         ..WorkloadConfig::default()
