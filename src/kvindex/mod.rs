@@ -312,6 +312,28 @@ impl KvIndex {
     /// How many of `hashes` the replica in `slot` evicted recently (and has not stored since):
     /// blocks a request sent there would make it compute again.
     pub fn recently_evicted(&self, slot: ReplicaSlot, hashes: &[ExternalHash]) -> usize {
+        self.with_recent_evictions(slot, |evicted| {
+            hashes.iter().filter(|&&h| evicted(h)).count()
+        })
+    }
+
+    /// How many leading blocks of `hashes` the replica in `slot` evicted recently (and has not
+    /// stored since): given the blocks after those it holds, the rest of the prefix it held
+    /// moments ago. Stops at the first block it did not evict, so a prompt that continues
+    /// what the replica holds with new blocks costs one probe.
+    pub fn evicted_run(&self, slot: ReplicaSlot, hashes: &[ExternalHash]) -> usize {
+        self.with_recent_evictions(slot, |evicted| {
+            hashes.iter().take_while(|&&h| evicted(h)).count()
+        })
+    }
+
+    /// `count` given whether a hash is among the replica's recent evictions; 0 for a replica
+    /// that evicted nothing.
+    fn with_recent_evictions(
+        &self,
+        slot: ReplicaSlot,
+        count: impl FnOnce(&dyn Fn(ExternalHash) -> bool) -> usize,
+    ) -> usize {
         let table = self.replicas.read();
         let Some(book) = table.books.get(slot.index()) else {
             return 0;
@@ -320,10 +342,7 @@ impl KvIndex {
         let Some(recent) = &book.recent_evictions else {
             return 0;
         };
-        hashes
-            .iter()
-            .filter(|h| h.0 != 0 && recent[recent_cell(**h)] == h.0)
-            .count()
+        count(&|h: ExternalHash| h.0 != 0 && recent[recent_cell(h)] == h.0)
     }
 
     /// Every (replica, eviction counts) pair, for metrics.

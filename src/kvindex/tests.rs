@@ -318,6 +318,30 @@ fn shared_blocks_collapse_back_when_all_but_one_holder_leaves() {
 }
 
 #[test]
+fn the_evicted_run_is_the_leading_blocks_evicted_and_not_stored_since() {
+    let index = KvIndex::new(IndexConfig::default());
+    let spread = |bs: &[u8]| bs.iter().map(|&b| spread(b)).collect::<Vec<_>>();
+    index.stored("a:1", &spread(&[1, 2, 3, 4, 5]), Medium::Gpu);
+    index.removed("a:1", &spread(&[3, 4, 5]), Medium::Gpu);
+    let slot = index.slot("a:1").expect("seen");
+    // After the two it holds: the three it evicted, then a block it never had.
+    assert_eq!(index.evicted_run(slot, &spread(&[3, 4, 5, 6])), 3);
+    // The run stops at the first block not evicted, though later ones were.
+    assert_eq!(index.evicted_run(slot, &spread(&[3, 6, 4, 5])), 1);
+    assert_eq!(index.evicted_run(slot, &spread(&[6, 3, 4])), 0);
+    assert_eq!(index.recently_evicted(slot, &spread(&[6, 3, 4])), 2);
+    // A block stored again is held, no longer evicted.
+    index.stored("a:1", &spread(&[3]), Medium::Gpu);
+    assert_eq!(index.evicted_run(slot, &spread(&[3, 4, 5])), 0);
+    assert_eq!(index.evicted_run(slot, &spread(&[4, 5])), 2);
+    // Another replica's evictions are its own; an empty prompt has no run.
+    index.stored("b:1", &spread(&[4]), Medium::Gpu);
+    let other = index.slot("b:1").expect("seen");
+    assert_eq!(index.evicted_run(other, &spread(&[4, 5])), 0);
+    assert_eq!(index.evicted_run(slot, &[]), 0);
+}
+
+#[test]
 fn blocks_stored_again_after_an_eviction_count_as_rebuilt() {
     let index = KvIndex::new(IndexConfig::default());
     let spread = |bs: &[u8]| bs.iter().map(|&b| spread(b)).collect::<Vec<_>>();
