@@ -495,7 +495,23 @@ proptest! {
                         entry.2.clear();
                     }
                 }
-                Op::Query(_) => {}
+                // What a replica evicted and has not stored since, as the scorers ask for it.
+                Op::Query(blocks) => {
+                    let hs: Vec<ExternalHash> = blocks.iter().map(|&b| spread(b)).collect();
+                    for r in 0..5u8 {
+                        let Some(slot) = index.slot(&name(r)) else { continue };
+                        let evicted = churn.get(&r).map(|e| &e.2);
+                        let was_evicted = |b: &u8| evicted.is_some_and(|set| set.contains(b));
+                        prop_assert_eq!(
+                            index.evicted_run(slot, &hs),
+                            blocks.iter().take_while(|b| was_evicted(b)).count()
+                        );
+                        prop_assert_eq!(
+                            index.recently_evicted(slot, &hs),
+                            blocks.iter().filter(|b| was_evicted(b)).count()
+                        );
+                    }
+                }
             }
             for r in 0..5u8 {
                 let got = index.slot(&name(r)).map(|s| index.churn(s)).unwrap_or_default();
