@@ -587,6 +587,14 @@ fn profiles_are_built_by_name_and_errors_name_the_key() {
             "scheduler.profile.scorers[0] (kv_cache): rebuild_cost must be a number of blocks",
         ),
         (
+            "profile: {scorers: [{type: kv_cache, parameters: {evicted_hold: 1.5}}]}",
+            "scheduler.profile.scorers[0] (kv_cache): evicted_hold must be a share of a held block",
+        ),
+        (
+            "profile: {scorers: [{type: kv_cache, parameters: {rebuild_cost: 2, evicted_hold: 1}}]}",
+            "in opposite directions; turn one off",
+        ),
+        (
             "profile: {scorers: [{type: queue, parameters: {scale: 2}}]}",
             "scheduler.profile.scorers[0] (queue) parameters: unknown field `scale`",
         ),

@@ -24,6 +24,15 @@
 //! final (`churn_placement`): the placement scorers choose a home by footprint, churn and load,
 //! and the fallback is not asked.
 //!
+//! With `evicted_hold` above 0 (off by default), a replica keeps an **evicted claim** on the
+//! prompts its engine evicted in part: each block right after the prefix it holds (or from the
+//! prompt's start) that it evicted moments ago counts for `evicted_hold` held blocks (a hair
+//! less, so a replica that still holds the blocks wins a tie). The tenant then computes them
+//! again where the rest of its working set is instead of splitting between two caches. Off by
+//! default: it evens the split where every cache is over-full, and there an uneven split hits
+//! more (docs/results/2026-12-04-evicted-claim.md). `rebuild_cost` weighs the same blocks the
+//! other way (a cost to the churning holder); at most one of the two is on.
+//!
 //! A replica whose engine lost its cache (a restart, a cache reset) is the **home** of the
 //! prompts it held, for as long as the index remembers them ([`KvIndex::home_prefix`],
 //! `--index-home-memory`): it scores as if it still held them, and a copy another replica made
@@ -42,13 +51,15 @@
 //! Parameters: `min_blocks` (leading blocks a replica must hold before its cache counts,
 //! default 1), `speculative_ttl` (how long a pick credits the chosen replica, default 2s; 0
 //! off), `rebuild_cost` (held blocks a block the holder evicted moments ago costs; default 0,
-//! churn ignored; 2 is the measured setting), `lend_memory` (how long a lend is remembered,
-//! default 0s, off; 60s is the measured setting).
+//! churn ignored; 2 is the measured setting), `evicted_hold` (held blocks a block the replica
+//! evicted moments ago counts for, 0 to 1; default 0, off; 1 is the measured setting),
+//! `lend_memory` (how long a lend is remembered, default 0s, off; 60s is the measured setting).
 //!
 //! Metrics: `llmgw_kv_decisions_total{decision}`: hit, miss, load_override when its scores
 //! decided, homecoming when the pick went home to compute the prompt again, reclaim when a
-//! lender won its prompt back from a copy as long, churn_placement when churn left the
-//! placement scorers to decide; `index_miss` when
+//! lender won its prompt back from a copy as long, evicted_claim when the pick won by blocks
+//! its engine evicted moments ago, churn_placement when churn left the placement scorers to
+//! decide; `index_miss` when
 //! it matched nothing and the fallback decided; else the reason it abstained.
 //!
 //! Each pick also records the blocks it adds to the chosen replica ([`Projections`]), which
@@ -103,6 +114,15 @@ struct Parameters {
     /// cache holds less than its tenants need, moving prompts only moves the churn
     /// (docs/results/2026-12-03-churn-and-real-vllm.md).
     rebuild_cost: f64,
+    /// What a block the replica evicted moments ago, right after the prefix it holds (or from
+    /// the prompt's start), counts for, in held blocks (0: off). 1 is the measured setting:
+    /// the replica that held the prompt moments ago keeps its claim on it, so a tenant whose
+    /// prompt was evicted in part computes it again where its working set was. Off by default:
+    /// after a replica restart it raised the mean hit rate by about a point, but where every
+    /// cache holds less than its tenants need it evens the split, and there an uneven one hits
+    /// more (docs/results/2026-12-04-evicted-claim.md). Weighs the same blocks as
+    /// `rebuild_cost`, the other way: at most one of the two is above 0.
+    evicted_hold: f64,
     /// How long a prompt load sent away from the one replica that held it stays that
     /// replica's ([`lends`]); 0, the default, off. Off by default: in the measured restart runs
     /// it narrowed the spread but did not raise the mean hit rate, and with a hot tenant it
@@ -117,6 +137,7 @@ impl Default for Parameters {
             min_blocks: 1,
             speculative_ttl: Duration::from_secs(2),
             rebuild_cost: 0.0,
+            evicted_hold: 0.0,
             lend_memory: Duration::ZERO,
         }
     }
@@ -130,10 +151,24 @@ fn build(context: &mut BuildContext<'_>, value: serde_yaml::Value) -> Result<Arc
             parameters.rebuild_cost
         )));
     }
+    if !(parameters.evicted_hold.is_finite() && (0.0..=1.0).contains(&parameters.evicted_hold)) {
+        return Err(PluginError::Invalid(format!(
+            "evicted_hold must be a share of a held block, from 0 to 1 (got {})",
+            parameters.evicted_hold
+        )));
+    }
+    if parameters.rebuild_cost > 0.0 && parameters.evicted_hold > 0.0 {
+        return Err(PluginError::Invalid(format!(
+            "rebuild_cost ({}) and evicted_hold ({}) weigh a replica's recent evictions of the \
+             prompt in opposite directions; turn one off (0)",
+            parameters.rebuild_cost, parameters.evicted_hold
+        )));
+    }
     let resources = context.resources.clone();
     Ok(Arc::new(KvCacheScorer {
         min_blocks: parameters.min_blocks,
         rebuild_cost: parameters.rebuild_cost,
+        evicted_hold: parameters.evicted_hold,
         hashers: resources.hashers,
         index: resources.index,
         tokenizer: resources.tokenizer,
@@ -160,7 +195,7 @@ impl KvMetrics {
         registry.register(
             "llmgw_kv_decisions",
             "Decisions of the precise KV index tier: hit, miss, load_override, homecoming, \
-             reclaim, churn_placement, or why it could not answer",
+             reclaim, evicted_claim, churn_placement, or why it could not answer",
             metrics.decisions.clone(),
         );
         metrics
@@ -181,10 +216,16 @@ const MAX_REBUILD_CHECK: usize = 256;
 /// Prompts whose block hashes are remembered (about 1 KB each for a 2k-token prompt).
 const HASH_CACHE_ENTRIES: usize = 8192;
 
+/// Held blocks an evicted claim counts for less than the blocks it names: a replica that holds
+/// a prompt wins a tie against one that held it and must compute it again.
+const EVICTED_TIE: f64 = 1e-3;
+
 struct KvCacheScorer {
     min_blocks: u32,
     /// Held blocks a block the holder must compute again costs its score (0: churn ignored).
     rebuild_cost: f64,
+    /// Held blocks a block the replica evicted moments ago counts for (0: off).
+    evicted_hold: f64,
     hashers: Arc<HashersByModel>,
     index: Arc<KvIndex>,
     tokenizer: Arc<Tokenizer>,
@@ -226,6 +267,9 @@ struct Memo {
     hashes: Vec<Arc<[ExternalHash]>>,
     /// Leading blocks each candidate holds (speculative ones included).
     held: Vec<u32>,
+    /// Blocks right after those each candidate's engine evicted moments ago (counted while
+    /// `evicted_hold` is on).
+    evicted: Vec<u32>,
     /// Leading blocks each candidate held when its engine last lost its cache (remembered).
     home: Vec<u32>,
     /// The candidate that lent this prompt under load, while the lend is remembered.
@@ -243,6 +287,16 @@ struct Lender {
 }
 
 impl Memo {
+    /// Whether the candidate at `i` was chosen for blocks its engine evicted moments ago: it
+    /// does not hold the longest match (or none does), and with what it evicted its claim is
+    /// longer.
+    fn claimed_by_evictions(&self, i: usize) -> bool {
+        let evicted = self.evicted.get(i).copied().unwrap_or(0);
+        let held = self.held.get(i).copied().unwrap_or(0);
+        let longest = self.held.iter().copied().max().unwrap_or(0);
+        evicted > 0 && (held < longest || longest == 0) && held + evicted > longest
+    }
+
     /// Prompt tokens the candidate at `i` should find cached: its held blocks, at most those
     /// before the prompt's last token (vLLM always computes that one).
     fn expected_cached_tokens(&self, i: usize) -> u64 {
@@ -373,6 +427,8 @@ impl KvCacheScorer {
         let mut held = vec![0u32; candidates.len()];
         // Blocks of the prompt past what each holds that its engine evicted moments ago.
         let mut rebuilt = vec![0u32; candidates.len()];
+        // Blocks right after those each holds that its engine evicted moments ago.
+        let mut evicted = vec![0u32; candidates.len()];
         // Leading blocks of the prompt each held when its engine last lost its cache.
         let mut home = vec![0u32; candidates.len()];
         let now = Instant::now();
@@ -415,12 +471,14 @@ impl KvCacheScorer {
                 if let Some(slot) = slots[i] {
                     home[i] = self.index.home_prefix(slot, &group_hashes, now);
                 }
-                if self.rebuild_cost > 0.0
-                    && let Some(slot) = slots[i]
-                {
+                if let Some(slot) = slots[i] {
                     let rest = group_hashes.get(held[i] as usize..).unwrap_or_default();
                     let rest = &rest[..rest.len().min(MAX_REBUILD_CHECK)];
-                    rebuilt[i] = self.index.recently_evicted(slot, rest) as u32;
+                    if self.rebuild_cost > 0.0 {
+                        rebuilt[i] = self.index.recently_evicted(slot, rest) as u32;
+                    } else if self.evicted_hold > 0.0 {
+                        evicted[i] = self.index.evicted_run(slot, rest) as u32;
+                    }
                 }
             }
         }
@@ -468,6 +526,12 @@ impl KvCacheScorer {
                 } else {
                     f64::from(weighted[i])
                 };
+                // What the replica evicted of this prompt moments ago is still its claim: where
+                // every cache is full, a prompt that moves for the blocks it lost evicts another
+                // tenant's there, and the tenant's next prompts split between two caches.
+                if evicted[i] > 0 && held[i] + evicted[i] >= self.min_blocks.max(1) {
+                    value += (self.evicted_hold * f64::from(evicted[i]) - EVICTED_TIE).max(0.0);
+                }
                 if homecoming {
                     if home[i] > 0 {
                         value = value.max(f64::from(home[i]));
@@ -494,6 +558,7 @@ impl KvCacheScorer {
         let memo = Memo {
             hashes,
             held,
+            evicted,
             home,
             lender,
             prompt_tokens: tokens.len(),
@@ -602,6 +667,8 @@ impl Scorer for KvCacheScorer {
                     "churn_placement"
                 } else if chosen_home > memo.held.get(pick.chosen).copied().unwrap_or(0) {
                     "homecoming"
+                } else if memo.claimed_by_evictions(pick.chosen) {
+                    "evicted_claim"
                 } else if let Some(decision) = self.settle_lend(memo, pick) {
                     decision
                 } else {

@@ -3,7 +3,7 @@
 //!
 //! | type | category | reads | parameters |
 //! |---|---|---|---|
-//! | `kv_cache` | affinity | tokenize → blockhash → kvindex (+ speculative picks, each holder's recent evictions, restarted replicas' homes, lent prompts) | `min_blocks`, `speculative_ttl`, `rebuild_cost`, `lend_memory` |
+//! | `kv_cache` | affinity | tokenize → blockhash → kvindex (+ speculative picks, each holder's recent evictions, restarted replicas' homes, lent prompts) | `min_blocks`, `speculative_ttl`, `evicted_hold`, `rebuild_cost`, `lend_memory` |
 //! | `prefix_tree` | affinity | the approximate prefix tree of routed prompt text | `chunk_bytes`, `max_nodes` |
 //! | `session_affinity` | affinity | a session header or cookie → the replica it went to last | `header`, `cookie`, `max_sessions`, `max_key_bytes` |
 //! | `adapter_affinity` | affinity | `vllm:lora_requests_info`: the adapter running, waiting, or a free slot | — |

@@ -721,6 +721,85 @@ async fn by_default_churn_is_ignored() {
     assert_eq!(f.kv("churn_placement"), 0.0);
 }
 
+const EVICTED_HOLD: &str = "
+profile:
+  scorers:
+    - type: kv_cache
+      parameters: {speculative_ttl: 0sHOLD}
+      fallback: {type: prefix_tree, parameters: {chunk_bytes: 4}}
+    - {type: cache_footprint, weight: 1}
+    - {type: in_flight, weight: 1}
+";
+
+/// `hold`: `evicted_hold`'s value; `None`, the default.
+async fn evicted_hold(hold: Option<&str>) -> Fixture {
+    let parameter = hold.map_or(String::new(), |h| format!(", evicted_hold: {h}"));
+    fixture(&EVICTED_HOLD.replace("HOLD", &parameter), 2000).await
+}
+
+#[tokio::test]
+async fn a_replica_keeps_its_claim_on_the_blocks_of_the_prompt_it_just_evicted() {
+    for (hold, winner, decision) in [(Some("1"), 2, "evicted_claim"), (None, 1, "hit")] {
+        let f = evicted_hold(hold).await;
+        let prompt = "abcdefghijklmnop"; // 4 blocks
+        let blocks = hashes_of(prompt, None);
+        // Replica 2 held the whole prompt, replica 1 a copy of its first three blocks; then
+        // replica 2's engine evicted the last two.
+        f.index.stored(f.endpoint(2), &blocks, Medium::Gpu);
+        f.index.stored(f.endpoint(1), &blocks[..3], Medium::Gpu);
+        f.index.removed(f.endpoint(2), &blocks[2..], Medium::Gpu);
+        assert_eq!(
+            f.pick(&completion("m", prompt, None)).await,
+            f.endpoint(winner),
+            "evicted_hold {hold:?}"
+        );
+        assert_eq!(f.kv(decision), 1.0, "evicted_hold {hold:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_replica_that_holds_the_prompt_wins_a_tie_against_one_that_evicted_it() {
+    let f = evicted_hold(Some("1")).await;
+    let prompt = "abcdefghijklmnop";
+    let blocks = hashes_of(prompt, None);
+    // Replica 2 held all four blocks and evicted the last two; replica 1 holds all four.
+    f.index.stored(f.endpoint(2), &blocks, Medium::Gpu);
+    f.index.removed(f.endpoint(2), &blocks[2..], Medium::Gpu);
+    f.index.stored(f.endpoint(1), &blocks, Medium::Gpu);
+    assert_eq!(f.pick(&completion("m", prompt, None)).await, f.endpoint(1));
+    assert_eq!(f.kv("hit"), 1.0);
+    assert_eq!(f.kv("evicted_claim"), 0.0);
+}
+
+#[tokio::test]
+async fn a_prompt_its_holder_evicted_whole_goes_back_there() {
+    for hold in [Some("1"), Some("0")] {
+        let f = evicted_hold(hold).await;
+        let prompt = "abcdefghijklmnop";
+        let blocks = hashes_of(prompt, None);
+        // Replica 2 is the fullest cache and evicted the whole prompt moments ago; replica 0
+        // is empty, where placement would put a prompt nobody held.
+        f.index.stored(f.endpoint(2), &blocks, Medium::Gpu);
+        f.index.stored(
+            f.endpoint(2),
+            &hashes_of("qrstuvwxyz012345", None),
+            Medium::Gpu,
+        );
+        f.index
+            .stored(f.endpoint(1), &hashes_of("zzzz", None), Medium::Gpu);
+        f.index.removed(f.endpoint(2), &blocks, Medium::Gpu);
+        let chosen = f.pick(&completion("m", prompt, None)).await;
+        if hold == Some("1") {
+            assert_eq!(chosen, f.endpoint(2));
+            assert_eq!(f.kv("evicted_claim"), 1.0);
+            assert_eq!(f.tree("hit") + f.tree("miss"), 0.0, "the index answered");
+        } else {
+            assert_eq!(chosen, f.endpoint(0), "placement: the emptiest cache");
+            assert_eq!(f.kv("miss"), 1.0);
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_prompt_goes_back_to_the_replica_that_lost_it_unless_it_went_on_elsewhere() {
     let f = affinity(2000, "0s").await;
@@ -742,7 +821,8 @@ async fn a_prompt_goes_back_to_the_replica_that_lost_it_unless_it_went_on_elsewh
     f.index
         .stored(f.endpoint(2), &hashes_of(longer, None)[4..], Medium::Gpu);
     assert_eq!(f.pick(&completion("m", longer, None)).await, f.endpoint(2));
-    // Evicted at home after all, the prompt is no longer drawn there.
+    // Evicted at home after all, the prompt is no longer drawn there: home's claim on what it
+    // evicted ties with replica 2's copy, and a copy held wins the tie.
     f.index.removed(f.endpoint(1), &blocks, Medium::Gpu);
     assert_eq!(f.pick(&completion("m", prompt, None)).await, f.endpoint(2));
     assert_eq!(f.kv("homecoming"), 1.0);
