@@ -821,8 +821,7 @@ async fn a_prompt_goes_back_to_the_replica_that_lost_it_unless_it_went_on_elsewh
     f.index
         .stored(f.endpoint(2), &hashes_of(longer, None)[4..], Medium::Gpu);
     assert_eq!(f.pick(&completion("m", longer, None)).await, f.endpoint(2));
-    // Evicted at home after all, the prompt is no longer drawn there: home's claim on what it
-    // evicted ties with replica 2's copy, and a copy held wins the tie.
+    // Evicted at home after all, the prompt is no longer drawn there.
     f.index.removed(f.endpoint(1), &blocks, Medium::Gpu);
     assert_eq!(f.pick(&completion("m", prompt, None)).await, f.endpoint(2));
     assert_eq!(f.kv("homecoming"), 1.0);
