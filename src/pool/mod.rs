@@ -113,6 +113,8 @@ pub struct Replica {
     adapters: ArcSwapOption<AdapterCatalog>,
     /// Expected against engine-observed prefix-cache hits.
     drift: drift::CacheDrift,
+    /// The engine's KV cache size in blocks (`vllm:cache_config_info`); 0 until a scrape told.
+    cache_blocks: AtomicU64,
 }
 
 impl Replica {
@@ -128,7 +130,19 @@ impl Replica {
             last_scrape: ArcSwapOption::empty(),
             adapters: ArcSwapOption::empty(),
             drift: drift::CacheDrift::default(),
+            cache_blocks: AtomicU64::new(0),
         }
+    }
+
+    /// The engine's KV cache size in blocks, as its last scrape that showed it said; `None`
+    /// before any did. Kept when a later scrape fails: the size is set at the engine's start.
+    pub fn cache_blocks(&self) -> Option<u64> {
+        Some(self.cache_blocks.load(Ordering::Relaxed)).filter(|&b| b > 0)
+    }
+
+    /// Records the engine's KV cache size in blocks (a restarted engine may have another).
+    pub fn set_cache_blocks(&self, blocks: u64) {
+        self.cache_blocks.store(blocks, Ordering::Relaxed);
     }
 
     /// What llmgw expects this replica's prefix cache to hit, and what its engine reports.

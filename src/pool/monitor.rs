@@ -264,6 +264,9 @@ pub async fn run_scrapes<P: Prober>(pool: Arc<Pool>, prober: Arc<P>, settings: P
                             vllm_metrics::parse_adapter_slots(&page),
                             now,
                         );
+                        if let Some(blocks) = vllm_metrics::parse_cache_blocks(&page) {
+                            replica.set_cache_blocks(blocks);
+                        }
                         if let Some(totals) = vllm_metrics::parse_cache_totals(&page) {
                             replica.drift().observe(replica.endpoint(), totals, now);
                         }

@@ -62,6 +62,34 @@ pub fn parse_cache_totals(text: &str) -> Option<CacheTotals> {
     })
 }
 
+const CACHE_CONFIG_INFO: &str = "vllm:cache_config_info";
+
+/// A bound on one engine's cache, in blocks: far above any GPU's (an H200's 141 GB hold about
+/// nine million 16-token blocks of a 1B model), so a wrong label is not trusted as a size.
+const MAX_ENGINE_BLOCKS: u64 = 1 << 32;
+
+/// The engine's KV cache size in blocks: the `num_gpu_blocks` label of `vllm:cache_config_info`,
+/// summed over engines (data-parallel engines each export theirs, with an `engine` label). `None`
+/// when the page has no such sample, or one whose label is not a whole number from 1 to
+/// [`MAX_ENGINE_BLOCKS`] (vLLM writes `None` before the cache is allocated).
+pub fn parse_cache_blocks(text: &str) -> Option<u64> {
+    let mut total: Option<u64> = None;
+    for line in text.lines().filter(|l| l.starts_with(CACHE_CONFIG_INFO)) {
+        let Some(labels) = line[CACHE_CONFIG_INFO.len()..].strip_prefix('{') else {
+            continue;
+        };
+        let Some(end) = closing_brace(labels) else {
+            continue;
+        };
+        let blocks = label_pairs(&labels[..end])
+            .find(|(key, _)| *key == "num_gpu_blocks")
+            .and_then(|(_, value)| value.parse::<u64>().ok())
+            .filter(|&b| b > 0 && b <= MAX_ENGINE_BLOCKS)?;
+        total = Some(total.unwrap_or(0).saturating_add(blocks));
+    }
+    total
+}
+
 const LORA_INFO: &str = "vllm:lora_requests_info";
 
 /// At most this many adapter names are read from one label (vLLM's `max_loras` is small).
@@ -197,6 +225,35 @@ python_gc_objects_collected_total{generation="0"} 7.0
         assert_eq!(load.kv_cache_usage, None);
         let unlabelled = parse_engine_load("vllm:num_requests_running 7 1700000000000\n");
         assert_eq!(unlabelled.running, Some(7.0));
+    }
+
+    #[test]
+    fn cache_blocks_come_from_the_cache_config_labels() {
+        // As vLLM 0.32 writes it (labels abridged), one sample per engine.
+        let page = r#"# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="160",prefix_caching_hash_algo="sha256_cbor"} 1.0
+vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="90",num_gpu_blocks_override="None"} 1.0
+vllm:num_requests_waiting 0
+"#;
+        assert_eq!(parse_cache_blocks(page), Some(250));
+        assert_eq!(parse_cache_blocks("vllm:num_requests_waiting 0\n"), None);
+        for garbage in [
+            "None",
+            "-3",
+            "0",
+            "1.5",
+            "99999999999999999999",
+            "4294967297",
+        ] {
+            let page = format!("vllm:cache_config_info{{num_gpu_blocks=\"{garbage}\"}} 1.0\n");
+            assert_eq!(parse_cache_blocks(&page), None, "{garbage}");
+        }
+        assert_eq!(
+            parse_cache_blocks("vllm:cache_config_info{block_size=\"16\"} 1.0\n"),
+            None,
+            "no num_gpu_blocks label"
+        );
     }
 
     #[test]

@@ -358,7 +358,12 @@ impl Scheduler {
         if serving.is_empty() {
             return Err(DecideError::UnknownModel(request.model.clone()));
         }
-        let context = ScoringContext { request, headers };
+        let context = ScoringContext {
+            request,
+            headers,
+            prompt_blocks: None,
+            replicas_down: serving.iter().filter(|r| !r.is_healthy()).count(),
+        };
         for entry in &self.scorers {
             entry
                 .scorer
@@ -396,9 +401,16 @@ impl Scheduler {
                 is_affinity(e) && ev.counted_scores().is_some_and(Scores::any_positive)
             });
         if !imbalance_guard_fired && self.has_affinity() && !affinity_found {
+            let placement_context = ScoringContext {
+                prompt_blocks: evaluated
+                    .iter()
+                    .filter_map(|ev| ev.primary.as_ref()?.scores()?.prompt_blocks)
+                    .max(),
+                ..context
+            };
             for (entry, slot) in self.scorers.iter().zip(evaluated.iter_mut()) {
                 if entry.scorer.category() == Category::Placement {
-                    *slot = evaluate(entry, &context, &candidates).await;
+                    *slot = evaluate(entry, &placement_context, &candidates).await;
                 }
             }
         }

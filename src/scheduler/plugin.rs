@@ -29,6 +29,12 @@ pub struct ScoringContext<'a> {
     /// The request headers the profile's plugins asked for ([`Scorer::request_headers`]),
     /// names lower-case.
     pub headers: &'a [(String, String)],
+    /// The prompt's length in the replicas' cache blocks, as an affinity scorer counted it
+    /// ([`Scores::prompt_blocks`]); given to placement scorers only, `None` when none did.
+    pub prompt_blocks: Option<u32>,
+    /// How many replicas serving the request's model are not healthy (down, restarting, not
+    /// yet probed): their prompts wait elsewhere for their return.
+    pub replicas_down: usize,
 }
 
 impl ScoringContext<'_> {
@@ -64,6 +70,9 @@ pub struct Scores {
     /// replica worth sending the request to for its cache, so the placement scorers decide and
     /// its fallback is not asked.
     pub placement_decides: bool,
+    /// The prompt's length in cache blocks, when the scorer counted them (`kv_cache` hashes
+    /// the prompt): what a placement scorer must find room for.
+    pub prompt_blocks: Option<u32>,
 }
 
 impl Scores {
@@ -72,6 +81,7 @@ impl Scores {
             per_candidate,
             memo: None,
             placement_decides: false,
+            prompt_blocks: None,
         }
     }
 
@@ -80,7 +90,14 @@ impl Scores {
             per_candidate,
             memo: Some(Box::new(memo)),
             placement_decides: false,
+            prompt_blocks: None,
         }
+    }
+
+    /// Tells the placement scorers the prompt's length in cache blocks.
+    pub fn with_prompt_blocks(mut self, blocks: u32) -> Scores {
+        self.prompt_blocks = Some(blocks);
+        self
     }
 
     /// Marks an all-zero answer as final (see [`Scores::placement_decides`]).
@@ -106,6 +123,7 @@ impl std::fmt::Debug for Scores {
             .field("per_candidate", &self.per_candidate)
             .field("memo", &self.memo.is_some())
             .field("placement_decides", &self.placement_decides)
+            .field("prompt_blocks", &self.prompt_blocks)
             .finish()
     }
 }

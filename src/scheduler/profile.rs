@@ -16,7 +16,9 @@
 //!         fallback:                  # asked when kv_cache abstains or matches nothing
 //!           type: prefix_tree
 //!       - {type: adapter_affinity, weight: 1} # LoRA: where the adapter is running
-//!       - {type: cache_footprint, weight: 2}  # a prompt found nowhere: the emptiest cache
+//!       - type: cache_footprint      # a prompt found nowhere: the emptiest cache with room,
+//!         weight: 2                  # else packed onto the fullest within its share
+//!         parameters: {fill: 0.9, max_share: 1.5}
 //!       - {type: queue, weight: 1}
 //!       - {type: in_flight, weight: 1}
 //!       - {type: kv_utilization, weight: 1}

@@ -555,6 +555,7 @@ impl KvCacheScorer {
         // index knows where the prompt was and that it is gone, so the prefix tree's memory of
         // where its text went is stale, and placement decides.
         let churning = scores.iter().all(|&s| s <= 0.0) && rebuilt.iter().any(|&r| r > 0);
+        let prompt_blocks = hashes.iter().map(|h| h.len()).max().unwrap_or(0);
         let memo = Memo {
             hashes,
             held,
@@ -564,7 +565,8 @@ impl KvCacheScorer {
             prompt_tokens: tokens.len(),
             block_size: hasher.block_size(),
         };
-        let scores = Scores::with_memo(scores, memo);
+        let scores = Scores::with_memo(scores, memo)
+            .with_prompt_blocks(u32::try_from(prompt_blocks).unwrap_or(u32::MAX));
         Answer::Scored(if churning {
             scores.placement_decides()
         } else {

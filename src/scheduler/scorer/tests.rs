@@ -476,6 +476,78 @@ async fn new_prompts_spread_over_equal_caches_before_their_events_arrive() {
 }
 
 /// Replica `i` lists adapter `sql` of base `m`, loaded from `path`.
+/// The placement fixture with engines of 12 blocks, one held each: room (10.8 blocks at the
+/// default fill of 0.9) for two 4-block prompts per cache.
+async fn small_caches() -> Fixture {
+    let f = fixture(PLACEMENT, 2000).await;
+    for (i, replica) in f.pool.snapshot().replicas().iter().enumerate() {
+        replica.set_cache_blocks(12);
+        fill(&f, i, 1);
+    }
+    f
+}
+
+/// Where `f` sent each of the first `n` of nine new 4-block prompts, counted per replica.
+async fn place_new_prompts(
+    f: &Fixture,
+    n: usize,
+    mut check: impl FnMut(&[usize; 3]),
+) -> [usize; 3] {
+    let mut per_replica = [0; 3];
+    for prompt in [
+        "aaaa", "bbbb", "cccc", "dddd", "eeee", "ffff", "gggg", "hhhh", "iiii",
+    ]
+    .into_iter()
+    .take(n)
+    {
+        let picked = f.pick(&completion("m", &prompt.repeat(4), None)).await;
+        per_replica[f
+            .endpoints
+            .iter()
+            .position(|e| *e == picked)
+            .expect("a candidate")] += 1;
+        check(&per_replica);
+    }
+    per_replica
+}
+
+#[tokio::test]
+async fn once_no_cache_has_room_new_prompts_pack_onto_a_few_instead_of_spreading() {
+    let f = small_caches().await;
+    let mut per_replica = place_new_prompts(&f, 9, |per_replica| {
+        // While any cache has room, the prompts spread: two each before any cache takes a third.
+        let placed: usize = per_replica.iter().sum();
+        if placed <= 6 {
+            assert!(
+                per_replica.iter().all(|&n| n <= placed.div_ceil(3)),
+                "{per_replica:?}"
+            );
+        }
+    })
+    .await;
+    // The overflow piled onto one cache (two more there) until it held more than 1.5 even
+    // shares; only then another took one, and the third cache kept room for its two.
+    per_replica.sort_unstable();
+    assert_eq!(per_replica, [2, 3, 4]);
+    assert_eq!(
+        (placements(&f, "emptiest"), placements(&f, "packed")),
+        (6.0, 3.0)
+    );
+}
+
+#[tokio::test]
+async fn while_a_replica_is_down_new_prompts_spread_instead_of_packing() {
+    let f = small_caches().await;
+    f.pool.snapshot().replicas()[2].set_health(Health::Unhealthy);
+    // Room for two each on the two up; the two prompts beyond spread too.
+    let per_replica = place_new_prompts(&f, 6, |_| {}).await;
+    assert_eq!(per_replica, [3, 3, 0]);
+    assert_eq!(
+        (placements(&f, "emptiest"), placements(&f, "packed")),
+        (6.0, 0.0)
+    );
+}
+
 fn list_sql_adapter(f: &Fixture, i: usize, path: &str) {
     let snapshot = f.pool.snapshot();
     let replica = snapshot.find(f.endpoint(i)).expect("replica");
