@@ -64,8 +64,9 @@ pub fn parse_cache_totals(text: &str) -> Option<CacheTotals> {
 
 const CACHE_CONFIG_INFO: &str = "vllm:cache_config_info";
 
-/// A bound on one engine's cache, in blocks: far above any GPU's (an H200's 141 GB hold about
-/// nine million 16-token blocks of a 1B model), so a wrong label is not trusted as a size.
+/// A bound on one engine's cache, in blocks: far above what any accelerator's memory holds (an
+/// H200's 141 GB hold under a million 16-token blocks of a 1B model), so a wrong label is not
+/// trusted as a size.
 const MAX_ENGINE_BLOCKS: u64 = 1 << 32;
 
 /// The engine's KV cache size in blocks: the `num_gpu_blocks` label of `vllm:cache_config_info`,
