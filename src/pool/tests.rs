@@ -162,7 +162,8 @@ impl Prober for FakeProber {
         Ok(concat!(
             "vllm:num_requests_waiting 4\nvllm:kv_cache_usage_perc 0.1\n",
             "vllm:lora_requests_info{max_lora=\"1\",running_lora_adapters=\"m-lora\",",
-            "waiting_lora_adapters=\"\"} 1.7e9\n"
+            "waiting_lora_adapters=\"\"} 1.7e9\n",
+            "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"160\"} 1.0\n"
         )
         .to_string())
     }
@@ -276,6 +277,8 @@ fn a_changed_replica_set_is_announced_an_unchanged_one_is_not() {
     assert!(changes.has_changed().unwrap());
 }
 
+/// The load is forgotten with a failed scrape; the cache size, set when the engine started,
+/// is kept.
 #[tokio::test(start_paused = true)]
 async fn failed_scrape_forgets_load_at_once() {
     let pool = Arc::new(Pool::new(vec![spec(1, &["m"])], Duration::from_secs(2)));
@@ -295,11 +298,13 @@ async fn failed_scrape_forgets_load_at_once() {
     assert_eq!(load.kv_cache_usage, Some(0.1));
     let slots = replica.adapter_slots(Instant::now(), staleness).unwrap();
     assert!(slots.is_running("m-lora") && !slots.has_free_slot());
+    assert_eq!(replica.cache_blocks(), Some(160));
 
     prober.down.lock().insert("127.0.0.1:1".to_string());
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(replica.engine_load(Instant::now(), staleness), None);
     assert_eq!(replica.adapter_slots(Instant::now(), staleness), None);
+    assert_eq!(replica.cache_blocks(), Some(160));
     task.abort();
 }
 
