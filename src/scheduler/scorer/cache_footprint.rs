@@ -16,13 +16,15 @@
 //! A cache that keeps computing again what it evicted moments before ([`crate::kvindex`]'s
 //! rebuilt blocks) is fuller than its block count says: whatever a new prompt evicts there, its
 //! tenants come back for. So the blocks each replica rebuilt over about the last
-//! [`REBUILD_WINDOW`] (an exponential decay) are added to its footprint, and a prompt that
-//! `kv_cache` found only where it is being churned does not land on another churning cache.
+//! [`REBUILD_WINDOW`] (an exponential decay) are added to its footprint, and while some cache
+//! has room, a prompt that `kv_cache` found only where it is being churned does not land on
+//! another churning cache.
 //!
 //! Once the caches are full, spreading is wrong: with each engine's cache size
 //! (`vllm:cache_config_info`) and the prompt's length (from `kv_cache`), a prompt goes to the
 //! emptiest cache only while some cache has room for it, and otherwise packs onto the caches
-//! that are past their working set anyway ([`Packing`]).
+//! that are past their working set anyway ([`Packing`]); there the same rebuilt blocks mark the
+//! cache that loses least by one more prompt.
 //!
 //! It abstains (`no_events`) when no candidate ever reported events: there is nothing to weigh.
 //!
@@ -32,7 +34,7 @@
 //!
 //! Concurrency: the projections and the rebuild rates are each one `parking_lot::Mutex` over a
 //! vector by index slot, held for a few arithmetic operations per candidate; the index's counts
-//! have their own locks.
+//! have their own locks, and each replica's cache size is an atomic the scrape task writes.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
