@@ -595,6 +595,14 @@ fn profiles_are_built_by_name_and_errors_name_the_key() {
             "in opposite directions; turn one off",
         ),
         (
+            "profile: {scorers: [{type: cache_footprint, parameters: {fill: 1.5}}]}",
+            "scheduler.profile.scorers[0] (cache_footprint): fill must be a share of a cache",
+        ),
+        (
+            "profile: {scorers: [{type: cache_footprint, parameters: {max_share: 0.5}}]}",
+            "scheduler.profile.scorers[0] (cache_footprint): max_share must be a multiple",
+        ),
+        (
             "profile: {scorers: [{type: queue, parameters: {scale: 2}}]}",
             "scheduler.profile.scorers[0] (queue) parameters: unknown field `scale`",
         ),

@@ -130,10 +130,19 @@ impl PlacementMetrics {
     }
 }
 
-/// A decision's scores and how they were made, for its metric.
+/// A decision's scores and how they were made (the mode is the memo, for its metric).
 struct Placed {
     scores: Vec<f64>,
     mode: Mode,
+}
+
+impl Placed {
+    fn emptiest(scores: Vec<f64>) -> Placed {
+        Placed {
+            scores,
+            mode: Mode::Emptiest,
+        }
+    }
 }
 
 /// How a decision placed its prompt.
@@ -187,10 +196,7 @@ impl Packing {
         let sizes: Option<Vec<f64>> = sizes.iter().map(|s| s.map(|s| s as f64)).collect();
         let packs = self.fill > 0.0 && replicas_down == 0;
         let (Some(sizes), Some(prompt), true) = (sizes, prompt_blocks, packs) else {
-            return Placed {
-                scores: emptiest,
-                mode: Mode::Emptiest,
-            };
+            return Placed::emptiest(emptiest);
         };
         let prompt = f64::from(prompt);
         let room: Vec<bool> = footprints
@@ -199,22 +205,16 @@ impl Packing {
             .map(|(&footprint, &size)| footprint + prompt <= self.fill * size)
             .collect();
         if room.iter().all(|&r| r) {
-            return Placed {
-                scores: emptiest,
-                mode: Mode::Emptiest,
-            };
+            return Placed::emptiest(emptiest);
         }
         if room.iter().any(|&r| r) {
             // Any cache with room beats every cache without; among them, the emptiest.
-            let scores = room
-                .iter()
-                .zip(&emptiest)
-                .map(|(&room, &e)| if room { 0.5 + 0.5 * e } else { 0.0 })
-                .collect();
-            return Placed {
-                scores,
-                mode: Mode::Emptiest,
-            };
+            return Placed::emptiest(
+                room.iter()
+                    .zip(&emptiest)
+                    .map(|(&room, &e)| if room { 0.5 + 0.5 * e } else { 0.0 })
+                    .collect(),
+            );
         }
         let total: f64 = footprints.iter().sum::<f64>() + prompt;
         let limit = self.max_share * total / footprints.len().max(1) as f64;
@@ -226,10 +226,7 @@ impl Packing {
             .map(|(&f, _)| f)
             .fold(f64::NEG_INFINITY, f64::max);
         if fullest == f64::NEG_INFINITY {
-            return Placed {
-                scores: emptiest,
-                mode: Mode::Emptiest,
-            };
+            return Placed::emptiest(emptiest);
         }
         let scores = footprints
             .iter()
@@ -349,16 +346,14 @@ impl Scorer for CacheFootprint {
         let placed = self
             .packing
             .scores(&footprints, &sizes, context.prompt_blocks, context.replicas_down);
-        Scoring::Ready(Answer::Scored(Scores::with_memo(
-            placed.scores.clone(),
-            placed,
-        )))
+        Scoring::Ready(Answer::Scored(Scores::with_memo(placed.scores, placed.mode)))
     }
 
     fn after_pick(&self, _: &ScoringContext<'_>, pick: Pick<'_>, role: Role<'_>) {
         if let Role::Counted(scores) = role
-            && let Some(Placed { scores, mode }) = scores.memo::<Placed>()
+            && let Some(mode) = scores.memo::<Mode>()
         {
+            let scores = &scores.per_candidate;
             let best = scores.iter().copied().fold(0.0, f64::max);
             let decision = match (scores.get(pick.chosen).is_some_and(|&s| s >= best), mode) {
                 (false, _) => "load_override",
