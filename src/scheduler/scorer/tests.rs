@@ -475,7 +475,6 @@ async fn new_prompts_spread_over_equal_caches_before_their_events_arrive() {
     );
 }
 
-/// Replica `i` lists adapter `sql` of base `m`, loaded from `path`.
 /// The placement fixture with engines of 12 blocks, one held each: room (10.8 blocks at the
 /// default fill of 0.9) for two 4-block prompts per cache.
 async fn small_caches() -> Fixture {
@@ -548,6 +547,7 @@ async fn while_a_replica_is_down_new_prompts_spread_instead_of_packing() {
     );
 }
 
+/// Replica `i` lists adapter `sql` of base `m`, loaded from `path`.
 fn list_sql_adapter(f: &Fixture, i: usize, path: &str) {
     let snapshot = f.pool.snapshot();
     let replica = snapshot.find(f.endpoint(i)).expect("replica");
