@@ -120,6 +120,8 @@ pub struct Sample {
 pub struct Results {
     pub samples: Vec<Sample>,
     pub errors: Vec<String>,
+    /// What each response other than 200 said: status, replica, when, and its body's start.
+    pub failures: Vec<String>,
 }
 
 impl Results {
@@ -348,17 +350,27 @@ async fn conversation(
         }
         match sent {
             Ok((sample, reply)) => {
-                let ok = sample.status == 200;
-                results.lock().samples.push(Sample {
+                let failure = (sample.status != 200).then(|| {
+                    format!(
+                        "{} from {} at {:.1} s: {reply}",
+                        sample.status,
+                        sample.replica,
+                        sent_at.as_secs_f64()
+                    )
+                });
+                let mut results = results.lock();
+                results.samples.push(Sample {
                     salted: salt.is_some(),
                     bypassed: bypass.is_some(),
                     sent_at,
                     done_at: started.elapsed(),
                     ..sample
                 });
-                if !ok {
+                if let Some(failure) = failure {
+                    results.failures.push(failure);
                     return true;
                 }
+                drop(results);
                 messages.push(json!({"role": "assistant", "content": reply}));
                 messages
                     .push(json!({"role": "user", "content": format!("Turn {turn}: and then?")}));
@@ -383,7 +395,11 @@ enum ChatError {
     Stream(String),
 }
 
-/// Sends one streamed chat request; returns the sample and the assistant's text.
+/// How much of a failed response's body is kept.
+const MAX_FAILURE_BODY: usize = 300;
+
+/// Sends one streamed chat request; returns the sample and the assistant's text (for a status
+/// other than 200, the start of the response's body).
 async fn streamed_chat(
     client: &reqwest::Client,
     base_url: &str,
@@ -406,6 +422,32 @@ async fn streamed_chat(
     let mut stream = response.bytes_stream();
     let mut ttft = None;
     let mut text = String::new();
+    if status != 200 {
+        // Not a stream of events but an error body: its start, for the report.
+        while let Some(Ok(chunk)) = stream.next().await {
+            text.push_str(&String::from_utf8_lossy(&chunk));
+            if text.len() >= MAX_FAILURE_BODY {
+                break;
+            }
+        }
+        let mut end = MAX_FAILURE_BODY.min(text.len());
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        return Ok((
+            Sample {
+                replica,
+                ttft: sent.elapsed(),
+                status,
+                salted: false,
+                bypassed: false,
+                sent_at: Duration::ZERO,
+                done_at: Duration::ZERO,
+            },
+            text.trim().to_owned(),
+        ));
+    }
     let mut pending = String::new();
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| ChatError::Stream(e.to_string()))?;
@@ -516,6 +558,56 @@ pub async fn cache_counters(http: &reqwest::Client, sims: &[SimHandle]) -> (f64,
 mod tests {
     use super::*;
 
+    #[tokio::test]
+    async fn a_failed_response_is_recorded_with_its_status_replica_and_body() {
+        let app = axum::Router::new().route(
+            "/v1/chat/completions",
+            axum::routing::post(|| async {
+                (
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    [("x-llmgw-sim-replica", "r1")],
+                    format!(
+                        r#"{{"error": {{"message": "no replica ready{}"}}}}"#,
+                        "!".repeat(400)
+                    ),
+                )
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = tokio::spawn(async move { axum::serve(listener, app).await });
+        let results = Arc::new(Mutex::new(Results::default()));
+        let config = WorkloadConfig {
+            concurrency: 1,
+            max_requests: 2,
+            ..WorkloadConfig::default()
+        };
+        run(
+            format!("http://{addr}"),
+            config,
+            Arc::clone(&results),
+            std::future::pending(),
+        )
+        .await;
+        server.abort();
+        let results = results.lock();
+        // Each failure ends its conversation: two conversations, one failed request each.
+        assert_eq!(results.samples.len(), 2);
+        assert!(results.samples.iter().all(|s| s.status == 503));
+        assert_eq!(results.failures.len(), 2, "{:?}", results.failures);
+        let first = &results.failures[0];
+        assert!(first.starts_with("503 from r1 at 0."), "{first}");
+        assert!(
+            first.contains(r#"{"error": {"message": "no replica ready!!!"#),
+            "{first}"
+        );
+        // The body is cut to its start.
+        assert!(first.len() < MAX_FAILURE_BODY + 40, "{}", first.len());
+        assert!(results.errors.is_empty());
+    }
+
     #[test]
     fn parses_the_counters_it_reports() {
         let text = "# HELP x\nvllm:prefix_cache_hits_total{engine=\"0\",model_name=\"tiny\"} 30.0\n\
@@ -622,7 +714,7 @@ vllm:external_prefix_cache_hits_total{engine=\"0\",model_name=\"tiny\"} 9.0
                     done_at: Duration::from_millis(ms),
                 })
                 .collect(),
-            errors: Vec::new(),
+            ..Results::default()
         };
         assert_eq!(
             results.ttft_percentile(50.0),

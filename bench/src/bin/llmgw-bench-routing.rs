@@ -1151,6 +1151,12 @@ async fn measure_policy(
     if let Some(first) = results.errors.first() {
         println!("{} client errors, first: {first}", results.errors.len());
     }
+    if let Some(first) = results.failures.first() {
+        println!(
+            "{} failed responses, first: {first}",
+            results.failures.len()
+        );
+    }
     // Where the prompt tokens went and how each replica's cache did with them.
     let split: Vec<String> = per_sim
         .iter()
