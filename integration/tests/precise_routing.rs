@@ -20,7 +20,7 @@ use llmgw::kvindex::{IndexConfig, KvEventSink, KvIndex};
 use llmgw::metrics::Metrics;
 use llmgw::models::HashersByModel;
 use llmgw::openai::{EndpointKind, parse_request};
-use llmgw::pool::drift::{DRIFT_ALERT, DRIFT_CLEAR};
+use llmgw::pool::drift::{DRIFT_ALERT, DRIFT_CLEAR, MIN_JUDGED_PICKS};
 use llmgw::pool::monitor::{HttpProber, ProbeSettings, run_model_listings, run_scrapes};
 use llmgw::pool::{Health, InFlightGuard, Pool, ReplicaSpec};
 use llmgw::scheduler::{Decision, PluginResources, Scheduler, SchedulerConfig, Scope};
@@ -759,6 +759,10 @@ impl Fleet {
     }
 }
 
+/// Documents routed twice to one sim: more picks than the drift check needs before it judges
+/// (the very first request, before any event, is not the precise tier's and expects nothing).
+const DOCUMENTS: usize = MIN_JUDGED_PICKS.div_ceil(2) as usize + 2;
+
 fn drift_fleet(sims: usize) -> FleetSpec {
     FleetSpec {
         scrape: true,
@@ -769,12 +773,15 @@ fn drift_fleet(sims: usize) -> FleetSpec {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_engine_s_own_hits_agree_with_what_the_router_expected() {
     let f = fleet_from(drift_fleet(1)).await;
-    f.two_rounds(6).await;
+    f.two_rounds(DOCUMENTS).await;
     let view = f.drift(0);
     assert!(view.expected_hits > 0, "{view:?}");
     assert_eq!(view.expected_hits, view.observed_hits, "{view:?}");
     assert!(view.drift.expect("judged") < 0.1, "{view:?}");
-    assert_eq!(f.decisions("llmgw_kv_decisions_total", "hit"), 6);
+    assert_eq!(
+        f.decisions("llmgw_kv_decisions_total", "hit"),
+        DOCUMENTS as u64
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -789,7 +796,7 @@ async fn a_wrong_seed_or_block_size_shows_up_as_drift() {
     };
     for spec in [wrong_seed, wrong_block] {
         let f = fleet_from(spec).await;
-        f.two_rounds(6).await;
+        f.two_rounds(DOCUMENTS).await;
         let view = f.drift(0);
         // The router's hashes match nothing the engine reported, while the engine hits.
         assert_eq!(view.expected_hits, 0, "{view:?}");
@@ -803,7 +810,7 @@ async fn a_stale_index_shows_up_as_drift() {
     let f = fleet_from(drift_fleet(1)).await;
     f.scraped().await;
     // The index still credits the replica with blocks its engine evicted (the removals lost).
-    for i in 0..6 {
+    for i in 0..MIN_JUDGED_PICKS as usize {
         let answer = f
             .send_to(
                 0,
@@ -820,7 +827,7 @@ async fn a_stale_index_shows_up_as_drift() {
             llmgw::kvindex::Medium::Gpu,
         );
     }
-    for i in 0..6 {
+    for i in 0..MIN_JUDGED_PICKS as usize {
         f.route("/v1/completions", &completion(&document(i), None))
             .await;
     }
@@ -859,7 +866,9 @@ async fn a_replica_with_another_tokenizer_shows_up_as_drift() {
     let mut spec = drift_fleet(2);
     spec.sim_args[1] = vec!["--tokenizer".to_owned(), path.display().to_string()];
     let f = fleet_from(spec).await;
-    f.two_rounds(10).await;
+    // Each round places half the documents on each sim (the second round by the prefix tree
+    // where the hashes match nothing).
+    f.two_rounds(2 * DOCUMENTS).await;
     let _ = std::fs::remove_file(&path);
     let (consistent, upgraded) = (f.drift(0), f.drift(1));
     // On a loaded machine a /tokenize call may pass its deadline: that request is routed by

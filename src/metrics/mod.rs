@@ -466,11 +466,15 @@ mod tests {
             Instant::now(),
         );
         let _guard = replica.start_request();
-        // The precise tier expected half of 4096 tokens cached; the engine found none.
+        // The precise tier expected half of 4096 tokens cached, over enough picks to judge; the
+        // engine found none.
         let totals = |hits, queries| crate::pool::vllm_metrics::CacheTotals { hits, queries };
         let t0 = Instant::now();
         replica.drift().observe("r", totals(10.0, 20.0), t0);
-        replica.drift().expect(2048, 4096);
+        let picks = crate::pool::drift::MIN_JUDGED_PICKS;
+        for _ in 0..picks {
+            replica.drift().expect(2048 / picks, 4096 / picks);
+        }
         replica.drift().reported(30, 40);
         replica
             .drift()

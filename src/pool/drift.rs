@@ -9,7 +9,8 @@
 //! the proxy sends llmgw the response (`FULL_DUPLEX_STREAMED`) and the engine reports it
 //! (`usage.prompt_tokens_details.cached_tokens`), per request in the response itself. Over a
 //! sliding window the two **hit rates** are compared (rates, not token counts, so a second
-//! router or traffic sent straight to the replica does not read as drift). The responses,
+//! router or traffic sent straight to the replica does not read as drift), once this router
+//! picked the replica [`MIN_JUDGED_PICKS`] times and each side saw [`MIN_JUDGED_TOKENS`]. The responses,
 //! where enough were seen, are the engine's account of exactly this router's requests, so
 //! they are judged first; the scrapes count every request the engine served:
 //! `drift = |observed - expected| / max(observed, expected)`, 0 when they agree, 1 when one is
@@ -40,6 +41,13 @@ use super::vllm_metrics::CacheTotals;
 pub const DRIFT_WINDOW: Duration = Duration::from_secs(60);
 /// Prompt tokens each side must have seen within the window before it is judged.
 pub const MIN_JUDGED_TOKENS: u64 = 2048;
+/// This router's picks of the replica within the window before it is judged. Where another
+/// router or a client sent straight to the replica shares the engine, this router's picks are
+/// a sample of what the engine served: a few picks (a tenant's first prompt, a miss, while the
+/// other router sends the same tenant's next turns there, all hits) are not the engine's rate.
+/// Seen with two routers on bench-routing: two first prompts, 2,048 tokens, expected 0 % while
+/// the engine hit 33 %, and a false warning.
+pub const MIN_JUDGED_PICKS: u64 = 16;
 /// Drift from which a warning is logged.
 pub const DRIFT_ALERT: f64 = 0.5;
 /// Drift under which the warning is withdrawn (lower than the alert, so it does not flap).
@@ -52,6 +60,7 @@ const POINT_SPACING: Duration = Duration::from_secs(1);
 pub struct CacheDrift {
     expected_hits: AtomicU64,
     routed_tokens: AtomicU64,
+    routed_picks: AtomicU64,
     reported_hits: AtomicU64,
     reported_tokens: AtomicU64,
     engine: Mutex<EngineSide>,
@@ -74,6 +83,7 @@ struct Point {
     at: Instant,
     expected_hits: u64,
     routed_tokens: u64,
+    routed_picks: u64,
     observed_hits: u64,
     observed_queries: u64,
     reported_hits: u64,
@@ -116,6 +126,7 @@ impl CacheDrift {
             .fetch_add(cached_tokens, Ordering::Relaxed);
         self.routed_tokens
             .fetch_add(prompt_tokens, Ordering::Relaxed);
+        self.routed_picks.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A response from this replica said the engine found `cached_tokens` of its
@@ -143,6 +154,7 @@ impl CacheDrift {
             at,
             expected_hits: self.expected_hits.load(Ordering::Relaxed),
             routed_tokens: self.routed_tokens.load(Ordering::Relaxed),
+            routed_picks: self.routed_picks.load(Ordering::Relaxed),
             observed_hits: engine.observed_hits,
             observed_queries: engine.observed_queries,
             reported_hits: self.reported_hits.load(Ordering::Relaxed),
@@ -178,7 +190,11 @@ impl CacheDrift {
                 point.observed_queries - base.observed_queries,
             )
         };
-        if routed < MIN_JUDGED_TOKENS || engine_tokens < MIN_JUDGED_TOKENS {
+        let picks = point.routed_picks - base.routed_picks;
+        if routed < MIN_JUDGED_TOKENS
+            || engine_tokens < MIN_JUDGED_TOKENS
+            || picks < MIN_JUDGED_PICKS
+        {
             engine.drift = None;
             return;
         }
@@ -229,6 +245,13 @@ mod tests {
         CacheTotals { hits, queries }
     }
 
+    /// `picks` picks of `prompt_tokens / picks` tokens each, `cached_tokens / picks` expected.
+    fn expect_picks(drift: &CacheDrift, picks: u64, cached_tokens: u64, prompt_tokens: u64) {
+        for _ in 0..picks {
+            drift.expect(cached_tokens / picks, prompt_tokens / picks);
+        }
+    }
+
     #[test]
     fn disagreement_is_relative_and_symmetric() {
         assert_eq!(disagreement(0.0, 0.0), 0.0);
@@ -245,12 +268,12 @@ mod tests {
         let at = |s: u64| t0 + Duration::from_secs(s);
         // The first scrape is the engine's baseline: what it counted before is not ours.
         drift.observe("r", totals(1e6, 2e6), at(0));
-        drift.expect(600, 1000);
+        expect_picks(&drift, 4, 600, 1000);
         drift.observe("r", totals(1e6 + 600.0, 2e6 + 1000.0), at(1));
         assert_eq!(drift.view().drift, None, "too few tokens to judge");
         // The router expects 60 % hits; the engine finds 60 % too (two routers share it, so it
         // sees twice the tokens): no drift.
-        drift.expect(1800, 3000);
+        expect_picks(&drift, 12, 1800, 3000);
         drift.observe("r", totals(1e6 + 4800.0, 2e6 + 8000.0), at(2));
         let view = drift.view();
         assert_eq!(view.observed_hits, 4800);
@@ -277,7 +300,7 @@ mod tests {
         drift.observe("r", totals(0.0, 0.0), at(0));
         // This router expects 60 % and its responses say 60 %; the scrapes show 20 %, since
         // most of what the engine served came from elsewhere (clients sent straight to it).
-        drift.expect(3000, 5000);
+        expect_picks(&drift, 20, 3000, 5000);
         drift.reported(3000, 5000);
         drift.observe("r", totals(4000.0, 20_000.0), at(1));
         let view = drift.view();
@@ -286,7 +309,7 @@ mod tests {
         // Too few responses in the window (streams without usage): the scrapes judge.
         let drift = CacheDrift::default();
         drift.observe("r", totals(0.0, 0.0), at(0));
-        drift.expect(3000, 5000);
+        expect_picks(&drift, 20, 3000, 5000);
         drift.reported(300, 500);
         drift.observe("r", totals(1000.0, 5000.0), at(1));
         let judged = drift.view().drift.expect("judged");
@@ -294,10 +317,30 @@ mod tests {
         // The responses disagree with what was expected: drift, whatever the scrapes say.
         let drift = CacheDrift::default();
         drift.observe("r", totals(0.0, 0.0), at(0));
-        drift.expect(3000, 5000);
+        expect_picks(&drift, 20, 3000, 5000);
         drift.reported(0, 5000);
         drift.observe("r", totals(3000.0, 5000.0), at(1));
         assert_eq!(drift.view().drift, Some(1.0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_few_picks_among_another_routers_are_not_judged() {
+        let drift = CacheDrift::default();
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        drift.observe("r", totals(0.0, 0.0), at(0));
+        // Two routers start: this one's first two picks here are two tenants' first prompts
+        // (misses), while the other router sends those tenants' next turns here (hits). Enough
+        // tokens, too few picks: not judged.
+        expect_picks(&drift, 2, 0, 2200);
+        drift.observe("r", totals(2200.0, 6600.0), at(1));
+        assert_eq!(drift.view().drift, None);
+        // Fourteen more picks, most of them hits as the engine's: judged, and they agree.
+        expect_picks(&drift, 14, 6300, 8400);
+        drift.observe("r", totals(10_000.0, 20_000.0), at(2));
+        let judged = drift.view().drift.expect("judged");
+        // 6300 of 10,600 expected (0.594) against 0.5 observed.
+        assert!(judged < DRIFT_CLEAR, "{judged}");
     }
 
     #[tokio::test(start_paused = true)]
