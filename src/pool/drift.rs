@@ -10,9 +10,9 @@
 //! (`usage.prompt_tokens_details.cached_tokens`), per request in the response itself. Over a
 //! sliding window the two **hit rates** are compared (rates, not token counts, so a second
 //! router or traffic sent straight to the replica does not read as drift), once this router
-//! picked the replica [`MIN_JUDGED_PICKS`] times and each side saw [`MIN_JUDGED_TOKENS`]. The responses,
-//! where enough were seen, are the engine's account of exactly this router's requests, so
-//! they are judged first; the scrapes count every request the engine served:
+//! picked the replica [`MIN_JUDGED_PICKS`] times and each side saw [`MIN_JUDGED_TOKENS`].
+//! The responses, where enough were seen, are the engine's account of exactly this router's
+//! requests, so they are judged first; the scrapes count every request the engine served:
 //! `drift = |observed - expected| / max(observed, expected)`, 0 when they agree, 1 when one is
 //! zero and the other is not. A wrong `--model` seed or block size and a tokenizer that is not
 //! the engine's make the router's hashes match nothing (expected ≈ 0 while the engine hits); a

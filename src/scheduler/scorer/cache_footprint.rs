@@ -174,8 +174,8 @@ enum Mode {
 /// While a replica of the model is down, no packing either: the prompts it held wait elsewhere
 /// for its return (homecoming draws them back), and a cache packed with them would be left
 /// crowded with what stays (bench-routing's restart runs on one seed: 88.9 and 89.6 % with
-/// packing during the downtime, 94.4 and 95.0 % without). Without the cache sizes or the prompt's length (no
-/// `kv_cache`), or with `fill` 0, the emptiest, always.
+/// packing during the downtime, 94.4 and 95.0 % without). Without the cache sizes or the
+/// prompt's length (no `kv_cache`), or with `fill` 0, the emptiest, always.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Packing {
     fill: f64,
