@@ -85,6 +85,7 @@ fn setup() -> Setup {
             .with_local("m", local),
         ),
         hashers: Arc::new(HashersByModel::from([("m".to_owned(), Arc::new(hasher))])),
+        picks: Arc::default(),
     };
     let mut config = SchedulerConfig::default();
     config

@@ -19,6 +19,7 @@ pub mod kvindex;
 pub mod metrics;
 pub mod models;
 pub mod openai;
+pub mod peers;
 pub mod pool;
 pub mod prefix;
 pub mod router;

@@ -114,6 +114,7 @@ fn router(tokens: &[u32]) -> Router {
         index,
         tokenizer: Arc::new(Tokenizer::new(TokenizerConfig::default())),
         hashers: Arc::new(HashersByModel::from([("tiny".to_string(), hasher)])),
+        picks: Arc::default(),
     };
     let scheduler = Scheduler::build(
         Arc::clone(&pool),

@@ -216,6 +216,7 @@ async fn fleet_from(spec: FleetSpec) -> Fleet {
             MODEL.to_owned(),
             Arc::clone(&hasher),
         )])),
+        picks: Arc::default(),
     };
     let mut metrics = Metrics::new(Arc::clone(&pool));
     let scheduler = Scheduler::build(

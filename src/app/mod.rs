@@ -6,7 +6,8 @@
 //! it updates the pool's replicas and the feed's node map), the Kubernetes watchers (with
 //! `--k8s-service` or `--pool-name`; they update the same) and the readiness reporter; each
 //! owns nothing but `Arc`s to shared immutable or lock-free state. Flow control's dispatcher is
-//! one more (see [`crate::flowcontrol`]). The gRPC server (ext_proc +
+//! one more (see [`crate::flowcontrol`]), and so is each peer router's subscription
+//! ([`crate::peers`]). The gRPC server (ext_proc +
 //! health, plaintext or TLS) and the admin server run side by side. On the shutdown signal the
 //! router drains: the readiness reporter turns not-serving, after `--drain-delay` the servers
 //! stop accepting, open ext_proc streams get `--drain-timeout` to end; the background tasks are
@@ -33,6 +34,8 @@ use crate::kvindex::{KvEventSink, KvIndex};
 use crate::metrics::Metrics;
 use crate::metrics::state::StateCollector;
 use crate::models::{self, ModelSettingsError};
+use crate::peers::client::PeerContext;
+use crate::peers::{self, PeerLoads, PeerMetrics, PeeringService, PickOutbox};
 use crate::pool::monitor::{self, HttpProber, ProbeError};
 use crate::pool::{CONFIG_SOURCE, Pool, ReplicaSources};
 use crate::router::Router;
@@ -144,10 +147,12 @@ pub async fn serve(
         Tokenizer::new(settings.tokenizer),
         &settings.models,
     )?);
+    let picks = Arc::new(PickOutbox::default());
     let resources = PluginResources {
         index: Arc::clone(&index),
         tokenizer: Arc::clone(&tokenizer),
         hashers: Arc::new(models::hashers(&settings.models)?),
+        picks: Arc::clone(&picks),
     };
 
     // Agents feed the index; each node may only speak for its own replicas.
@@ -278,6 +283,42 @@ pub async fn serve(
         &resources,
         metrics.registry_mut(),
     )?;
+    // Peer routers subscribe to this router's picks on the feed port, and it to theirs.
+    let router_id = peers::router_id();
+    let peer_metrics = PeerMetrics::default();
+    peer_metrics.register(metrics.registry_mut());
+    let peering = {
+        let feed = feed.clone();
+        PeeringService::new(
+            router_id,
+            picks,
+            Arc::clone(&pool),
+            Arc::new(move |metadata| feed.authorize(metadata, "peer subscription")),
+            peer_metrics.clone(),
+        )
+    };
+    let peer_context = PeerContext {
+        router_id,
+        token: settings.feed.token.clone(),
+        sink: Arc::new(scheduler.pick_listeners()),
+        pool: Arc::clone(&pool),
+        loads: Arc::new(PeerLoads::new(Arc::clone(&pool))),
+        metrics: peer_metrics.clone(),
+    };
+    for peer in &settings.peers.peers {
+        background.spawn(
+            peer_context
+                .client(peer.url.clone(), peer.endpoint.clone())
+                .run(),
+        );
+    }
+    if let Some(service) = settings.peers.service.clone() {
+        background.spawn(peers::mesh::follow(
+            service,
+            peers::mesh::SystemResolver,
+            peer_context,
+        ));
+    }
     let flow_control = settings.flow_control.enabled.then(|| {
         let flow_metrics = FlowMetrics::new(
             metrics.registry_mut(),
@@ -453,7 +494,10 @@ pub async fn serve(
             let _ = admin_stop.wait_for(|stop| *stop).await;
         },
     );
-    let feed_task = tokio::spawn(feed.clone().serve_with_listener(feed_listener));
+    let feed_task = tokio::spawn(
+        feed.clone()
+            .serve_with_peering(feed_listener, Some(peering.into_server())),
+    );
     // Open ext_proc streams (requests in flight) may finish until the drain deadline.
     let grpc = async move {
         tokio::select! {

@@ -30,10 +30,11 @@
 //! feed_tls_key: /etc/llmgw/feed-key.pem
 //! feed_tls_client_ca: /etc/llmgw/agents-ca.pem   # mutual TLS: agents need a cert it signed
 //! feed_tls_skip_node_check: false   # true: a cert need not name the node its agent claims
+//! peers: [http://10.0.0.2:9003]     # the other routers' feed ports: share picks and load
 //! ```
 //!
 //! Each module owns its group of options: `tokenize::TokenizerOptions`, `kvindex::IndexOptions`,
-//! `feed::FeedOptions`, `pool::monitor::ProbeOptions`, `discovery::DiscoveryOptions` (and the
+//! `feed::FeedOptions`, `peers::PeerOptions`, `pool::monitor::ProbeOptions`, `discovery::DiscoveryOptions` (and the
 //! scheduler's `SchedulerArgs` and `scheduler:` section). A group is one struct that is both its
 //! flags (`#[command(flatten)]` here) and its file keys (`#[serde(flatten)]`), with a
 //! `resolve(flags, file)` that applies the module's own defaults. This module assembles the
@@ -62,6 +63,7 @@ use crate::feed::{FeedOptions, FeedOptionsError, FeedSettings};
 use crate::flowcontrol::{FlowControlOptions, FlowOptionsError, FlowSettings};
 use crate::kvindex::{IndexConfig, IndexOptions};
 use crate::models::{FileModel, ModelSettings};
+use crate::peers::{PeerOptions, PeerOptionsError, PeerSettings};
 use crate::pool::monitor::{ProbeOptions, ProbeSettings};
 use crate::pool::{CONFIG_SOURCE, ReplicaSources, ReplicaSpec};
 use crate::scheduler::{ProfileError, SchedulerArgs, SchedulerConfig};
@@ -100,6 +102,8 @@ pub enum ConfigError {
     UnknownKeys { path: PathBuf, keys: String },
     #[error(transparent)]
     Feed(#[from] FeedOptionsError),
+    #[error(transparent)]
+    Peers(#[from] PeerOptionsError),
     #[error(transparent)]
     Serving(#[from] ServingOptionsError),
     #[error(transparent)]
@@ -196,6 +200,8 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub feed: FeedOptions,
     #[command(flatten)]
+    pub peers: PeerOptions,
+    #[command(flatten)]
     pub serving: ServingOptions,
 }
 
@@ -236,6 +242,8 @@ pub struct FileConfig {
     pub index: IndexOptions,
     #[serde(flatten)]
     pub feed: FeedOptions,
+    #[serde(flatten)]
+    pub peers: PeerOptions,
     #[serde(flatten)]
     pub serving: ServingOptions,
     /// Keys no field above took. Serde cannot deny unknown fields of a struct with flattened
@@ -297,6 +305,8 @@ pub struct Settings {
     pub tokenizer: TokenizerConfig,
     pub index: IndexConfig,
     pub feed: FeedSettings,
+    /// The other routers behind the same proxy.
+    pub peers: PeerSettings,
     /// TLS on the ext_proc port, or plaintext.
     pub ext_proc_tls: Option<ServingTls>,
     /// How the router leaves on SIGTERM.
@@ -341,6 +351,8 @@ impl Settings {
         scheduler.effective_profile()?;
 
         let models = resolve_models(args, &file)?;
+        let feed = args.feed.resolve(&file.feed)?;
+        let peers = args.peers.resolve(&file.peers, feed.tls.is_some())?;
         let settings = Settings {
             grpc_addr: args
                 .grpc_addr
@@ -393,7 +405,8 @@ impl Settings {
             models,
             tokenizer: args.tokenizer.resolve(&file.tokenizer),
             index: args.index.resolve(&file.index),
-            feed: args.feed.resolve(&file.feed)?,
+            feed,
+            peers,
             ext_proc_tls: args.serving.resolve(&file.serving)?,
             drain: DrainSettings {
                 delay: (args.drain_delay)

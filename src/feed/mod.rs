@@ -51,6 +51,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::Stream;
+use llmgw_feed_proto::peer::v1::peering_server::PeeringServer;
 use llmgw_feed_proto::v1 as pb;
 use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -68,6 +69,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::blockhash::ExternalHash;
 use crate::kvindex::KvEventSink;
 use crate::models::ModelSettings;
+use crate::peers::PeeringService;
 use crate::tls;
 
 pub use options::{FeedOptions, FeedOptionsError, FeedSettings};
@@ -372,12 +374,23 @@ impl FeedService {
         self,
         listener: tokio::net::TcpListener,
     ) -> Result<(), FeedServeError> {
+        self.serve_with_peering(listener, None).await
+    }
+
+    /// [`FeedService::serve_with_listener`], and peer routers' subscriptions on the same port
+    /// ([`crate::peers`]).
+    pub async fn serve_with_peering(
+        self,
+        listener: tokio::net::TcpListener,
+        peering: Option<PeeringServer<PeeringService>>,
+    ) -> Result<(), FeedServeError> {
         let reaper = tokio::spawn(self.clone().reap_forever());
         let tls = self.tls.clone();
         let refused = self.metrics.tls_refused.clone();
         let server = tonic::transport::Server::builder()
             .tcp_nodelay(true)
-            .add_service(FeedServer::new(self).max_decoding_message_size(MAX_MESSAGE_BYTES));
+            .add_service(FeedServer::new(self).max_decoding_message_size(MAX_MESSAGE_BYTES))
+            .add_optional_service(peering);
         let result = match tls {
             Some(tls) => {
                 server
@@ -439,11 +452,21 @@ impl FeedService {
     }
 
     fn check_token<T>(&self, req: &Request<T>) -> Result<(), Status> {
+        self.authorize(req.metadata(), "feed stream")
+    }
+
+    /// Checks the shared token in `metadata` (`authorization: Bearer …`) when one is
+    /// configured; `what` names the refused call in the log line. Peer routers present the same
+    /// token ([`crate::peers`]).
+    pub fn authorize(
+        &self,
+        metadata: &tonic::metadata::MetadataMap,
+        what: &str,
+    ) -> Result<(), Status> {
         let Some(token) = self.current_token() else {
             return Ok(());
         };
-        let presented = req
-            .metadata()
+        let presented = metadata
             .get("authorization")
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
@@ -451,7 +474,7 @@ impl FeedService {
         if presented.is_some_and(|p| bool::from(p.as_bytes().ct_eq(token.as_bytes()))) {
             Ok(())
         } else {
-            tracing::warn!("feed stream refused: missing or wrong token");
+            tracing::warn!("{what} refused: missing or wrong token");
             Err(Status::unauthenticated("missing or wrong feed token"))
         }
     }

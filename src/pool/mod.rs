@@ -7,11 +7,12 @@
 //! its address, models and node stay the same, so its counters survive reloads. Per-replica state
 //! changes without locks too: health is an atomic (its flips, and reloads, are announced on a
 //! `watch` channel: [`Pool::health_changes`]), the in-flight count is an atomic counted by
-//! [`InFlightGuard`]s, and the last `/metrics` scrape is an immutable [`EngineLoad`] swapped in
-//! whole by the monitor ([`monitor`]), so a reader never sees half of one scrape and half of
-//! another; the adapters a replica's `/v1/models` lists ([`adapters`]) are swapped in whole the
-//! same way. Writers: the monitor tasks (health, scrape) and the reload path; readers: every
-//! routing decision, the admin endpoints and the Prometheus collector.
+//! [`InFlightGuard`]s (and the peers' count one the peering task writes), and the last
+//! `/metrics` scrape is an immutable [`EngineLoad`] swapped in whole by the monitor
+//! ([`monitor`]), so a reader never sees half of one scrape and half of another; the adapters a
+//! replica's `/v1/models` lists ([`adapters`]) are swapped in whole the same way. Writers: the
+//! monitor tasks (health, scrape), the peering task and the reload path; readers: every routing
+//! decision, the admin endpoints and the Prometheus collector.
 
 pub mod adapters;
 pub mod drift;
@@ -104,6 +105,9 @@ pub struct Replica {
     /// `/health` probes timed out in a row (only the health-check task writes it).
     slow_probes: AtomicU32,
     in_flight: AtomicU32,
+    /// Requests the router's peers have in flight here, as they last reported
+    /// ([`crate::peers`]); 0 without peers.
+    peer_in_flight: AtomicU32,
     /// Requests started and ended here, ever: their change since a scrape is what the engine
     /// has not reported yet.
     started: AtomicU64,
@@ -125,6 +129,7 @@ impl Replica {
             health: AtomicU8::new(Health::Unknown.to_u8()),
             slow_probes: AtomicU32::new(0),
             in_flight: AtomicU32::new(0),
+            peer_in_flight: AtomicU32::new(0),
             started: AtomicU64::new(0),
             ended: AtomicU64::new(0),
             last_scrape: ArcSwapOption::empty(),
@@ -192,6 +197,16 @@ impl Replica {
     /// Requests llmgw sent here whose ext_proc stream has not ended yet.
     pub fn in_flight(&self) -> u32 {
         self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Requests the router's peers reported in flight here ([`crate::peers`]).
+    pub fn peer_in_flight(&self) -> u32 {
+        self.peer_in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Records the sum of what the peers last reported in flight here.
+    pub fn set_peer_in_flight(&self, requests: u32) {
+        self.peer_in_flight.store(requests, Ordering::Relaxed);
     }
 
     /// Counts one more request in flight until the guard is dropped.
@@ -522,6 +537,9 @@ pub struct ReplicaView {
     pub node: Option<String>,
     pub health: Health,
     pub in_flight: u32,
+    /// What the router's peers reported in flight here.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub peer_in_flight: u32,
     /// `None` when the last scrape is missing or stale.
     pub engine: Option<EngineLoad>,
     /// The LoRA adapters its `/v1/models` listed: name → the path their blocks are hashed
@@ -544,6 +562,7 @@ impl PoolSnapshot {
                 node: r.spec.node.clone(),
                 health: r.health(),
                 in_flight: r.in_flight(),
+                peer_in_flight: r.peer_in_flight(),
                 engine: r.engine_load(now, staleness),
                 adapters: r
                     .adapters()
@@ -553,6 +572,10 @@ impl PoolSnapshot {
             })
             .collect()
     }
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 #[cfg(test)]

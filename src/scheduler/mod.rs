@@ -62,7 +62,8 @@ use crate::pool::{EngineLoad, InFlightGuard, Pool, Replica};
 #[derive(Debug, Clone)]
 pub struct Candidate {
     pub replica: Arc<Replica>,
-    /// llmgw's in-flight count when the decision started.
+    /// Requests in flight when the decision started: this router's, plus what its peers last
+    /// reported ([`crate::peers`]).
     pub in_flight: u32,
     /// The engine's scraped load; `None` when unknown (stale or failed scrape).
     pub engine: Option<EngineLoad>,
@@ -77,7 +78,7 @@ impl Candidate {
     /// `replica` with its load as of `now`.
     fn of(replica: &Arc<Replica>, now: Instant, staleness: std::time::Duration) -> Candidate {
         Candidate {
-            in_flight: replica.in_flight(),
+            in_flight: replica.in_flight().saturating_add(replica.peer_in_flight()),
             engine: replica.engine_load(now, staleness),
             waiting_estimate: replica.waiting_estimate(now, staleness),
             adapter_slots: replica.adapter_slots(now, staleness),
@@ -95,6 +96,17 @@ impl Candidate {
     /// Requests in flight plus requests the engine reports waiting (unknown counts as 0).
     fn pending(&self) -> f64 {
         f64::from(self.in_flight) + self.engine.and_then(|e| e.waiting).unwrap_or(0.0)
+    }
+}
+
+/// The scorers that hear peer routers' picks ([`Scheduler::pick_listeners`]).
+pub struct PickListeners(Vec<Arc<dyn Scorer>>);
+
+impl crate::peers::PickSink for PickListeners {
+    fn peer_picked(&self, pick: &crate::peers::PeerPick) {
+        for scorer in &self.0 {
+            scorer.peer_picked(pick);
+        }
     }
 }
 
@@ -338,6 +350,17 @@ impl Scheduler {
 
     pub fn options(&self) -> &SchedulerOptions {
         &self.options
+    }
+
+    /// What hears the picks of peer routers: every scorer of the profile (fallbacks included).
+    pub fn pick_listeners(&self) -> PickListeners {
+        PickListeners(
+            self.scorers
+                .iter()
+                .flat_map(|e| std::iter::once(&e.scorer).chain(e.fallback.as_ref().map(|(_, s)| s)))
+                .cloned()
+                .collect(),
+        )
     }
 
     /// Request headers (lower-case) some plugin reads, for the protocol layer to pass on.

@@ -21,6 +21,7 @@ use futures::future::BoxFuture;
 
 use super::Candidate;
 use crate::openai::ParsedRequest;
+use crate::peers::PeerPick;
 
 /// What a plugin may look at besides the candidates.
 #[derive(Debug, Clone, Copy)]
@@ -217,6 +218,10 @@ pub trait Scorer: Send + Sync + 'static {
 
     /// Called once per successful decision. Must not block: it runs on the request path.
     fn after_pick(&self, _context: &ScoringContext<'_>, _pick: Pick<'_>, _role: Role<'_>) {}
+
+    /// A peer router routed a prompt ([`crate::peers`]): a scorer that keeps state about recent
+    /// picks credits it as it would its own. Must not block: it runs on the peering task.
+    fn peer_picked(&self, _pick: &PeerPick) {}
 
     /// Request headers (lower-case names) this scorer reads; the protocol layer keeps only
     /// the headers some plugin asked for.

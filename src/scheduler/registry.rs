@@ -23,14 +23,17 @@ use super::profile::{PluginSpec, Profile, ProfileError};
 use super::{ScorerEntry, filter, scorer};
 use crate::kvindex::KvIndex;
 use crate::models::HashersByModel;
+use crate::peers::PickOutbox;
 use crate::tokenize::Tokenizer;
 
-/// What plugins may share: the router's KV index, tokenizer and per-model hash settings.
+/// What plugins may share: the router's KV index, tokenizer and per-model hash settings, and
+/// the outbox of picks its peer routers subscribe to.
 #[derive(Clone)]
 pub struct PluginResources {
     pub index: Arc<KvIndex>,
     pub tokenizer: Arc<Tokenizer>,
     pub hashers: Arc<HashersByModel>,
+    pub picks: Arc<PickOutbox>,
 }
 
 impl PluginResources {
@@ -41,6 +44,7 @@ impl PluginResources {
             index: Arc::new(KvIndex::new(crate::kvindex::IndexConfig::default())),
             tokenizer: Arc::new(Tokenizer::new(crate::tokenize::TokenizerConfig::default())),
             hashers: Arc::new(HashersByModel::new()),
+            picks: Arc::default(),
         }
     }
 }

@@ -65,6 +65,8 @@
 //! Each pick also records the blocks it adds to the chosen replica ([`Projections`]), which
 //! `cache_footprint` counts until the engine's events can have arrived, and the tokens the
 //! replica should find cached ([`crate::pool::drift`]), which its engine's own counters check.
+//! It goes to the peer routers too ([`crate::peers`]), whose `kv_cache` credits the replica's
+//! speculative entries and projections with it, as they do their own picks.
 //!
 //! Concurrency: the index, tokenizer and speculative entries have their own short-held locks;
 //! the block-hash cache is one mutex held for a map lookup or insert, never across an `.await`.
@@ -89,6 +91,7 @@ use crate::blockhash::{BlockHasher, ExternalHash, LoraKey, RequestKeys};
 use crate::kvindex::{KvIndex, PrefixMatch, ReplicaSlot, SpeculativeBlocks};
 use crate::models::HashersByModel;
 use crate::openai::ParsedRequest;
+use crate::peers::{PeerPick, PickOutbox};
 use crate::scheduler::Candidate;
 use crate::scheduler::plugin::{Answer, Category, Pick, Role, Scorer, Scores, Scoring, ScoringContext};
 use crate::scheduler::registry::{BuildContext, PluginError, ScorerPlugin, parameters};
@@ -176,6 +179,7 @@ fn build(context: &mut BuildContext<'_>, value: serde_yaml::Value) -> Result<Arc
         speculative_ttl: parameters.speculative_ttl,
         lends: Lends::new(parameters.lend_memory),
         projections: context.shared(|_| Projections::default()),
+        picks: resources.picks,
         block_hashes: Mutex::new(LruCache::new(
             NonZeroUsize::new(HASH_CACHE_ENTRIES).unwrap_or(NonZeroUsize::MIN),
         )),
@@ -235,6 +239,8 @@ struct KvCacheScorer {
     lends: Lends,
     /// What each pick is about to store on its replica, for `cache_footprint`.
     projections: Arc<Projections>,
+    /// Where this router's picks go to its peer routers.
+    picks: Arc<PickOutbox>,
     /// Recent prompts' block hashes, keyed by their tokens, salt and model: a repeated prompt
     /// (every turn of a conversation re-sends the whole history) costs a 64-bit hash of its
     /// tokens instead of a SHA-256 per block.
@@ -621,21 +627,35 @@ impl KvCacheScorer {
     }
 
     /// The chosen replica is about to cache the prompt's blocks: count them as its own until its
-    /// engine's events arrive, and tell its drift check what it should find cached.
-    fn credit(&self, memo: &Memo, pick: Pick<'_>) {
-        let Ok(slot) = self.index.slot_or_insert(pick.chosen().replica.endpoint()) else {
-            return;
-        };
-        pick.chosen().replica.drift().expect(
+    /// engine's events arrive, tell its drift check what it should find cached, and tell the
+    /// peer routers.
+    fn credit(&self, model: &str, memo: &Memo, pick: Pick<'_>) {
+        let replica = &pick.chosen().replica;
+        replica.drift().expect(
             memo.expected_cached_tokens(pick.chosen),
             memo.prompt_tokens as u64,
         );
-        let now = Instant::now();
         let held = memo.held.get(pick.chosen).copied().unwrap_or(0);
         let Some(hashes) = memo.hashes.get(pick.chosen).filter(|h| !h.is_empty()) else {
             return;
         };
         let new_blocks = (hashes.len() as u64).saturating_sub(u64::from(held));
+        self.credit_blocks(replica.endpoint(), hashes, new_blocks);
+        self.picks.publish(|| PeerPick {
+            model: model.to_owned(),
+            replica: replica.endpoint().to_owned(),
+            hashes: Arc::clone(hashes),
+            new_blocks: u32::try_from(new_blocks).unwrap_or(u32::MAX),
+        });
+    }
+
+    /// Credits `replica` with a prompt's blocks for the speculative window: the blocks
+    /// themselves, and the `new_blocks` it is about to store for `cache_footprint`.
+    fn credit_blocks(&self, replica: &str, hashes: &Arc<[ExternalHash]>, new_blocks: u64) {
+        let Ok(slot) = self.index.slot_or_insert(replica) else {
+            return;
+        };
+        let now = Instant::now();
         self.projections.record(
             slot,
             self.index.block_count(slot),
@@ -656,7 +676,7 @@ impl Scorer for KvCacheScorer {
         Scoring::Pending(Box::pin(self.score_precise(context.request, candidates)))
     }
 
-    fn after_pick(&self, _: &ScoringContext<'_>, pick: Pick<'_>, role: Role<'_>) {
+    fn after_pick(&self, context: &ScoringContext<'_>, pick: Pick<'_>, role: Role<'_>) {
         // The router's `route` span (the current span) gets the tier and what the pick held.
         let route = tracing::Span::current();
         match role {
@@ -683,18 +703,23 @@ impl Scorer for KvCacheScorer {
                     "matched_blocks",
                     memo.held.get(pick.chosen).copied().map_or(0, i64::from),
                 );
-                self.credit(memo, pick);
+                self.credit(&context.request.model, memo, pick);
             }
             Role::NotCounted { scores, abstained } => {
                 let reason = abstained.unwrap_or("index_miss");
                 self.metrics.count(reason);
                 route.record("tier_reason", reason);
                 if let Some(memo) = scores.and_then(|s| s.memo::<Memo>()) {
-                    self.credit(memo, pick);
+                    self.credit(&context.request.model, memo, pick);
                 }
             }
             Role::NotAsked => {}
         }
+    }
+
+    fn peer_picked(&self, pick: &PeerPick) {
+        // The peer's drift check and lends are its own: only what the blocks are is shared.
+        self.credit_blocks(&pick.replica, &pick.hashes, u64::from(pick.new_blocks));
     }
 }
 

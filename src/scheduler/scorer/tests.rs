@@ -17,6 +17,7 @@ use crate::kvindex::{IndexConfig, KvEventSink, KvIndex, Medium};
 use crate::metrics::state::StateCollector;
 use crate::models::HashersByModel;
 use crate::openai::{EndpointKind, ParsedRequest, parse_request};
+use crate::peers::{PeerPick, PickOutbox, PickSink};
 use crate::pool::adapters::{AdapterCatalog, AdapterSlots, ModelCard};
 use crate::pool::{EngineLoad, Health, Pool, ReplicaSpec};
 use crate::scheduler::{DecideError, PluginResources, Scheduler, SchedulerConfig, Scope};
@@ -80,6 +81,11 @@ struct Fixture {
     index: Arc<KvIndex>,
     pool: Arc<Pool>,
     registry: Registry,
+    /// What built the scheduler, for [`Fixture::peer`].
+    config: SchedulerConfig,
+    tokenizer: Arc<Tokenizer>,
+    /// The picks this router publishes to its peers.
+    picks: Arc<PickOutbox>,
     /// Replica 0 is the tokenizer server itself (a replica that answers /tokenize).
     endpoints: Vec<String>,
 }
@@ -110,17 +116,36 @@ async fn fixture(profile: &str, deadline_ms: u64) -> Fixture {
         deadline: Duration::from_millis(deadline_ms),
         ..TokenizerConfig::default()
     }));
+    let config: SchedulerConfig = serde_yaml::from_str(profile).expect("profile yaml");
+    router(
+        pool,
+        index,
+        tokenizer,
+        config,
+        addresses.iter().map(ToString::to_string).collect(),
+    )
+}
+
+/// A router's scheduler over `pool` and `index`, with its own metrics and outbox.
+fn router(
+    pool: Arc<Pool>,
+    index: Arc<KvIndex>,
+    tokenizer: Arc<Tokenizer>,
+    config: SchedulerConfig,
+    endpoints: Vec<String>,
+) -> Fixture {
+    let picks = Arc::new(PickOutbox::default());
     let resources = PluginResources {
         index: Arc::clone(&index),
         tokenizer: Arc::clone(&tokenizer),
         hashers: Arc::new(HashersByModel::from([("m".to_owned(), hasher())])),
+        picks: Arc::clone(&picks),
     };
     let mut registry = Registry::default();
     registry.register_collector(Box::new(StateCollector {
         index: Arc::clone(&index),
-        tokenizer,
+        tokenizer: Arc::clone(&tokenizer),
     }));
-    let config: SchedulerConfig = serde_yaml::from_str(profile).expect("profile yaml");
     let scheduler = Scheduler::build(Arc::clone(&pool), &config, &resources, &mut registry)
         .expect("profile builds");
     Fixture {
@@ -128,7 +153,10 @@ async fn fixture(profile: &str, deadline_ms: u64) -> Fixture {
         index,
         pool,
         registry,
-        endpoints: addresses.iter().map(ToString::to_string).collect(),
+        config,
+        tokenizer,
+        picks,
+        endpoints,
     }
 }
 
@@ -137,6 +165,18 @@ async fn affinity(deadline_ms: u64, speculative: &str) -> Fixture {
 }
 
 impl Fixture {
+    /// A second router behind the same proxy: the same replicas and the same KV index (every
+    /// agent feeds every router), its own speculative entries, projections and metrics.
+    fn peer(&self) -> Fixture {
+        router(
+            Arc::clone(&self.pool),
+            Arc::clone(&self.index),
+            Arc::clone(&self.tokenizer),
+            self.config.clone(),
+            self.endpoints.clone(),
+        )
+    }
+
     fn endpoint(&self, i: usize) -> &str {
         &self.endpoints[i]
     }
@@ -1034,4 +1074,72 @@ async fn a_prefix_copied_to_several_replicas_is_spread_and_no_lend_gathers_it() 
         f.endpoint(1)
     );
     assert_eq!(f.kv("reclaim"), 0.0);
+}
+
+/// Tells `to` every pick `from` published since `picks` subscribed, as peering would.
+fn relay(picks: &mut tokio::sync::broadcast::Receiver<Arc<PeerPick>>, to: &Fixture) -> usize {
+    let listeners = to.scheduler.pick_listeners();
+    let mut relayed = 0;
+    while let Ok(pick) = picks.try_recv() {
+        listeners.peer_picked(&pick);
+        relayed += 1;
+    }
+    relayed
+}
+
+#[tokio::test]
+async fn a_peer_routers_picks_count_as_this_routers_own() {
+    let a = fixture(PLACEMENT, 2000).await;
+    let b = a.peer();
+    for i in 0..3 {
+        fill(&a, i, 20);
+    }
+    let mut from_a = a.picks.subscribe();
+    // Router A places a new prompt; router B hears of it before any engine event.
+    let first = completion("m", &"aaaa".repeat(4), None);
+    let home = a.pick(&first).await;
+    assert_eq!(relay(&mut from_a, &b), 1);
+    // B sends the same prompt after it (a speculative hit, as if B had picked it) ...
+    assert_eq!(b.pick(&first).await, home);
+    assert_eq!(b.kv("hit"), 1.0);
+    // ... and counts what A's pick is about to store there: two more new prompts from B go
+    // to the two other caches, as one router would have spread the three.
+    let mut homes = vec![home.clone()];
+    for prompt in ["bbbb", "cccc"] {
+        homes.push(b.pick(&completion("m", &prompt.repeat(4), None)).await);
+    }
+    homes.sort();
+    homes.dedup();
+    assert_eq!(homes.len(), 3, "one prompt per cache: {homes:?}");
+}
+
+#[tokio::test]
+async fn without_peering_a_second_router_misses_the_firsts_pick() {
+    let a = fixture(PLACEMENT, 2000).await;
+    let b = a.peer();
+    for i in 0..3 {
+        fill(&a, i, 20);
+    }
+    let first = completion("m", &"aaaa".repeat(4), None);
+    a.pick(&first).await;
+    b.pick(&first).await;
+    assert_eq!(b.kv("hit"), 0.0, "B knows nothing of A's pick");
+    assert_eq!(b.kv("index_miss") + b.kv("miss"), 1.0);
+}
+
+#[tokio::test]
+async fn a_peers_requests_in_flight_weigh_as_load() {
+    let f = affinity(2000, "2s").await;
+    let prompt = "abcdefghijklmnop";
+    f.index
+        .stored(f.endpoint(2), &hashes_of(prompt, None), Medium::Gpu);
+    let request = completion("m", prompt, None);
+    assert_eq!(f.pick(&request).await, f.endpoint(2));
+    // The peer routers have 8 requests in flight at replica 2: the in-flight scorer (weight
+    // 10) outvotes its match, as it does for this router's own 8.
+    let snapshot = f.pool.snapshot();
+    let replica = snapshot.find(f.endpoint(2)).expect("replica");
+    replica.set_peer_in_flight(8);
+    assert_ne!(f.pick(&request).await, f.endpoint(2));
+    assert_eq!(f.kv("load_override"), 1.0);
 }
