@@ -38,6 +38,9 @@ pub struct SystemConfig {
     /// Replicas serve vLLM's replay socket and the agent uses it (as `deploy/` runs them), so
     /// that a restarted agent recovers the blocks cached before it started.
     pub replay: bool,
+    /// With several routers: each is given the others' feed ports (`--peer`), so they share
+    /// picks and requests in flight.
+    pub peering: bool,
 }
 
 impl Default for SystemConfig {
@@ -55,6 +58,7 @@ impl Default for SystemConfig {
             routers: 1,
             envoy_log_level: "error".to_owned(),
             replay: false,
+            peering: false,
         }
     }
 }
@@ -117,8 +121,18 @@ impl System {
 
     /// Starts router `i` again on the ports it had, so Envoy and the agent find it.
     pub fn restart_router(&mut self, i: usize) {
-        let at = self.routers()[i];
-        let (addrs, guard) = start_router(&self.config, &self.sims, Some(at));
+        let routers = self.routers();
+        let at = routers[i];
+        let peers: Vec<SocketAddr> = match self.config.peering {
+            true => routers
+                .iter()
+                .enumerate()
+                .filter(|&(j, _)| j != i)
+                .map(|(_, r)| r.feed)
+                .collect(),
+            false => Vec::new(),
+        };
+        let (addrs, guard) = start_router_at(&self.config, &self.sims, at, &peers);
         assert_eq!(addrs.grpc, at.grpc, "router restarted on its ports");
         self.router_guards[i] = Some(guard);
     }
@@ -183,9 +197,17 @@ pub async fn start(config: SystemConfig) -> System {
         .map(|_| spawn_replica(&config, None))
         .collect();
 
-    let (router, router_guard) = start_router(&config, &sims, None);
+    // Feed ports chosen up front when the routers peer: each is told the others'.
+    let preset: Vec<Option<SocketAddr>> = (0..config.routers.max(1))
+        .map(|_| config.peering.then(crate::free_addr))
+        .collect();
+    let peers_of = |i: usize| -> Vec<SocketAddr> {
+        let others = preset.iter().enumerate().filter(|&(j, _)| j != i);
+        others.filter_map(|(_, feed)| *feed).collect()
+    };
+    let (router, router_guard) = start_router(&config, &sims, preset[0], &peers_of(0));
     let (other_routers, other_guards): (Vec<_>, Vec<_>) = (1..config.routers)
-        .map(|_| start_router(&config, &sims, None))
+        .map(|i| start_router(&config, &sims, preset[i], &peers_of(i)))
         .unzip();
     let feeds: Vec<SocketAddr> = std::iter::once(router.feed)
         .chain(other_routers.iter().map(|r| r.feed))
@@ -214,21 +236,49 @@ pub async fn start(config: SystemConfig) -> System {
 }
 
 /// Starts a router for `sims`, on `at`'s ports when given (a restart), else on free ones.
+/// Starts a router on fresh ports (its feed port `feed` when given), peering with `peers`.
 fn start_router(
     config: &SystemConfig,
     sims: &[SimHandle],
-    at: Option<RouterAddrs>,
+    feed: Option<SocketAddr>,
+    peers: &[SocketAddr],
 ) -> (RouterAddrs, ChildGuard) {
+    let mut router = router_command(config, sims, peers);
+    if let Some(feed) = feed {
+        router = router.feed(feed);
+    }
+    spawn_router(router, config)
+}
+
+/// Starts a router again on the ports `at` it had.
+fn start_router_at(
+    config: &SystemConfig,
+    sims: &[SimHandle],
+    at: RouterAddrs,
+    peers: &[SocketAddr],
+) -> (RouterAddrs, ChildGuard) {
+    spawn_router(router_command(config, sims, peers).at(at), config)
+}
+
+fn router_command(
+    config: &SystemConfig,
+    sims: &[SimHandle],
+    peers: &[SocketAddr],
+) -> RouterCommand {
     let mut router = RouterCommand::new()
         .args(["--health-interval", "200ms", "--scrape-interval", "100ms"])
         .args(["--feed-grace", "5s"])
         .model(&config.model, config.block_size, &config.seed);
-    if let Some(at) = at {
-        router = router.at(at);
-    }
     for sim in sims {
         router = router.replica(&config.model, sim.addr, Some(&config.node));
     }
+    for peer in peers {
+        router = router.args(["--peer".to_owned(), format!("http://{peer}")]);
+    }
+    router
+}
+
+fn spawn_router(router: RouterCommand, config: &SystemConfig) -> (RouterAddrs, ChildGuard) {
     let process = router
         .args(&config.router_args)
         .spawn()

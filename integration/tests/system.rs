@@ -252,3 +252,79 @@ async fn two_routers_fed_by_one_agent_pick_identically() {
         .collect();
     assert_eq!(cached_picks, owners);
 }
+
+/// Peered routers (`--peer`): a prompt one router placed, which no engine has reported yet, is a
+/// hit at the other, which heard of the pick over peering and credits it as its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peered_router_credits_the_other_routers_pick() {
+    let system = system::start(SystemConfig {
+        replicas: 3,
+        routers: 2,
+        peering: true,
+        sim_args: vec!["--sim-no-latency".to_owned()],
+        router_args: ["--tokenize-deadline", "2s", "--speculative-ttl", "120s"]
+            .map(str::to_owned)
+            .to_vec(),
+        ..SystemConfig::default()
+    })
+    .await;
+    let [first, second] = system.routers()[..] else {
+        panic!("two routers expected");
+    };
+    let metric = |router: system::RouterAddrs,
+                  name: &'static str,
+                  labels: &'static [(&str, &str)]| async move {
+        let text = prom::scrape(&format!("http://{}/metrics", router.admin))
+            .await
+            .expect("router metrics");
+        prom::sum(&text, name, labels).unwrap_or(0.0)
+    };
+    for router in [first, second] {
+        let mut connected = 0.0;
+        for _ in 0..500 {
+            connected = metric(router, "llmgw_peer_connected", &[]).await;
+            if connected == 1.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            connected, 1.0,
+            "router {} subscribed to its peer",
+            router.admin
+        );
+    }
+    // Some events exist (the index knows the engines), none of this prompt: it is asked of
+    // the routers only, never sent to a replica.
+    let warm = json!({"model": "tiny", "prompt": document(1), "max_tokens": 4});
+    let (_, _) = via_envoy(&system, "/v1/completions", &warm).await;
+    assert!(system::converged(&system, Duration::from_secs(10)).await);
+
+    let body = json!({"model": "tiny", "prompt": document(2)});
+    let applied = &[("kind", "pick"), ("outcome", "applied")];
+    let heard_before = metric(second, "llmgw_peer_updates_total", applied).await;
+    let placed = pick(first, "/v1/completions", &body).await;
+    let mut heard = heard_before;
+    for _ in 0..500 {
+        heard = metric(second, "llmgw_peer_updates_total", applied).await;
+        if heard > heard_before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        heard - heard_before,
+        1.0,
+        "the second router heard the first's pick"
+    );
+    let hits_before = metric(second, "llmgw_kv_decisions_total", &[("decision", "hit")]).await;
+    let again = pick(second, "/v1/completions", &body).await;
+    let primary = |d: &str| d.split(',').next().unwrap_or_default().to_owned();
+    assert_eq!(primary(&again), primary(&placed));
+    let hits = metric(second, "llmgw_kv_decisions_total", &[("decision", "hit")]).await;
+    assert_eq!(
+        hits - hits_before,
+        1.0,
+        "a hit on the peer's pick, not a miss"
+    );
+}

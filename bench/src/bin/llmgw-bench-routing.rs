@@ -53,7 +53,7 @@ use llmgw_integration::system::envoy_config_for_routers;
 use llmgw_integration::vllm::{self, VllmConfig};
 use llmgw_integration::workload::{self, Results, WorkloadConfig};
 use llmgw_integration::{
-    ChildGuard, SimHandle, cache_sim_args, free_port, repo_root, spawn_sim_with_env,
+    ChildGuard, SimHandle, cache_sim_args, free_addr, free_port, repo_root, spawn_sim_with_env,
 };
 use parking_lot::Mutex;
 
@@ -165,6 +165,10 @@ struct Args {
     /// Envoy spreads the requests' ext_proc streams over them round robin.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=8))]
     routers: u8,
+    /// With --routers above 1: the routers do not peer (by default each is given the others'
+    /// feed ports with --peer, and they share picks and requests in flight).
+    #[arg(long)]
+    no_peering: bool,
     /// LoRA adapters of the model (0: none): every sim serves them (`--enable-lora`), tenant
     /// `t` talks to adapter `t % adapters`, and each adapter's blocks are its own (vLLM hashes
     /// the adapter into every block).
@@ -426,7 +430,7 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     let report = format!(
         "{table}\n{ceiling}{calibration}; {} {}s × {} blocks of {} tokens{}; {} tenants{}{}, {} \
          turns per conversation; {} s per policy, first {} s not measured; seed {}; {} llmgw \
-         router(s) per llmgw policy, extra flags {:?}.\n\
+         router(s) per llmgw policy{}, extra flags {:?}.\n\
          machine before: {machine_before}\nmachine after: {machine_after}\n{}",
         args.replicas,
         args.engine(),
@@ -451,6 +455,11 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
         args.warmup_seconds,
         args.seed,
         args.routers,
+        match (args.routers, args.no_peering) {
+            (1, _) => "",
+            (_, false) => " (peering)",
+            (_, true) => " (not peering)",
+        },
         args.router_args,
         notes.iter().map(|n| format!("- {n}\n")).collect::<String>()
     );
@@ -841,9 +850,18 @@ async fn start_stack(
             flags.extend(args.router_args.iter().cloned());
             let mut routers: Vec<RouterAddrs> = Vec::new();
             let mut router_guards = Vec::new();
-            for _ in 0..args.routers {
+            // Feed ports chosen up front, so that each router can be told the others'.
+            let feeds: Vec<SocketAddr> = (0..args.routers).map(|_| free_addr()).collect();
+            for (i, feed) in feeds.iter().enumerate() {
+                let peers = feeds
+                    .iter()
+                    .enumerate()
+                    .filter(|&(j, _)| j != i && !args.no_peering)
+                    .flat_map(|(_, peer)| ["--peer".to_owned(), format!("http://{peer}")]);
                 let RouterProcess { addrs, guard } = RouterCommand::new()
+                    .feed(*feed)
                     .args(&flags)
+                    .args(peers)
                     .env("RUST_LOG", log_filter())
                     .spawn()?;
                 routers.push(addrs);
