@@ -260,12 +260,17 @@ impl PeerClient {
                 return Err(Refusal::NameLength(name.len()));
             }
         }
+        // The model is the request's: a base model, or a LoRA adapter the replica lists.
         let routed_here = self
             .context
             .pool
             .snapshot()
             .find(&pick.replica)
-            .is_some_and(|r| r.serves(&pick.model));
+            .is_some_and(|r| {
+                r.serves(&pick.model)
+                    || r.adapters()
+                        .is_some_and(|catalog| catalog.get(&pick.model).is_some())
+            });
         if !routed_here {
             return Ok(false);
         }

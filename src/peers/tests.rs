@@ -17,6 +17,7 @@ use tonic::transport::Endpoint;
 use super::client::{PeerClient, PeerContext, Refusal};
 use super::service::Authorize;
 use super::*;
+use crate::pool::adapters::{AdapterCatalog, ModelCard};
 use crate::pool::{Pool, ReplicaSpec};
 
 const MODEL: &str = "m";
@@ -394,6 +395,23 @@ async fn updates_out_of_bounds_are_refused_and_change_nothing() {
         Ok(true)
     );
     assert_eq!(heard.0.lock().len(), 1);
+    // A LoRA adapter's pick applies once the replica lists the adapter.
+    let sql = || wire_pick("127.0.0.1:8001", "sql", 3, 1);
+    assert_eq!(client.apply(sql()).1, Ok(false));
+    let card = |id: &str, root: &str, parent: Option<&str>| ModelCard {
+        id: id.into(),
+        root: Some(root.into()),
+        parent: parent.map(Into::into),
+    };
+    pool.snapshot()
+        .find("127.0.0.1:8001")
+        .expect("replica")
+        .set_adapters(AdapterCatalog::from_cards(&[
+            card(MODEL, MODEL, None),
+            card("sql", "/adapters/sql", Some(MODEL)),
+        ]));
+    assert_eq!(client.apply(sql()).1, Ok(true));
+    assert_eq!(heard.0.lock().len(), 2);
 }
 
 #[test]
