@@ -76,7 +76,7 @@ impl PeerLoads {
 /// Why a peer's update was not applied (logged once per stream, counted always).
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum Refusal {
-    #[error("a pick with {0} block hashes (1 to {max} allowed)", max = limits::MAX_PICK_BLOCKS)]
+    #[error("a pick with {0} hashes (at most {max}, and some)", max = limits::MAX_PICK_BLOCKS)]
     PickBlocks(usize),
     #[error("a pick adding {new} blocks of {total}")]
     NewBlocks { new: u32, total: usize },
@@ -245,9 +245,12 @@ impl PeerClient {
     }
 
     fn apply_pick(&self, pick: pb::Pick) -> Result<bool, Refusal> {
-        let blocks = pick.block_hashes.len();
-        if blocks == 0 || blocks > limits::MAX_PICK_BLOCKS {
+        let (blocks, chunks) = (pick.block_hashes.len(), pick.tree_chain.len());
+        if blocks + chunks == 0 || blocks > limits::MAX_PICK_BLOCKS {
             return Err(Refusal::PickBlocks(blocks));
+        }
+        if chunks > limits::MAX_PICK_BLOCKS {
+            return Err(Refusal::PickBlocks(chunks));
         }
         if pick.new_blocks as usize > blocks {
             return Err(Refusal::NewBlocks {
@@ -279,6 +282,7 @@ impl PeerClient {
             replica: pick.replica,
             hashes: pick.block_hashes.into_iter().map(ExternalHash).collect(),
             new_blocks: pick.new_blocks,
+            tree_chain: pick.tree_chain.into(),
         });
         Ok(true)
     }

@@ -9,10 +9,11 @@
 //! as if the other did not exist.
 //!
 //! * **Outgoing** ([`PickOutbox`]): `kv_cache` publishes each pick (model, replica, the
-//!   prompt's block hashes, the blocks it adds); the [`service`] streams them, and each
-//!   replica's in-flight count ([`Load`]), to every subscribed peer.
+//!   prompt's block hashes, the blocks it adds), and `prefix_tree` each pick's text chain; the
+//!   [`service`] streams them, and each replica's in-flight count, to every subscribed peer.
 //! * **Incoming** ([`client`]): one task per peer subscribes, hands its picks to the scheduler
-//!   ([`PickSink`]: `kv_cache` credits the replica as it does its own picks) and keeps its
+//!   ([`PickSink`]: `kv_cache` credits the replica as it does its own picks, `prefix_tree`
+//!   records where the text went) and keeps its
 //!   loads, whose sum over peers the pool adds to its own in-flight counts
 //!   ([`crate::pool::Replica::peer_in_flight`]) while the peer's stream lasts. Peers are given
 //!   by URL (`--peer`) or by a name that resolves to every router (`--peer-service`, followed
@@ -65,7 +66,8 @@ pub mod limits {
 }
 
 /// A pick as routers share it: `replica` was chosen for a prompt of `hashes` (as its engine
-/// will store them), `new_blocks` of which it did not hold.
+/// will store them; empty when the router did not hash it), `new_blocks` of which it did not
+/// hold, and whose text the prefix tree keys by `tree_chain` (empty when no tree recorded it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerPick {
     pub model: String,
@@ -73,6 +75,7 @@ pub struct PeerPick {
     pub replica: String,
     pub hashes: Arc<[ExternalHash]>,
     pub new_blocks: u32,
+    pub tree_chain: Arc<[u64]>,
 }
 
 /// What learns from peers' picks: the scheduler, whose scorers credit them.

@@ -183,6 +183,7 @@ fn pick(replica: &str, hashes: &[u64], new_blocks: u32) -> PeerPick {
         replica: replica.to_owned(),
         hashes: hashes.iter().copied().map(ExternalHash).collect(),
         new_blocks,
+        tree_chain: Arc::from([7, 8]),
     }
 }
 
@@ -315,6 +316,7 @@ fn wire_pick(replica: &str, model: &str, blocks: usize, new_blocks: u32) -> pb::
         replica: replica.to_owned(),
         block_hashes: (0..blocks as u64).collect(),
         new_blocks,
+        tree_chain: Vec::new(),
     }))
 }
 
@@ -395,6 +397,17 @@ async fn updates_out_of_bounds_are_refused_and_change_nothing() {
         Ok(true)
     );
     assert_eq!(heard.0.lock().len(), 1);
+    // A pick of the prefix tree's text chain alone (a router without the KV index) applies.
+    let tree_only = update(pb::peer_update::Body::Pick(pb::Pick {
+        model: MODEL.to_owned(),
+        replica: "127.0.0.1:8001".to_owned(),
+        block_hashes: Vec::new(),
+        new_blocks: 0,
+        tree_chain: vec![5, 6],
+    }));
+    assert_eq!(client.apply(tree_only).1, Ok(true));
+    assert_eq!(heard.0.lock()[1].tree_chain[..], [5, 6]);
+    heard.0.lock().pop();
     // A LoRA adapter's pick applies once the replica lists the adapter.
     let sql = || wire_pick("127.0.0.1:8001", "sql", 3, 1);
     assert_eq!(client.apply(sql()).1, Ok(false));

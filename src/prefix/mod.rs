@@ -97,10 +97,21 @@ impl PrefixTree {
 
     /// Records that a request whose prompt is `text` was sent to `replica`.
     pub fn record(&self, model: &str, text: &[u8], replica: &str) {
+        self.record_chain(&self.chain(model, text), replica);
+    }
+
+    /// The chain hashes `text` is keyed by under `model`, one per full chunk: the same in every
+    /// process of this build with the same `chunk_bytes` (the hasher's seed is fixed), so peer
+    /// routers can share them.
+    pub fn chain(&self, model: &str, text: &[u8]) -> Vec<u64> {
+        self.chunk_chain(model, text).collect()
+    }
+
+    /// Records that a prompt keyed by `chain` ([`PrefixTree::chain`]) was sent to `replica`.
+    pub fn record_chain(&self, chain: &[u64], replica: &str) {
         let key = self.replica_key(replica);
-        let chain: Vec<u64> = self.chunk_chain(model, text).collect();
         let mut nodes = self.nodes.lock();
-        for hash in chain {
+        for &hash in chain {
             nodes
                 .get_or_insert_mut(hash, Node::default)
                 .replicas

@@ -75,3 +75,18 @@ fn a_node_remembers_the_most_recent_replicas() {
     t.record("m", b"aaaa", "r6:1");
     assert_eq!(shares(&t, "m", "aaaa", &["r2:1", "r3:1"]), vec![1.0, 0.0]);
 }
+
+#[test]
+fn another_tree_recording_a_shared_chain_points_at_the_same_replica() {
+    // Two routers' trees (separate instances, as in two processes of one build) key a text
+    // alike, so one's chain recorded in the other is a match there.
+    let (here, there) = (tree(4, 1024), tree(4, 1024));
+    let text = "abcdefghijklmnop";
+    let chain = here.chain("m", text.as_bytes());
+    assert_eq!(chain.len(), 4);
+    assert_eq!(chain, there.chain("m", text.as_bytes()));
+    assert_ne!(chain, there.chain("other", text.as_bytes()));
+    there.record_chain(&chain, "r2");
+    assert_eq!(shares(&there, "m", text, &["r1", "r2"]), vec![0.0, 1.0]);
+    assert_eq!(shares(&there, "m", "abcdefgh", &["r1", "r2"]), vec![0.0, 1.0]);
+}

@@ -646,6 +646,7 @@ impl KvCacheScorer {
             replica: replica.endpoint().to_owned(),
             hashes: Arc::clone(hashes),
             new_blocks: u32::try_from(new_blocks).unwrap_or(u32::MAX),
+            tree_chain: Arc::from([]),
         });
     }
 
@@ -719,7 +720,9 @@ impl Scorer for KvCacheScorer {
 
     fn peer_picked(&self, pick: &PeerPick) {
         // The peer's drift check and lends are its own: only what the blocks are is shared.
-        self.credit_blocks(&pick.replica, &pick.hashes, u64::from(pick.new_blocks));
+        if !pick.hashes.is_empty() {
+            self.credit_blocks(&pick.replica, &pick.hashes, u64::from(pick.new_blocks));
+        }
     }
 }
 

@@ -2,7 +2,8 @@
 //! ([`crate::prefix::PrefixTree`]), for when the precise index cannot answer (no tokens in
 //! time, no events yet for the model, unknown hash settings) or matches nothing. The share of
 //! the prompt's chunks last sent to a candidate is its score. Every pick is recorded in the
-//! tree, whether or not this scorer was asked, so it knows where each prefix went.
+//! tree, whether or not this scorer was asked, so it knows where each prefix went; peer
+//! routers' picks are too ([`crate::peers`]: the text's chain hashes, never the text).
 //!
 //! Parameters: `chunk_bytes` (bytes of prompt text per node, default 64), `max_nodes` (default
 //! 1,048,576; about 100 bytes each).
@@ -25,6 +26,7 @@ use serde::Deserialize;
 
 use super::{DecisionLabels, classify};
 use crate::openai::{ParsedRequest, Prompt, RequestInput};
+use crate::peers::{PeerPick, PickOutbox};
 use crate::prefix::{PrefixTree, PrefixTreeConfig};
 use crate::scheduler::Candidate;
 use crate::scheduler::plugin::{Answer, Category, Pick, Role, Scorer, Scores, Scoring, ScoringContext};
@@ -60,7 +62,11 @@ fn build(context: &mut BuildContext<'_>, value: serde_yaml::Value) -> Result<Arc
     }));
     let metrics = context.shared(TreeMetrics::register);
     metrics.trees.lock().push(Arc::clone(&tree));
-    Ok(Arc::new(PrefixTreeScorer { tree, metrics }))
+    Ok(Arc::new(PrefixTreeScorer {
+        tree,
+        metrics,
+        picks: Arc::clone(&context.resources.picks),
+    }))
 }
 
 /// Shared by every `prefix_tree` of a scheduler.
@@ -104,6 +110,8 @@ impl Collector for TreeNodes {
 struct PrefixTreeScorer {
     tree: Arc<PrefixTree>,
     metrics: Arc<TreeMetrics>,
+    /// Where the text of this router's picks goes to its peer routers.
+    picks: Arc<PickOutbox>,
 }
 
 impl Scorer for PrefixTreeScorer {
@@ -127,11 +135,18 @@ impl Scorer for PrefixTreeScorer {
 
     fn after_pick(&self, context: &ScoringContext<'_>, pick: Pick<'_>, role: Role<'_>) {
         let request = context.request;
-        self.tree.record(
-            &tree_scope(request),
-            &prompt_text(request),
-            pick.chosen().replica.endpoint(),
-        );
+        let replica = pick.chosen().replica.endpoint();
+        let chain = self.tree.chain(&tree_scope(request), &prompt_text(request));
+        self.tree.record_chain(&chain, replica);
+        if !chain.is_empty() {
+            self.picks.publish(|| PeerPick {
+                model: request.model.clone(),
+                replica: replica.to_owned(),
+                hashes: Arc::from([]),
+                new_blocks: 0,
+                tree_chain: chain.into(),
+            });
+        }
         if let Role::Counted(scores) = role {
             let shares = scores.per_candidate.iter().copied();
             let decision = classify(shares, pick.chosen);
@@ -146,6 +161,12 @@ impl Scorer for PrefixTreeScorer {
                 "matched_share",
                 scores.per_candidate.get(pick.chosen).copied().unwrap_or(0.0),
             );
+        }
+    }
+
+    fn peer_picked(&self, pick: &PeerPick) {
+        if !pick.tree_chain.is_empty() {
+            self.tree.record_chain(&pick.tree_chain, &pick.replica);
         }
     }
 }

@@ -1098,7 +1098,9 @@ async fn a_peer_routers_picks_count_as_this_routers_own() {
     // Router A places a new prompt; router B hears of it before any engine event.
     let first = completion("m", &"aaaa".repeat(4), None);
     let home = a.pick(&first).await;
-    assert_eq!(relay(&mut from_a, &b), 1);
+    // Two messages: the KV index's blocks (from `kv_cache`) and the text (from its fallback,
+    // `prefix_tree`, which records every pick).
+    assert_eq!(relay(&mut from_a, &b), 2);
     // B sends the same prompt after it (a speculative hit, as if B had picked it) ...
     assert_eq!(b.pick(&first).await, home);
     assert_eq!(b.kv("hit"), 1.0);
@@ -1142,4 +1144,31 @@ async fn a_peers_requests_in_flight_weigh_as_load() {
     replica.set_peer_in_flight(8);
     assert_ne!(f.pick(&request).await, f.endpoint(2));
     assert_eq!(f.kv("load_override"), 1.0);
+}
+
+/// The prefix tree alone, with load: the tree-only routing a router without agents does.
+const TREE_AND_LOAD: &str = "
+profile:
+  scorers:
+    - {type: prefix_tree, parameters: {chunk_bytes: 4}}
+    - {type: in_flight, weight: 1}
+";
+
+#[tokio::test]
+async fn a_peer_routers_text_goes_into_this_routers_prefix_tree() {
+    let a = fixture(TREE_AND_LOAD, 2000).await;
+    let (b, c) = (a.peer(), a.peer());
+    let mut from_a = a.picks.subscribe();
+    // Router A sends the prompt to replica 1, the only idle one.
+    let request = completion("m", "abcdefghijklmnop", None);
+    let held = [a.hold(0, 1), a.hold(2, 1)];
+    assert_eq!(a.pick(&request).await, a.endpoint(1));
+    drop(held);
+    // B heard of it and sends the prompt after it, a tree hit; C, not peered, has no idea.
+    assert_eq!(relay(&mut from_a, &b), 1);
+    assert_eq!(b.pick(&request).await, a.endpoint(1));
+    assert_eq!(b.tree("hit"), 1.0);
+    c.pick(&request).await;
+    assert_eq!(c.tree("hit"), 0.0);
+    assert_eq!(c.tree("miss"), 1.0);
 }
