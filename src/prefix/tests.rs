@@ -88,5 +88,8 @@ fn another_tree_recording_a_shared_chain_points_at_the_same_replica() {
     assert_ne!(chain, there.chain("other", text.as_bytes()));
     there.record_chain(&chain, "r2");
     assert_eq!(shares(&there, "m", text, &["r1", "r2"]), vec![0.0, 1.0]);
-    assert_eq!(shares(&there, "m", "abcdefgh", &["r1", "r2"]), vec![0.0, 1.0]);
+    assert_eq!(
+        shares(&there, "m", "abcdefgh", &["r1", "r2"]),
+        vec![0.0, 1.0]
+    );
 }
