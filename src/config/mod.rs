@@ -34,12 +34,13 @@
 //! ```
 //!
 //! Each module owns its group of options: `tokenize::TokenizerOptions`, `kvindex::IndexOptions`,
-//! `feed::FeedOptions`, `peers::PeerOptions`, `pool::monitor::ProbeOptions`, `discovery::DiscoveryOptions` (and the
-//! scheduler's `SchedulerArgs` and `scheduler:` section). A group is one struct that is both its
-//! flags (`#[command(flatten)]` here) and its file keys (`#[serde(flatten)]`), with a
-//! `resolve(flags, file)` that applies the module's own defaults. This module assembles the
-//! groups and keeps what belongs to no other module: listen addresses, replicas, models, the
-//! file's reloading. A file key no group takes is an error naming it.
+//! `feed::FeedOptions`, `peers::PeerOptions`, `pool::monitor::ProbeOptions`,
+//! `discovery::DiscoveryOptions` (and the scheduler's `SchedulerArgs` and `scheduler:` section).
+//! A group is one struct that is both its flags (`#[command(flatten)]` here) and its file keys
+//! (`#[serde(flatten)]`), with a `resolve(flags, file)` that applies the module's own defaults.
+//! This module assembles the groups and keeps what belongs to no other module: listen
+//! addresses, replicas, models, the file's reloading. A file key no group takes is an error
+//! naming it.
 //!
 //! The file is polled for changes ([`watch_replicas`]); a change re-reads the replica list and
 //! swaps it into the pool and the agent feed's node map. Other settings need a restart.

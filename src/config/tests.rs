@@ -484,3 +484,35 @@ fn an_inference_pool_alone_is_a_source_of_replicas() {
     .unwrap();
     assert!(service.has_replica_source());
 }
+
+#[test]
+fn peers_come_from_the_file_and_a_bad_one_is_refused_at_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_file(
+        &dir,
+        "peers: [http://10.0.0.2:9003, http://10.0.0.3:9003]\npeer_service: routers.llmgw:9003\npeer_resolve_interval: 5s\n",
+    );
+    let args = ServeArgs {
+        config: Some(path),
+        ..ServeArgs::default()
+    };
+    let settings = Settings::resolve(&args).unwrap();
+    let urls: Vec<&str> = settings
+        .peers
+        .peers
+        .iter()
+        .map(|p| p.url.as_str())
+        .collect();
+    assert_eq!(urls, ["http://10.0.0.2:9003", "http://10.0.0.3:9003"]);
+    let service = settings.peers.service.expect("peer_service");
+    assert_eq!(service.target, "routers.llmgw:9003");
+    assert_eq!(service.interval, Duration::from_secs(5));
+
+    let bad = write_file(&dir, "peers: [10.0.0.2:9003]\n");
+    let error = Settings::resolve(&ServeArgs {
+        config: Some(bad),
+        ..ServeArgs::default()
+    })
+    .unwrap_err();
+    assert!(error.to_string().contains("10.0.0.2:9003"), "{error}");
+}
