@@ -76,7 +76,7 @@ impl PeerLoads {
 /// Why a peer's update was not applied (logged once per stream, counted always).
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum Refusal {
-    #[error("a pick with {0} hashes (at most {max}, and some)", max = limits::MAX_PICK_BLOCKS)]
+    #[error("a pick with {0} hashes of one kind (at most {max}), or with none", max = limits::MAX_PICK_BLOCKS)]
     PickBlocks(usize),
     #[error("a pick adding {new} blocks of {total}")]
     NewBlocks { new: u32, total: usize },
@@ -128,12 +128,7 @@ impl PeerContext {
     /// Forgets what the peer at `url` reported (its subscription ended or was stopped).
     pub fn forget(&self, url: &str) {
         self.loads.clear(url);
-        self.metrics
-            .connected
-            .get_or_create(&super::PeerLabel {
-                peer: url.to_owned(),
-            })
-            .set(0);
+        self.metrics.set_connected(url, false);
     }
 }
 
@@ -202,13 +197,7 @@ impl PeerClient {
             Err(status) => return status.into(),
         };
         *subscribed = true;
-        self.context
-            .metrics
-            .connected
-            .get_or_create(&super::PeerLabel {
-                peer: self.url.clone(),
-            })
-            .set(1);
+        self.context.metrics.set_connected(&self.url, true);
         tracing::info!(peer = %self.url, "subscribed to peer router");
         let mut logged = false;
         loop {

@@ -161,6 +161,14 @@ impl PeerMetrics {
         );
     }
 
+    fn set_connected(&self, peer: &str, open: bool) {
+        self.connected
+            .get_or_create(&PeerLabel {
+                peer: peer.to_owned(),
+            })
+            .set(i64::from(open));
+    }
+
     fn count(&self, peer: &str, kind: &'static str, outcome: &'static str) {
         self.updates
             .get_or_create(&UpdateLabels {
