@@ -32,3 +32,52 @@ pub(crate) fn addresses_and_nodes(
         .map(|r| (r.address.to_string(), r.node.as_deref()))
         .collect()
 }
+
+/// A certificate authority for TLS tests, and the certificates it signs.
+pub(crate) struct TestCa {
+    issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+}
+
+impl TestCa {
+    pub(crate) fn new(name: &str) -> TestCa {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        let key = rcgen::KeyPair::generate().expect("CA key");
+        TestCa {
+            issuer: rcgen::CertifiedIssuer::self_signed(params, key).expect("CA cert"),
+        }
+    }
+
+    pub(crate) fn pem(&self) -> String {
+        self.issuer.pem()
+    }
+
+    /// A certificate for `names` allowing the extended key `usages` (none: any use), and its
+    /// key, both PEM.
+    pub(crate) fn leaf(
+        &self,
+        names: &[&str],
+        usages: &[rcgen::ExtendedKeyUsagePurpose],
+    ) -> (String, String) {
+        let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+        let mut params = rcgen::CertificateParams::new(names).expect("params");
+        params.extended_key_usages = usages.to_vec();
+        let key = rcgen::KeyPair::generate().expect("leaf key");
+        let cert = params.signed_by(&key, &self.issuer).expect("leaf cert");
+        (cert.pem(), key.serialize_pem())
+    }
+}
+
+/// Writes `text` to `dir/name`; returns its path.
+pub(crate) fn write_file(dir: &std::path::Path, name: &str, text: &str) -> std::path::PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).expect("write test file");
+    path
+}

@@ -1,5 +1,7 @@
 //! TLS (and mutual TLS) on the router's gRPC listeners, with rustls and ring: the agent feed
-//! (`--feed-tls-*`) and ext_proc (`--secure-serving`, as GIE's endpoint picker offers it).
+//! (`--feed-tls-*`) and ext_proc (`--secure-serving`, as GIE's endpoint picker offers it). The
+//! router is also a TLS client of its peers' feed ports ([`ClientTlsFiles`], `--peer-tls-*`);
+//! tonic's client TLS does that side.
 //!
 //! The router terminates TLS itself rather than through tonic's `ServerTlsConfig`, so that a
 //! refused handshake (no client certificate, one from another CA, a plain-text client) is
@@ -43,6 +45,7 @@ use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::rustls::server::WebPkiClientVerifier;
 use tokio_rustls::server::TlsStream;
+use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 
 /// How long a client may take to complete its handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -511,6 +514,63 @@ async fn accept_loop(
             }
         });
     }
+}
+
+/// The files a TLS client reads: the CA it trusts, and a certificate and key when the server
+/// asks for one (mutual TLS). The router is a client of its peers' feed ports
+/// ([`crate::peers`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientTlsFiles {
+    /// PEM CA bundle that signed the servers' certificates.
+    pub ca: PathBuf,
+    /// PEM certificate chain and key presented to the server.
+    pub identity: Option<(PathBuf, PathBuf)>,
+}
+
+impl ClientTlsFiles {
+    /// Reads and checks the files: the CA holds a certificate, the key is a key and matches
+    /// the certificate (tonic builds the connector here, so a bad pair fails now rather than at
+    /// each connection).
+    pub fn load(&self) -> Result<ClientTlsConfig, TlsError> {
+        let ca = read(&self.ca)?;
+        certs(&ca, "CA")?;
+        let mut config = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca));
+        if let Some((cert, key)) = &self.identity {
+            let (cert, key) = (read(cert)?, read(key)?);
+            certs(&cert, "client certificate")?;
+            PrivateKeyDer::from_pem_slice(&key).map_err(|e| TlsError::Pem {
+                what: "client key",
+                why: e.to_string(),
+            })?;
+            config = config.identity(Identity::from_pem(cert, key));
+        }
+        tonic::transport::Endpoint::from_static("https://localhost")
+            .tls_config(config.clone())
+            .map_err(|e| TlsError::Pem {
+                what: "client certificate and key",
+                why: e.to_string(),
+            })?;
+        Ok(config)
+    }
+}
+
+/// Whether the first certificate in `pem` may identify a TLS client: it has no extended key
+/// usage (then any use is allowed) or one naming client authentication (or any use).
+pub fn allows_client_auth(pem: &[u8]) -> Result<bool, TlsError> {
+    let chain = certs(pem, "certificate")?;
+    let Some(leaf) = chain.first() else {
+        return Ok(false);
+    };
+    let (_, cert) =
+        x509_parser::parse_x509_certificate(leaf.as_ref()).map_err(|e| TlsError::Pem {
+            what: "certificate",
+            why: e.to_string(),
+        })?;
+    Ok(match cert.extended_key_usage() {
+        Ok(None) => true,
+        Ok(Some(usage)) => usage.value.client_auth || usage.value.any,
+        Err(_) => false,
+    })
 }
 
 #[cfg(test)]

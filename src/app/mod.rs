@@ -299,7 +299,11 @@ pub async fn serve(
     };
     let peer_context = PeerContext {
         router_id,
-        token: settings.feed.token.clone(),
+        tls: settings.peers.tls.clone().map(Arc::new),
+        token: {
+            let feed = feed.clone();
+            Arc::new(move || feed.current_token())
+        },
         sink: Arc::new(scheduler.pick_listeners()),
         pool: Arc::clone(&pool),
         loads: Arc::new(PeerLoads::new(Arc::clone(&pool))),

@@ -807,3 +807,60 @@ async fn readiness_waits_for_every_node_s_agent_to_send_its_blocks() {
     drop(health);
     running.stop().await;
 }
+
+/// Two routers whose feed ports ask for client certificates: one peers with the other over
+/// mutual TLS, presenting its feed certificate (the default), and subscribes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_peers_over_mutual_tls_with_its_feed_certificate() {
+    use rcgen::ExtendedKeyUsagePurpose::{ClientAuth, ServerAuth};
+
+    use crate::peers::PeerOptions;
+    use crate::testing::{TestCa, write_file};
+
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("routers");
+    let (cert, key) = ca.leaf(&["127.0.0.1"], &[ServerAuth, ClientAuth]);
+    let ca_path = write_file(dir.path(), "ca.crt", &ca.pem());
+    let feed_tls = |args: ServeArgs| ServeArgs {
+        feed: FeedOptions {
+            feed_tls_cert: Some(write_file(dir.path(), "tls.crt", &cert)),
+            feed_tls_key: Some(write_file(dir.path(), "tls.key", &key)),
+            feed_tls_client_ca: Some(ca_path.clone()),
+            ..args.feed
+        },
+        ..args
+    };
+    let replica = fake_replica(Arc::new(AtomicBool::new(true))).await;
+    let with_replica = |args: ServeArgs| ServeArgs {
+        replicas: vec![format!("tiny={replica}")],
+        ..args
+    };
+    let b =
+        Running::start(Settings::resolve(&with_replica(feed_tls(on_loopback()))).unwrap()).await;
+    let peer = format!("https://{}", b.bound.feed);
+    let a = Running::start(
+        Settings::resolve(&ServeArgs {
+            peers: PeerOptions {
+                peers: vec![peer.clone()],
+                peer_tls_ca: Some(ca_path.clone()),
+                ..PeerOptions::default()
+            },
+            ..with_replica(feed_tls(on_loopback()))
+        })
+        .unwrap(),
+    )
+    .await;
+    let connected = format!("llmgw_peer_connected{{peer=\"{peer}\"}} 1");
+    let metrics = format!("http://{}/metrics", a.bound.admin);
+    let mut text = String::new();
+    for _ in 0..500 {
+        text = text_of(&metrics).await;
+        if text.contains(&connected) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(text.contains(&connected), "{connected} not in:\n{text}");
+    a.stop().await;
+    b.stop().await;
+}

@@ -30,7 +30,8 @@
 //! feed_tls_key: /etc/llmgw/feed-key.pem
 //! feed_tls_client_ca: /etc/llmgw/agents-ca.pem   # mutual TLS: agents need a cert it signed
 //! feed_tls_skip_node_check: false   # true: a cert need not name the node its agent claims
-//! peers: [http://10.0.0.2:9003]     # the other routers' feed ports: share picks and load
+//! peers: [https://router-2.llmgw:9003]   # the other routers' feed ports: share picks and load
+//! peer_tls_ca: /etc/llmgw/routers-ca.pem # over TLS, as the feed is (the feed's cert is lent)
 //! ```
 //!
 //! Each module owns its group of options: `tokenize::TokenizerOptions`, `kvindex::IndexOptions`,
@@ -353,7 +354,7 @@ impl Settings {
 
         let models = resolve_models(args, &file)?;
         let feed = args.feed.resolve(&file.feed)?;
-        let peers = args.peers.resolve(&file.peers, feed.tls.is_some())?;
+        let peers = args.peers.resolve(&file.peers, feed.tls.as_ref())?;
         let settings = Settings {
             grpc_addr: args
                 .grpc_addr

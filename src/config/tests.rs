@@ -516,3 +516,33 @@ fn peers_come_from_the_file_and_a_bad_one_is_refused_at_start_up() {
     .unwrap_err();
     assert!(error.to_string().contains("10.0.0.2:9003"), "{error}");
 }
+
+#[test]
+fn peer_tls_comes_from_the_file_and_a_tls_feed_without_it_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = crate::testing::TestCa::new("routers");
+    let ca_path = crate::testing::write_file(dir.path(), "ca.crt", &ca.pem());
+    let (cert, key) = ca.leaf(&["localhost"], &[]);
+    let cert_path = crate::testing::write_file(dir.path(), "tls.crt", &cert);
+    let key_path = crate::testing::write_file(dir.path(), "tls.key", &key);
+    let feed = format!(
+        "feed_tls_cert: {}\nfeed_tls_key: {}\npeers: [https://router-2.llmgw:9003]\n",
+        cert_path.display(),
+        key_path.display()
+    );
+    let with_ca = write_file(&dir, &format!("{feed}peer_tls_ca: {}\n", ca_path.display()));
+    let settings = Settings::resolve(&ServeArgs {
+        config: Some(with_ca),
+        ..ServeArgs::default()
+    })
+    .unwrap();
+    assert_eq!(settings.peers.tls.expect("TLS to peers").files.ca, ca_path);
+
+    let without = write_file(&dir, &feed);
+    let error = Settings::resolve(&ServeArgs {
+        config: Some(without),
+        ..ServeArgs::default()
+    })
+    .unwrap_err();
+    assert!(error.to_string().contains("--peer-tls-ca"), "{error}");
+}

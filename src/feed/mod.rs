@@ -318,7 +318,7 @@ impl FeedService {
     }
 
     /// The token agents must present now.
-    fn current_token(&self) -> Option<String> {
+    pub fn current_token(&self) -> Option<String> {
         let fallback = || self.config.token.clone();
         let Some(path) = &self.token_file else {
             return fallback();

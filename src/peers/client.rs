@@ -19,6 +19,7 @@ use thiserror::Error;
 use tonic::Request;
 use tonic::transport::Endpoint;
 
+use super::options::PeerTls;
 use super::{PeerMetrics, PeerPick, PickSink, limits};
 use crate::blockhash::ExternalHash;
 use crate::pool::Pool;
@@ -93,7 +94,7 @@ pub enum Refusal {
 /// Why a subscription ended.
 #[derive(Debug, Error)]
 enum StreamEnd {
-    #[error("cannot connect: {0}")]
+    #[error("cannot connect: {}", causes(.0))]
     Connect(#[from] tonic::transport::Error),
     #[error("refused: {0}")]
     Status(#[from] tonic::Status),
@@ -103,12 +104,35 @@ enum StreamEnd {
     Ended,
 }
 
+/// `error` and its causes, joined by ": ". tonic's transport error says only "transport
+/// error"; the causes name what failed (refused, a TLS certificate for another name, ...).
+pub(super) fn causes(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(e) = cause {
+        // Some errors repeat their cause's text in their own.
+        let said = e.to_string();
+        if !text.ends_with(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        cause = e.source();
+    }
+    text
+}
+
+/// The token to present, read when a subscription starts.
+pub type TokenSource = Arc<dyn Fn() -> Option<String> + Send + Sync>;
+
 /// What every peer's subscription shares.
 #[derive(Clone)]
 pub struct PeerContext {
     pub router_id: u64,
-    /// The feed's token, presented to the peer.
-    pub token: Option<String>,
+    /// TLS to peers, when their feed ports are TLS.
+    pub tls: Option<Arc<PeerTls>>,
+    /// The feed's token as it reads now (its file is read again, so a rotated token reaches
+    /// the next subscription), presented to the peer.
+    pub token: TokenSource,
     pub sink: Arc<dyn PickSink>,
     pub pool: Arc<Pool>,
     pub loads: Arc<PeerLoads>,
@@ -121,6 +145,7 @@ impl PeerContext {
         PeerClient {
             url,
             endpoint,
+            server_name: None,
             context: self.clone(),
         }
     }
@@ -136,10 +161,19 @@ impl PeerContext {
 pub struct PeerClient {
     pub url: String,
     pub endpoint: Endpoint,
+    /// Over TLS, the name the peer's certificate must carry when it is not the URL's host (an
+    /// address a service name resolved to).
+    server_name: Option<String>,
     context: PeerContext,
 }
 
 impl PeerClient {
+    /// Checks the peer's TLS certificate against `name` rather than the URL's host.
+    pub fn with_server_name(mut self, name: impl Into<String>) -> PeerClient {
+        self.server_name = Some(name.into());
+        self
+    }
+
     pub async fn run(self) {
         let mut retry = RETRY_MIN;
         // Failed attempts since the last subscription, and whether that streak was logged.
@@ -178,7 +212,16 @@ impl PeerClient {
     }
 
     async fn subscribe(&self, subscribed: &mut bool) -> StreamEnd {
-        let channel = match self.endpoint.connect().await {
+        let endpoint = match &self.context.tls {
+            Some(tls) => {
+                match (self.endpoint.clone()).tls_config(tls.current(self.server_name.as_deref())) {
+                    Ok(endpoint) => endpoint,
+                    Err(error) => return error.into(),
+                }
+            }
+            None => self.endpoint.clone(),
+        };
+        let channel = match endpoint.connect().await {
             Ok(channel) => channel,
             Err(error) => return error.into(),
         };
@@ -187,7 +230,7 @@ impl PeerClient {
         let mut request = Request::new(pb::Subscribe {
             router_id: self.context.router_id,
         });
-        if let Some(token) = &self.context.token
+        if let Some(token) = (self.context.token)()
             && let Ok(value) = format!("Bearer {token}").parse()
         {
             request.metadata_mut().insert("authorization", value);

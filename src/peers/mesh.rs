@@ -1,7 +1,8 @@
 //! Following a name that resolves to every router (a Kubernetes headless Service): one
 //! subscription per address, started when the address appears and stopped when it goes. This
 //! router's own address is among them; its subscription ends at once, refused as itself, and is
-//! not tried again while the address stays.
+//! not tried again while the address stays. Over TLS each address is checked against the
+//! service's host name, as the agents check the routers' service.
 //!
 //! Concurrency: one task resolves and owns the map of subscriptions (tasks it spawned).
 
@@ -34,17 +35,24 @@ impl Resolve for SystemResolver {
 /// Subscriptions by address; each is stopped when dropped from the map.
 struct Subscriptions {
     context: PeerContext,
+    /// The service's host name, which each peer's TLS certificate must carry.
+    host: String,
     running: BTreeMap<SocketAddr, (String, JoinHandle<()>)>,
 }
 
 impl Subscriptions {
     fn start(&mut self, addr: SocketAddr) {
-        let url = format!("http://{addr}");
-        let Ok(endpoint) = endpoint(&url) else {
+        let tls = self.context.tls.is_some();
+        let url = format!("{}://{addr}", if tls { "https" } else { "http" });
+        let Ok(endpoint) = endpoint(&url, tls) else {
             // A resolved socket address always makes a valid URL.
             return;
         };
-        let task = tokio::spawn(self.context.client(url.clone(), endpoint).run());
+        let client = self
+            .context
+            .client(url.clone(), endpoint)
+            .with_server_name(self.host.clone());
+        let task = tokio::spawn(client.run());
         self.running.insert(addr, (url, task));
     }
 
@@ -69,6 +77,7 @@ impl Drop for Subscriptions {
 pub async fn follow(service: PeerService, resolver: impl Resolve, context: PeerContext) {
     let mut subscriptions = Subscriptions {
         context,
+        host: service.host().to_owned(),
         running: BTreeMap::new(),
     };
     let mut tick = tokio::time::interval(service.interval);

@@ -19,6 +19,10 @@
 //!   by URL (`--peer`) or by a name that resolves to every router (`--peer-service`, followed
 //!   by [`mesh`]); a router never subscribes to itself.
 //!
+//! Peering runs over the feed port and shares its security: the subscriber presents the feed
+//! token, and over a TLS feed port subscribes over TLS (`--peer-tls-ca`, and a client
+//! certificate when the feed asks for one; see [`options`]).
+//!
 //! Every number from a peer is bounded before it is used ([`limits`]); a message that breaks a
 //! bound, or names a replica or model this router does not route to, is skipped and counted,
 //! and the stream goes on: peering is advice, never state the router cannot do without.

@@ -14,7 +14,7 @@ use prometheus_client::registry::Registry;
 use tonic::Status;
 use tonic::transport::Endpoint;
 
-use super::client::{PeerClient, PeerContext, Refusal};
+use super::client::{PeerClient, PeerContext, Refusal, TokenSource};
 use super::service::Authorize;
 use super::*;
 use crate::pool::adapters::{AdapterCatalog, ModelCard};
@@ -74,6 +74,15 @@ impl Drop for Serving {
 }
 
 fn serve(router_id: u64, authorize: Authorize) -> Serving {
+    serve_with(router_id, authorize, None)
+}
+
+/// [`serve`], over TLS when `tls` is given, counting refused handshakes there.
+fn serve_with(
+    router_id: u64,
+    authorize: Authorize,
+    tls: Option<(crate::tls::ServerTls, crate::tls::TlsRefusals)>,
+) -> Serving {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -91,15 +100,27 @@ fn serve(router_id: u64, authorize: Authorize) -> Serving {
         authorize,
         PeerMetrics::default(),
     );
+    let scheme = if tls.is_some() { "https" } else { "http" };
     runtime.spawn(async move {
         let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
-        let _ = tonic::transport::Server::builder()
-            .add_service(service.into_server())
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
-            .await;
+        let server = tonic::transport::Server::builder().add_service(service.into_server());
+        let _ = match tls {
+            Some((tls, refused)) => {
+                server
+                    .serve_with_incoming(crate::tls::TlsIncoming::new(
+                        "feed", listener, tls, refused,
+                    ))
+                    .await
+            }
+            None => {
+                server
+                    .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+                    .await
+            }
+        };
     });
     Serving {
-        url: format!("http://{addr}"),
+        url: format!("{scheme}://{addr}"),
         outbox,
         pool,
         runtime: Some(runtime),
@@ -113,17 +134,24 @@ struct Subscriber {
     task: tokio::task::JoinHandle<()>,
 }
 
+/// A token that never changes.
+fn fixed(token: Option<&str>) -> TokenSource {
+    let token = token.map(str::to_owned);
+    Arc::new(move || token.clone())
+}
+
 fn client(
     url: &str,
     router_id: u64,
-    token: Option<&str>,
+    token: TokenSource,
     pool: Arc<Pool>,
 ) -> (PeerClient, Arc<Heard>, PeerMetrics) {
     let heard = Arc::new(Heard::default());
     let metrics = PeerMetrics::default();
     let context = PeerContext {
         router_id,
-        token: token.map(str::to_owned),
+        tls: None,
+        token,
         sink: Arc::clone(&heard) as Arc<dyn PickSink>,
         loads: Arc::new(PeerLoads::new(Arc::clone(&pool))),
         pool,
@@ -138,7 +166,7 @@ fn client(
 
 fn subscribe(url: &str, router_id: u64, token: Option<&str>) -> Subscriber {
     let pool = pool(&[8001, 8002, 8003]);
-    let (client, heard, metrics) = client(url, router_id, token, Arc::clone(&pool));
+    let (client, heard, metrics) = client(url, router_id, fixed(token), Arc::clone(&pool));
     Subscriber {
         heard,
         pool,
@@ -295,6 +323,36 @@ async fn a_subscriber_needs_the_token_when_one_is_configured() {
 }
 
 #[tokio::test]
+async fn a_rotated_token_is_presented_at_the_next_subscription() {
+    let authorize: Authorize =
+        Arc::new(
+            |metadata| match metadata.get("authorization").and_then(|v| v.to_str().ok()) {
+                Some("Bearer new") => Ok(()),
+                _ => Err(Status::unauthenticated("missing or wrong feed token")),
+            },
+        );
+    let server = serve(1, authorize);
+    // The token as its file reads: "old" until the first refusal has been seen, then "new".
+    let reads = Arc::new(Mutex::new(0u32));
+    let token: TokenSource = {
+        let reads = Arc::clone(&reads);
+        Arc::new(move || {
+            let mut reads = reads.lock();
+            *reads += 1;
+            Some(if *reads == 1 { "old" } else { "new" }.to_owned())
+        })
+    };
+    let (client, _, metrics) = client(&server.url, 2, token, pool(&[8001]));
+    let task = tokio::spawn(client.run());
+    eventually("subscribed with the rotated token", || {
+        is_connected(&metrics, &server.url)
+    })
+    .await;
+    assert!(*reads.lock() >= 2, "read again after the refusal");
+    task.abort();
+}
+
+#[tokio::test]
 async fn without_subscribers_a_pick_is_never_built() {
     let outbox = PickOutbox::default();
     outbox.publish(|| unreachable!("no subscriber: nothing to build"));
@@ -335,7 +393,7 @@ fn wire_load(loads: &[(&str, u32)]) -> pb::PeerUpdate {
 #[tokio::test]
 async fn updates_out_of_bounds_are_refused_and_change_nothing() {
     let pool = pool(&[8001]);
-    let (client, heard, _) = client("http://127.0.0.1:1", 1, None, Arc::clone(&pool));
+    let (client, heard, _) = client("http://127.0.0.1:1", 1, fixed(None), Arc::clone(&pool));
     let long = "x".repeat(limits::MAX_NAME_BYTES + 1);
     let too_many: Vec<(String, u32)> = (0..=limits::MAX_LOAD_REPLICAS)
         .map(|i| (format!("10.0.0.1:{i}"), 1))
@@ -465,9 +523,9 @@ impl super::mesh::Resolve for FakeResolver {
 fn addr_of(serving: &Serving) -> SocketAddr {
     serving
         .url
-        .strip_prefix("http://")
-        .and_then(|a| a.parse().ok())
-        .expect("http://ip:port")
+        .rsplit_once("://")
+        .and_then(|(_, a)| a.parse().ok())
+        .expect("SCHEME://ip:port")
 }
 
 #[tokio::test]
@@ -481,7 +539,8 @@ async fn a_peer_service_is_followed_as_routers_come_and_go_and_its_own_address_s
     let metrics = PeerMetrics::default();
     let context = PeerContext {
         router_id: ME,
-        token: None,
+        tls: None,
+        token: Arc::new(|| None),
         sink: Arc::clone(&heard) as Arc<dyn PickSink>,
         loads: Arc::new(PeerLoads::new(Arc::clone(&pool))),
         pool: Arc::clone(&pool),
@@ -524,4 +583,171 @@ async fn a_peer_service_is_followed_as_routers_come_and_go_and_its_own_address_s
     assert!(is_connected(&metrics, &a.url));
     assert_eq!(peer_in_flight(&pool, 8001), 1);
     follow.abort();
+}
+
+mod tls {
+    use rcgen::ExtendedKeyUsagePurpose::{ClientAuth, ServerAuth};
+
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::peers::options::{PeerTls, endpoint};
+    use crate::testing::{TestCa, write_file};
+    use crate::tls::{ServerTls, TlsRefusal, TlsRefusals};
+
+    /// A feed port over mutual TLS: its certificate (for `names`, both ends' usages) and
+    /// `ca` for its clients, as written under `dir` (ca.crt, router.crt, router.key).
+    fn serve_mtls(ca: &TestCa, names: &[&str], dir: &std::path::Path) -> (Serving, TlsRefusals) {
+        let (cert, key) = ca.leaf(names, &[ServerAuth, ClientAuth]);
+        write_file(dir, "ca.crt", &ca.pem());
+        write_file(dir, "router.crt", &cert);
+        write_file(dir, "router.key", &key);
+        let tls = ServerTls::from_pem(cert.as_bytes(), key.as_bytes(), Some(ca.pem().as_bytes()))
+            .expect("server TLS");
+        let refused = TlsRefusals::default();
+        (serve_with(1, open(), Some((tls, refused.clone()))), refused)
+    }
+
+    /// TLS to peers as `--peer-tls-*` set it up: trusting `ca`, presenting `identity`.
+    fn peer_tls(url: &str, ca: PathBuf, identity: Option<(PathBuf, PathBuf)>) -> Arc<PeerTls> {
+        let (peer_tls_cert, peer_tls_key) = identity.unzip();
+        let options = PeerOptions {
+            peers: vec![url.to_owned()],
+            peer_tls_ca: Some(ca),
+            peer_tls_cert,
+            peer_tls_key,
+            ..PeerOptions::default()
+        };
+        Arc::new(
+            options
+                .resolve(&PeerOptions::default(), None)
+                .expect("TLS options")
+                .tls
+                .expect("TLS"),
+        )
+    }
+
+    fn tls_context(tls: Arc<PeerTls>) -> (PeerContext, Arc<Heard>, PeerMetrics) {
+        let pool = pool(&[8001, 8002]);
+        let heard = Arc::new(Heard::default());
+        let metrics = PeerMetrics::default();
+        let context = PeerContext {
+            router_id: 2,
+            tls: Some(tls),
+            token: Arc::new(|| None),
+            sink: Arc::clone(&heard) as Arc<dyn PickSink>,
+            loads: Arc::new(PeerLoads::new(Arc::clone(&pool))),
+            pool,
+            metrics: metrics.clone(),
+        };
+        (context, heard, metrics)
+    }
+
+    fn refusals(refused: &TlsRefusals, reason: &'static str) -> u64 {
+        refused.get_or_create(&TlsRefusal { reason }).get()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn over_mutual_tls_a_peer_with_a_certificate_subscribes_and_one_without_is_refused() {
+        let ca = TestCa::new("routers");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (a, refused) = serve_mtls(&ca, &["127.0.0.1"], dir.path());
+        assert!(a.url.starts_with("https://"), "{}", a.url);
+
+        // Without a certificate: the handshake is refused, and the peer never counts as
+        // subscribed.
+        let (context, _, metrics) = tls_context(peer_tls(&a.url, dir.path().join("ca.crt"), None));
+        let anonymous = tokio::spawn(
+            context
+                .client(a.url.clone(), endpoint(&a.url, true).expect("endpoint"))
+                .run(),
+        );
+        eventually("a refused handshake", || {
+            refusals(&refused, "no_client_cert") > 0
+        })
+        .await;
+        assert!(!is_connected(&metrics, &a.url));
+        anonymous.abort();
+
+        // With the router's certificate: subscribed, and a pick arrives.
+        let identity = (dir.path().join("router.crt"), dir.path().join("router.key"));
+        let (context, heard, metrics) =
+            tls_context(peer_tls(&a.url, dir.path().join("ca.crt"), Some(identity)));
+        let subscriber = tokio::spawn(
+            context
+                .client(a.url.clone(), endpoint(&a.url, true).expect("endpoint"))
+                .run(),
+        );
+        eventually("subscribed over mutual TLS", || {
+            is_connected(&metrics, &a.url)
+        })
+        .await;
+        eventually("a pick over TLS", || {
+            a.outbox.publish(|| pick("127.0.0.1:8001", &[7, 8], 2));
+            !heard.0.lock().is_empty()
+        })
+        .await;
+        assert_eq!(
+            heard.0.lock()[0].hashes[..],
+            [ExternalHash(7), ExternalHash(8)]
+        );
+        subscriber.abort();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peer_whose_certificate_another_ca_signed_is_not_trusted_and_the_log_says_why() {
+        let ca = TestCa::new("routers");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (a, _) = serve_mtls(&ca, &["127.0.0.1"], dir.path());
+        let other = write_file(dir.path(), "other-ca.crt", &TestCa::new("other").pem());
+        let identity = (dir.path().join("router.crt"), dir.path().join("router.key"));
+        let tls = peer_tls(&a.url, other, Some(identity));
+        let error = endpoint(&a.url, true)
+            .expect("endpoint")
+            .tls_config(tls.current(None))
+            .expect("TLS config")
+            .connect()
+            .await
+            .expect_err("an untrusted certificate");
+        let text = super::super::client::causes(&error);
+        assert!(text.contains("certificate"), "{text}");
+
+        let (context, _, metrics) = tls_context(tls);
+        let subscriber = tokio::spawn(
+            context
+                .client(a.url.clone(), endpoint(&a.url, true).expect("endpoint"))
+                .run(),
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!is_connected(&metrics, &a.url));
+        subscriber.abort();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_followed_service_checks_each_address_against_the_service_name() {
+        let ca = TestCa::new("routers");
+        let dir = tempfile::tempdir().expect("tempdir");
+        // The certificate names the service, not the address it resolves to.
+        let (a, _) = serve_mtls(&ca, &["localhost"], dir.path());
+        let resolver = FakeResolver::default();
+        *resolver.0.lock() = vec![addr_of(&a)];
+        let identity = (dir.path().join("router.crt"), dir.path().join("router.key"));
+        let (context, heard, metrics) =
+            tls_context(peer_tls(&a.url, dir.path().join("ca.crt"), Some(identity)));
+        let service = PeerService {
+            target: format!("localhost:{}", addr_of(&a).port()),
+            interval: Duration::from_millis(20),
+        };
+        let follow = tokio::spawn(super::super::mesh::follow(service, resolver, context));
+        eventually("subscribed to the service's address over TLS", || {
+            is_connected(&metrics, &a.url)
+        })
+        .await;
+        eventually("a pick over TLS", || {
+            a.outbox.publish(|| pick("127.0.0.1:8002", &[9], 1));
+            !heard.0.lock().is_empty()
+        })
+        .await;
+        follow.abort();
+    }
 }
