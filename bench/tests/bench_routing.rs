@@ -1,7 +1,8 @@
 //! `llmgw-bench-routing` at toy size (debug builds, from `cargo build --workspace --bins`): a
 //! hand-placed and a precise run against real sims, a real agent, router and Envoy, with
 //! replica 0 killed and restarted mid-run. It checks that both runs finish, count their
-//! requests and account for the restarted replica's counters; no timing or hit rate is judged.
+//! requests, account for the restarted replica's counters and report where each tenant went; no
+//! timing or hit rate is judged.
 
 #![allow(
     clippy::unwrap_used,
@@ -52,6 +53,11 @@ fn a_replica_restarted_mid_run_is_measured_for_every_policy() {
     }
     assert!(
         stdout.contains("prompt tokens per replica (share at hit rate): 0: "),
+        "{stdout}"
+    );
+    // Hand placement puts tenant t on replica t: the first policy's placement says so.
+    assert!(
+        stdout.contains("tenants per replica: 0: t0, 1: t1;"),
         "{stdout}"
     );
 }

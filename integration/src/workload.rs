@@ -105,6 +105,8 @@ fn id_hash(id: usize, purpose: u64) -> u64 {
 #[derive(Debug, Clone)]
 pub struct Sample {
     pub replica: String,
+    /// The conversation's tenant.
+    pub tenant: usize,
     pub ttft: Duration,
     pub status: u16,
     pub salted: bool,
@@ -360,6 +362,7 @@ async fn conversation(
                 });
                 let mut results = results.lock();
                 results.samples.push(Sample {
+                    tenant,
                     salted: salt.is_some(),
                     bypassed: bypass.is_some(),
                     sent_at,
@@ -440,6 +443,7 @@ async fn streamed_chat(
                 replica,
                 ttft: sent.elapsed(),
                 status,
+                tenant: 0,
                 salted: false,
                 bypassed: false,
                 sent_at: Duration::ZERO,
@@ -476,6 +480,7 @@ async fn streamed_chat(
             replica,
             ttft: ttft.unwrap_or_else(|| sent.elapsed()),
             status,
+            tenant: 0,
             salted: false,
             bypassed: false,
             sent_at: Duration::ZERO,
@@ -706,6 +711,7 @@ vllm:external_prefix_cache_hits_total{engine=\"0\",model_name=\"tiny\"} 9.0
             samples: (1..=10)
                 .map(|ms| Sample {
                     replica: "a".into(),
+                    tenant: 0,
                     ttft: Duration::from_millis(ms),
                     status: if ms == 10 { 500 } else { 200 },
                     salted: false,

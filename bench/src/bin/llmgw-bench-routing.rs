@@ -34,6 +34,7 @@
     reason = "a test and bench harness: a panic is a failed run, never a crashed router"
 )]
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -1189,11 +1190,48 @@ async fn measure_policy(
         "prompt tokens per replica (share at hit rate): {}",
         split.join(", ")
     );
+    extra += "; ";
+    extra += &tenants_per_replica(&measured, sims);
     if !stack.llmgw_admins.is_empty() {
         extra += "; ";
         extra += &decided_by(http, &stack.llmgw_admins).await;
     }
     Ok((report, ttft_ms, Some(extra)))
+}
+
+/// Where each tenant's measured requests went: per replica, the tenants that sent it most of
+/// theirs, and the share of a tenant's requests there when some went elsewhere. The placement
+/// behind a hit rate: which tenants share a cache.
+fn tenants_per_replica(measured: &[&workload::Sample], sims: &[SimHandle]) -> String {
+    let index_of = |replica: &str| sims.iter().position(|s| s.addr.to_string() == replica);
+    let mut counts: BTreeMap<usize, BTreeMap<usize, usize>> = BTreeMap::new();
+    for sample in measured.iter().filter(|s| s.status == 200) {
+        if let Some(at) = index_of(&sample.replica) {
+            *counts
+                .entry(sample.tenant)
+                .or_default()
+                .entry(at)
+                .or_default() += 1;
+        }
+    }
+    let mut homes: Vec<Vec<String>> = vec![Vec::new(); sims.len()];
+    for (tenant, by_replica) in &counts {
+        let total: usize = by_replica.values().sum();
+        let Some((&home, &most)) = by_replica.iter().max_by_key(|(_, n)| **n) else {
+            continue;
+        };
+        homes[home].push(if most == total {
+            format!("t{tenant}")
+        } else {
+            format!("t{tenant} ({:.0} %)", 100.0 * most as f64 / total as f64)
+        });
+    }
+    let per_replica: Vec<String> = homes
+        .iter()
+        .enumerate()
+        .map(|(i, tenants)| format!("{i}: {}", tenants.join(" ")))
+        .collect();
+    format!("tenants per replica: {}", per_replica.join(", "))
 }
 
 /// llmgw's own decision counters, summed over its routers: which tier decided, over the run.
