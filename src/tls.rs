@@ -516,6 +516,24 @@ async fn accept_loop(
     }
 }
 
+/// `error` and its causes, joined by ": ". tonic's transport error says only "transport
+/// error"; the causes name what failed (refused, a certificate for another name, a key that
+/// does not match its certificate, ...).
+pub fn with_causes(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(e) = cause {
+        // Some errors repeat their cause's text in their own.
+        let said = e.to_string();
+        if !text.ends_with(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        cause = e.source();
+    }
+    text
+}
+
 /// The files a TLS client reads: the CA it trusts, and a certificate and key when the server
 /// asks for one (mutual TLS). The router is a client of its peers' feed ports
 /// ([`crate::peers`]).
@@ -548,7 +566,7 @@ impl ClientTlsFiles {
             .tls_config(config.clone())
             .map_err(|e| TlsError::Pem {
                 what: "client certificate and key",
-                why: e.to_string(),
+                why: with_causes(&e),
             })?;
         Ok(config)
     }

@@ -23,6 +23,7 @@ use super::options::PeerTls;
 use super::{PeerMetrics, PeerPick, PickSink, limits};
 use crate::blockhash::ExternalHash;
 use crate::pool::Pool;
+use crate::tls::with_causes;
 
 /// A peer whose stream carried nothing for this long is taken for dead.
 pub const PEER_SILENCE: Duration = Duration::from_secs(3);
@@ -94,7 +95,7 @@ pub enum Refusal {
 /// Why a subscription ended.
 #[derive(Debug, Error)]
 enum StreamEnd {
-    #[error("cannot connect: {}", causes(.0))]
+    #[error("cannot connect: {}", with_causes(.0))]
     Connect(#[from] tonic::transport::Error),
     #[error("refused: {0}")]
     Status(#[from] tonic::Status),
@@ -102,23 +103,6 @@ enum StreamEnd {
     Silent,
     #[error("the peer ended the stream")]
     Ended,
-}
-
-/// `error` and its causes, joined by ": ". tonic's transport error says only "transport
-/// error"; the causes name what failed (refused, a TLS certificate for another name, ...).
-pub(super) fn causes(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut cause = error.source();
-    while let Some(e) = cause {
-        // Some errors repeat their cause's text in their own.
-        let said = e.to_string();
-        if !text.ends_with(&said) {
-            text.push_str(": ");
-            text.push_str(&said);
-        }
-        cause = e.source();
-    }
-    text
 }
 
 /// The token to present, read when a subscription starts.

@@ -534,10 +534,16 @@ mod tests {
                 peer_tls_key: Some(files.path("server.key")),
                 ..files.options(&["https://r:9004"])
             };
-            assert!(matches!(
-                mismatched.resolve(&PeerOptions::default(), None),
-                Err(PeerOptionsError::Tls(_))
-            ));
+            let error = mismatched
+                .resolve(&PeerOptions::default(), None)
+                .expect_err("a key of another certificate");
+            assert!(matches!(error, PeerOptionsError::Tls(_)), "{error}");
+            // The cause, not tonic's bare "transport error".
+            let text = error.to_string();
+            assert!(
+                text.contains("client certificate and key: transport error: "),
+                "{text}"
+            );
             let missing = PeerOptions {
                 peer_tls_ca: Some(files.path("absent.crt")),
                 ..options(&["https://r:9004"])

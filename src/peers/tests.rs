@@ -709,7 +709,7 @@ mod tls {
             .connect()
             .await
             .expect_err("an untrusted certificate");
-        let text = super::super::client::causes(&error);
+        let text = crate::tls::with_causes(&error);
         assert!(text.contains("certificate"), "{text}");
 
         let (context, _, metrics) = tls_context(tls);
