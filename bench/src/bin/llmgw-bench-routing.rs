@@ -1190,8 +1190,10 @@ async fn measure_policy(
         "prompt tokens per replica (share at hit rate): {}",
         split.join(", ")
     );
-    extra += "; ";
-    extra += &tenants_per_replica(&measured, sims);
+    if let Some(tenants) = tenants_per_replica(&measured, sims) {
+        extra += "; ";
+        extra += &tenants;
+    }
     if !stack.llmgw_admins.is_empty() {
         extra += "; ";
         extra += &decided_by(http, &stack.llmgw_admins).await;
@@ -1201,8 +1203,9 @@ async fn measure_policy(
 
 /// Where each tenant's measured requests went: per replica, the tenants that sent it most of
 /// theirs, and the share of a tenant's requests there when some went elsewhere. The placement
-/// behind a hit rate: which tenants share a cache.
-fn tenants_per_replica(measured: &[&workload::Sample], sims: &[SimHandle]) -> String {
+/// behind a hit rate: which tenants share a cache. `None` when no response named its replica
+/// (vLLM engines send no replica header).
+fn tenants_per_replica(measured: &[&workload::Sample], sims: &[SimHandle]) -> Option<String> {
     let index_of = |replica: &str| sims.iter().position(|s| s.addr.to_string() == replica);
     let mut counts: BTreeMap<usize, BTreeMap<usize, usize>> = BTreeMap::new();
     for sample in measured.iter().filter(|s| s.status == 200) {
@@ -1213,6 +1216,9 @@ fn tenants_per_replica(measured: &[&workload::Sample], sims: &[SimHandle]) -> St
                 .entry(at)
                 .or_default() += 1;
         }
+    }
+    if counts.is_empty() {
+        return None;
     }
     let mut homes: Vec<Vec<String>> = vec![Vec::new(); sims.len()];
     for (tenant, by_replica) in &counts {
@@ -1231,7 +1237,7 @@ fn tenants_per_replica(measured: &[&workload::Sample], sims: &[SimHandle]) -> St
         .enumerate()
         .map(|(i, tenants)| format!("{i}: {}", tenants.join(" ")))
         .collect();
-    format!("tenants per replica: {}", per_replica.join(", "))
+    Some(format!("tenants per replica: {}", per_replica.join(", ")))
 }
 
 /// llmgw's own decision counters, summed over its routers: which tier decided, over the run.
