@@ -210,6 +210,11 @@ impl PeerOptions {
             }
             return Ok(None);
         };
+        if !peering {
+            // Nothing to connect to: a CA set for every router (say in a shared environment)
+            // asks nothing of one without peers.
+            return Ok(None);
+        }
         let failed = |e: crate::tls::TlsError| PeerOptionsError::Tls(e.to_string());
         let identity = match (cert, key) {
             (Some(cert), Some(key)) => Some((cert, key)),
@@ -493,6 +498,12 @@ mod tests {
                     cert: files.path("server.crt").display().to_string()
                 }
             );
+            // Without peers the CA asks nothing of the feed's certificate.
+            let no_peers = files
+                .options(&[])
+                .resolve(&PeerOptions::default(), Some(&files.feed("server", true)))
+                .expect("no peers");
+            assert!(no_peers.tls.is_none());
             // Given explicitly, a client certificate wins over the feed's.
             let explicit = PeerOptions {
                 peer_tls_cert: Some(files.path("router.crt")),
