@@ -43,6 +43,12 @@ pub struct WorkloadConfig {
     /// Percent (0-100) of conversations that belong to tenant 0, a hot tenant, on top of its
     /// share of the rest: enough of them saturate a replica, and load must outvote affinity.
     pub hot_tenant_percent: u8,
+    /// Conversations' tenants drawn by a hash of the conversation's id (the same in every
+    /// run) rather than in turn. In turn, tenants next to each other in the order run their
+    /// conversations at the same moments, and which of them share a cache changes its hit
+    /// rate (docs/results/2026-12-05-placement-trace.md); drawn, no tenant has fixed
+    /// neighbours.
+    pub tenants_drawn: bool,
 }
 
 impl Default for WorkloadConfig {
@@ -60,6 +66,7 @@ impl Default for WorkloadConfig {
             bypass: Vec::new(),
             bypass_failover: false,
             hot_tenant_percent: 0,
+            tenants_drawn: false,
         }
     }
 }
@@ -71,12 +78,16 @@ pub fn adapter_name(i: usize) -> String {
 
 impl WorkloadConfig {
     /// Conversation `id`'s tenant: tenant 0 for `hot_tenant_percent` of them (chosen by a hash
-    /// of the id, the same in every run), the others in turn.
+    /// of the id, the same in every run), the others in turn (or drawn by another hash of the
+    /// id with `tenants_drawn`).
     pub fn tenant_of(&self, id: usize) -> usize {
+        let tenants = self.tenants.max(1);
         if id_hash(id, 0) % 100 < u64::from(self.hot_tenant_percent) {
             0
+        } else if self.tenants_drawn {
+            (splitmix(id as u64) % tenants as u64) as usize
         } else {
-            id % self.tenants.max(1)
+            id % tenants
         }
     }
 
@@ -96,6 +107,15 @@ impl WorkloadConfig {
 }
 
 /// A hash of a conversation id, one per `purpose`, the same in every run.
+/// SplitMix64's finalizer: consecutive ids give unrelated values (the multiplicative
+/// [`id_hash`] keeps their order's structure, so neighbours would stay neighbours).
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 fn id_hash(id: usize, purpose: u64) -> u64 {
     (id as u64 ^ purpose.wrapping_mul(0xD6E8_FEB8_6659_FD93)).wrapping_mul(0x9E37_79B9_7F4A_7C15)
         >> 32
@@ -289,11 +309,9 @@ impl Arrivals {
     }
 
     fn next_u64(&mut self) -> u64 {
+        let z = splitmix(self.state);
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        z
     }
 }
 
@@ -677,6 +695,42 @@ vllm:external_prefix_cache_hits_total{engine=\"0\",model_name=\"tiny\"} 9.0
         // 60 % hot, plus a quarter of the other 40 %: about 70 %.
         assert!((6_700..7_300).contains(&of_zero), "{of_zero} of 10000");
         assert!((0..10_000).all(|id| hot.tenant_of(id) < 4));
+    }
+
+    #[test]
+    fn drawn_tenants_come_in_no_fixed_order_and_each_gets_its_share() {
+        let drawn = WorkloadConfig {
+            tenants: 12,
+            tenants_drawn: true,
+            ..WorkloadConfig::default()
+        };
+        let first: Vec<usize> = (0..24).map(|id| drawn.tenant_of(id)).collect();
+        let in_turn: Vec<usize> = (0..24).map(|id| id % 12).collect();
+        assert_ne!(first, in_turn);
+        assert_eq!(
+            first,
+            (0..24).map(|id| drawn.tenant_of(id)).collect::<Vec<_>>()
+        );
+        let mut counts = [0usize; 12];
+        for id in 0..12_000 {
+            counts[drawn.tenant_of(id)] += 1;
+        }
+        assert!(
+            counts.iter().all(|&n| (850..1150).contains(&n)),
+            "{counts:?}"
+        );
+        // How often a conversation's tenant is the next one's neighbour in the order: about
+        // 2 in 12 when drawn, always when in turn.
+        let neighbours = (0..12_000)
+            .filter(|&id| {
+                let (a, b) = (drawn.tenant_of(id), drawn.tenant_of(id + 1));
+                (a + 1) % 12 == b || (b + 1) % 12 == a
+            })
+            .count();
+        assert!(
+            (1_500..2_500).contains(&neighbours),
+            "{neighbours} of 12000"
+        );
     }
 
     #[test]

@@ -190,6 +190,11 @@ struct Args {
     /// affinity (see the TTFT p99 and the split over the replicas).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=100))]
     hot_tenant_percent: u8,
+    /// Draw each conversation's tenant by a hash of its id (the same in every run) instead of
+    /// taking the tenants in turn, where neighbours in the order are active together and which
+    /// of them share a cache changes the hit rate.
+    #[arg(long)]
+    tenants_drawn: bool,
     /// Seconds into each policy's run (after the warm-up, 0: never) at which replica 0 is
     /// killed, as an engine crash would; it starts again on its ports, with an empty cache and
     /// its event sequence at 0, `--restart-downtime-ms` later. The ceiling run has no restart.
@@ -633,6 +638,9 @@ fn scenario(args: &Args) -> String {
             "one conversation in {} straight to its tenant's replica, bypassing the router",
             args.bypass_every
         ));
+    }
+    if args.tenants_drawn {
+        parts.push("tenants drawn by a hash of each conversation's id, not in turn".to_owned());
     }
     if args.hot_tenant_percent > 0 {
         parts.push(format!(
@@ -1087,6 +1095,7 @@ async fn measure_policy(
         bypass_failover: policy == Policy::PinnedFailover,
         bypass: sims.iter().map(|s| format!("http://{}", s.addr)).collect(),
         hot_tenant_percent: args.hot_tenant_percent,
+        tenants_drawn: args.tenants_drawn,
         ..WorkloadConfig::default()
     };
     let started = Instant::now();
