@@ -106,9 +106,9 @@ impl WorkloadConfig {
     }
 }
 
-/// A hash of a conversation id, one per `purpose`, the same in every run.
-/// SplitMix64's finalizer: consecutive ids give unrelated values (the multiplicative
-/// [`id_hash`] keeps their order's structure, so neighbours would stay neighbours).
+/// SplitMix64's output for state `x`: consecutive states give unrelated values. It drives the
+/// arrivals and draws tenants (the multiplicative [`id_hash`] keeps consecutive ids' order,
+/// so drawn neighbours would stay neighbours).
 fn splitmix(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -116,6 +116,7 @@ fn splitmix(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// A hash of a conversation id, one per `purpose`, the same in every run.
 fn id_hash(id: usize, purpose: u64) -> u64 {
     (id as u64 ^ purpose.wrapping_mul(0xD6E8_FEB8_6659_FD93)).wrapping_mul(0x9E37_79B9_7F4A_7C15)
         >> 32
