@@ -164,7 +164,7 @@ enum Mode {
 /// past it anyway keeps the others under theirs (bench-routing with 12 tenants on 4 replicas:
 /// 2/4/4/2 tenants hit 85.9 %, 3/3/3/3 80 %). That workload's tenants take turns in a fixed
 /// order, an LRU cache's worst case; with tenants drawn at random an even spread does better
-/// and packing costs about 1.8 points (docs/results/2026-12-05-placement-trace.md). Hence:
+/// and packing costs about 1.6 points (docs/results/2026-12-05-placement-trace.md). Hence:
 ///
 /// - while some candidate has room for the prompt (footprint plus prompt within `fill` of its
 ///   cache), the emptiest of those, as without packing;
