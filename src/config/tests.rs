@@ -1,5 +1,3 @@
-use std::io::Write;
-
 use super::*;
 use crate::pool::Pool;
 
@@ -23,11 +21,9 @@ fn replica_flags_parse() {
     }
 }
 
+/// Writes `text` as the configuration file llmgw.yaml in `dir`.
 fn write_file(dir: &tempfile::TempDir, text: &str) -> PathBuf {
-    let path = dir.path().join("llmgw.yaml");
-    let mut file = std::fs::File::create(&path).unwrap();
-    file.write_all(text.as_bytes()).unwrap();
-    path
+    crate::testing::write_file(dir.path(), "llmgw.yaml", text)
 }
 
 #[test]
@@ -521,10 +517,11 @@ fn peers_come_from_the_file_and_a_bad_one_is_refused_at_start_up() {
 fn peer_tls_comes_from_the_file_and_a_tls_feed_without_it_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let ca = crate::testing::TestCa::new("routers");
-    let ca_path = crate::testing::write_file(dir.path(), "ca.crt", &ca.pem());
+    let file = |name: &str, text: &str| crate::testing::write_file(dir.path(), name, text);
+    let ca_path = file("ca.crt", &ca.pem());
     let (cert, key) = ca.leaf(&["localhost"], &[]);
-    let cert_path = crate::testing::write_file(dir.path(), "tls.crt", &cert);
-    let key_path = crate::testing::write_file(dir.path(), "tls.key", &key);
+    let cert_path = file("tls.crt", &cert);
+    let key_path = file("tls.key", &key);
     let feed = format!(
         "feed_tls_cert: {}\nfeed_tls_key: {}\npeers: [https://router-2.llmgw:9003]\n",
         cert_path.display(),
