@@ -465,18 +465,10 @@ async fn a_unix_socket_listener_and_what_is_in_its_way() {
 /// A CA's certificate and a `localhost` server certificate it signed, written into `dir` as
 /// tls.crt and tls.key; returns the CA's PEM.
 fn write_signed_certificate(dir: &Path, ca_name: &str) -> String {
-    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    ca.distinguished_name
-        .push(rcgen::DnType::CommonName, ca_name);
-    let ca = rcgen::CertifiedIssuer::self_signed(ca, rcgen::KeyPair::generate().unwrap()).unwrap();
-    let key = rcgen::KeyPair::generate().unwrap();
-    let cert = rcgen::CertificateParams::new(vec!["localhost".to_string()])
-        .unwrap()
-        .signed_by(&key, &ca)
-        .unwrap();
+    let ca = crate::testing::TestCa::new(ca_name);
+    let (cert, key) = ca.leaf(&["localhost"], &[]);
     // Written whole, then renamed, as a Secret volume's update swaps its files.
-    for (name, text) in [("tls.crt", cert.pem()), ("tls.key", key.serialize_pem())] {
+    for (name, text) in [("tls.crt", cert), ("tls.key", key)] {
         let partial = dir.join(format!(".{name}.new"));
         std::fs::write(&partial, text).unwrap();
         std::fs::rename(&partial, dir.join(name)).unwrap();
