@@ -1211,40 +1211,69 @@ async fn measure_policy(
 }
 
 /// Where each tenant's measured requests went: per replica, the tenants that sent it most of
-/// theirs, and the share of a tenant's requests there when some went elsewhere. The placement
-/// behind a hit rate: which tenants share a cache. `None` when no response named its replica
-/// (vLLM engines send no replica header).
+/// theirs, and the share of a tenant's requests there when some went elsewhere, then in
+/// brackets the tenants that have their home elsewhere but sent it at least
+/// [`GUEST_SHARE`] of theirs. The placement behind a hit rate: which tenants share a cache.
+/// `None` when no response named its replica (vLLM engines send no replica header).
 fn tenants_per_replica(measured: &[&workload::Sample], sims: &[SimHandle]) -> Option<String> {
     let index_of = |replica: &str| sims.iter().position(|s| s.addr.to_string() == replica);
+    let placed: Vec<(usize, usize)> = measured
+        .iter()
+        .filter(|s| s.status == 200)
+        .filter_map(|s| Some((s.tenant, index_of(&s.replica)?)))
+        .collect();
+    tenant_line(&placed, sims.len())
+}
+
+/// A share of a tenant's requests that makes a replica other than its home worth naming.
+const GUEST_SHARE: f64 = 0.2;
+
+/// [`tenants_per_replica`] from each request's (tenant, replica index).
+fn tenant_line(placed: &[(usize, usize)], replicas: usize) -> Option<String> {
     let mut counts: BTreeMap<usize, BTreeMap<usize, usize>> = BTreeMap::new();
-    for sample in measured.iter().filter(|s| s.status == 200) {
-        if let Some(at) = index_of(&sample.replica) {
-            *counts
-                .entry(sample.tenant)
-                .or_default()
-                .entry(at)
-                .or_default() += 1;
-        }
+    for &(tenant, at) in placed.iter().filter(|&&(_, at)| at < replicas) {
+        *counts.entry(tenant).or_default().entry(at).or_default() += 1;
     }
     if counts.is_empty() {
         return None;
     }
-    let mut homes: Vec<Vec<String>> = vec![Vec::new(); sims.len()];
+    let percent = |n: usize, total: usize| 100.0 * n as f64 / total as f64;
+    let mut homes: Vec<Vec<String>> = vec![Vec::new(); replicas];
+    let mut guests: Vec<Vec<String>> = vec![Vec::new(); replicas];
     for (tenant, by_replica) in &counts {
         let total: usize = by_replica.values().sum();
-        let Some((&home, &most)) = by_replica.iter().max_by_key(|(_, n)| **n) else {
+        // The lowest index among equal shares, so the line does not depend on map order.
+        let Some((&home, &most)) = by_replica
+            .iter()
+            .max_by_key(|&(&at, &n)| (n, std::cmp::Reverse(at)))
+        else {
             continue;
         };
         homes[home].push(if most == total {
             format!("t{tenant}")
         } else {
-            format!("t{tenant} ({:.0} %)", 100.0 * most as f64 / total as f64)
+            format!("t{tenant} ({:.0} %)", percent(most, total))
         });
+        for (&at, &n) in by_replica {
+            if at != home && n as f64 >= GUEST_SHARE * total as f64 {
+                guests[at].push(format!("t{tenant} {:.0} %", percent(n, total)));
+            }
+        }
     }
     let per_replica: Vec<String> = homes
         .iter()
+        .zip(&guests)
         .enumerate()
-        .map(|(i, tenants)| format!("{i}: {}", tenants.join(" ")))
+        .map(|(i, (homes, guests))| {
+            let mut line = format!("{i}: {}", homes.join(" "));
+            if !guests.is_empty() {
+                if !homes.is_empty() {
+                    line.push(' ');
+                }
+                line += &format!("[{}]", guests.join(", "));
+            }
+            line
+        })
         .collect();
     Some(format!("tenants per replica: {}", per_replica.join(", ")))
 }
@@ -1290,4 +1319,31 @@ fn machine_state() -> String {
         .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_default();
     format!("{cores} cores ({model}), load average {load}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tenant_line;
+
+    #[test]
+    fn the_tenant_line_names_each_home_and_the_replicas_a_tenant_split_onto() {
+        let mut placed = vec![(0, 0); 6];
+        placed.extend([(0, 3); 4]); // t0: 60 % at home, 40 % a guest of replica 3
+        placed.extend([(1, 1); 9]);
+        placed.push((1, 2)); // t1: 10 % elsewhere, under the guest share
+        placed.extend([(2, 2); 3]);
+        placed.extend([(2, 3); 3]); // t2: an even split names the lower replica its home
+        assert_eq!(
+            tenant_line(&placed, 4).as_deref(),
+            Some(
+                "tenants per replica: 0: t0 (60 %), 1: t1 (90 %), 2: t2 (50 %), 3: [t0 40 %, t2 50 %]"
+            )
+        );
+    }
+
+    #[test]
+    fn without_any_placed_request_there_is_no_tenant_line() {
+        assert_eq!(tenant_line(&[], 4), None);
+        assert_eq!(tenant_line(&[(0, 7)], 4), None);
+    }
 }
