@@ -72,9 +72,10 @@ struct Parameters {
     /// costs more than spreading: 0.75 did, with 12 tenants whose system prompts take 0.42 of
     /// a cache each, while 0.9 and 1 packed right (docs/results/2026-12-05-packing.md).
     fill: f64,
-    /// Once no replica has room, a replica takes more new prompts only while its footprint
-    /// stays within this many times an even share of all the candidates' footprints, so the
-    /// overflow lands on a few caches without piling onto one.
+    /// Once no replica has room, a replica takes more new prompts only while its footprint,
+    /// and the number of prompts placed on it lately, stay within this many times an even
+    /// share of all the candidates', so the overflow lands on a few caches without piling
+    /// onto one.
     max_share: f64,
 }
 
@@ -106,6 +107,7 @@ fn build(
         index: Arc::clone(&context.resources.index),
         projections: context.shared(|_| Projections::default()),
         rebuilds: RecentRebuilds::default(),
+        placements: RecentPlacements::default(),
         metrics: context.shared(PlacementMetrics::register),
         packing: Packing { fill, max_share },
     }))
@@ -169,9 +171,13 @@ enum Mode {
 /// - while some candidate has room for the prompt (footprint plus prompt within `fill` of its
 ///   cache), the emptiest of those, as without packing;
 /// - once none has, the fullest of those whose footprint with the prompt stays within
-///   `max_share` times an even share of all the candidates' footprints: the footprint counts
-///   what the cache rebuilt lately, so the cache that churns most, which loses least by one
-///   more prompt.
+///   `max_share` times an even share of all the candidates' footprints, and whose placements
+///   (the prompts this scorer sent there lately, [`RecentPlacements`]) stay within `max_share`
+///   times an even share of all placements: the footprint counts what the cache rebuilt
+///   lately, so the cache that churns most, which loses least by one more prompt. The count
+///   matters once every cache is full of old blocks: the footprints are then all about a
+///   cache's size, and without it the tenants that arrive last piled onto the one cache that
+///   churned most (five or six on one cache, one on another, with tenants drawn at random).
 ///
 /// While a replica of the model is down, no packing either: the prompts it held wait elsewhere
 /// for its return (homecoming draws them back), and a cache packed with them would be left
@@ -187,9 +193,12 @@ struct Packing {
 impl Packing {
     /// Each candidate's score, aligned with `footprints` and `sizes` (blocks), for a prompt of
     /// `prompt_blocks`.
+    /// `placed`, aligned too, is how many prompts this scorer placed on each of them lately
+    /// ([`RecentPlacements`]).
     fn scores(
         &self,
         footprints: &[f64],
+        placed: &[f64],
         sizes: &[Option<u64>],
         prompt_blocks: Option<u32>,
         replicas_down: usize,
@@ -218,9 +227,19 @@ impl Packing {
                     .collect(),
             );
         }
+        let candidates = footprints.len().max(1) as f64;
         let total: f64 = footprints.iter().sum::<f64>() + prompt;
-        let limit = self.max_share * total / footprints.len().max(1) as f64;
-        let within: Vec<bool> = footprints.iter().map(|&f| f + prompt <= limit).collect();
+        let limit = self.max_share * total / candidates;
+        // The same share in prompts placed: once the caches are full of old blocks, their
+        // footprints are all about their size and no longer tell a cache that holds five
+        // tenants' prompts from one that holds one.
+        let placements: f64 = placed.iter().sum::<f64>() + 1.0;
+        let placed_limit = (self.max_share * placements / candidates).max(1.0);
+        let within: Vec<bool> = footprints
+            .iter()
+            .zip(placed)
+            .map(|(&f, &p)| f + prompt <= limit && p + 1.0 <= placed_limit)
+            .collect();
         let fullest = footprints
             .iter()
             .zip(&within)
@@ -246,32 +265,35 @@ struct CacheFootprint {
     index: Arc<KvIndex>,
     projections: Arc<Projections>,
     rebuilds: RecentRebuilds,
+    placements: RecentPlacements,
     metrics: Arc<PlacementMetrics>,
     packing: Packing,
 }
 
 impl CacheFootprint {
-    /// Each candidate's footprint in blocks; `None` when no candidate is in the index.
-    fn footprints(&self, candidates: &[Candidate], now: Instant) -> Option<Vec<f64>> {
+    /// Each candidate's index slot; `None` when no candidate is in the index.
+    fn slots(&self, candidates: &[Candidate]) -> Option<Vec<Option<ReplicaSlot>>> {
         let slots: Vec<Option<ReplicaSlot>> = candidates
             .iter()
             .map(|c| self.index.slot(c.replica.endpoint()))
             .collect();
-        if slots.iter().all(Option::is_none) {
-            return None;
-        }
+        slots.iter().any(Option::is_some).then_some(slots)
+    }
+
+    /// Each candidate's footprint in blocks, aligned with its `slots`.
+    fn footprints(&self, slots: &[Option<ReplicaSlot>], now: Instant) -> Vec<f64> {
         let reported: Vec<u64> = slots
             .iter()
             .map(|slot| slot.map_or(0, |s| self.index.block_count(s)))
             .collect();
-        let mut footprints = self.projections.footprints(&slots, &reported, now);
+        let mut footprints = self.projections.footprints(slots, &reported, now);
         for (footprint, recent) in footprints
             .iter_mut()
-            .zip(self.rebuilds.read(&self.index, &slots, now))
+            .zip(self.rebuilds.read(&self.index, slots, now))
         {
             *footprint += recent;
         }
-        Some(footprints)
+        footprints
     }
 }
 
@@ -332,22 +354,87 @@ impl RecentRebuilds {
     }
 }
 
+/// How long a placement counts toward its replica's share ([`RecentPlacements`]), as the time
+/// constant of its decay: long enough to span a fleet's tenants arriving one by one, short
+/// enough that a tenant gone for good stops counting.
+pub const PLACEMENT_MEMORY: Duration = Duration::from_secs(300);
+
+/// How many prompts this scorer placed on each replica lately, each decayed with
+/// [`PLACEMENT_MEMORY`] as time constant: the number of tenants whose home a cache is, which
+/// its block count stops telling once every cache is full.
+#[derive(Debug, Default)]
+struct RecentPlacements {
+    by_slot: Mutex<Vec<DecayedCount>>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct DecayedCount {
+    count: f64,
+    /// When `count` was last decayed; `None` before the first placement.
+    at: Option<Instant>,
+}
+
+impl DecayedCount {
+    fn at(&self, now: Instant) -> f64 {
+        match self.at {
+            Some(at) => {
+                let elapsed = now.saturating_duration_since(at).as_secs_f64();
+                self.count * (-elapsed / PLACEMENT_MEMORY.as_secs_f64()).exp()
+            }
+            None => 0.0,
+        }
+    }
+}
+
+impl RecentPlacements {
+    fn record(&self, slot: ReplicaSlot, now: Instant) {
+        let mut by_slot = self.by_slot.lock();
+        if by_slot.len() <= slot.index() {
+            by_slot.resize(slot.index() + 1, DecayedCount::default());
+        }
+        let placed = &mut by_slot[slot.index()];
+        *placed = DecayedCount {
+            count: placed.at(now) + 1.0,
+            at: Some(now),
+        };
+    }
+
+    /// Each slot's placements as of `now` (no slot: none).
+    fn read(&self, slots: &[Option<ReplicaSlot>], now: Instant) -> Vec<f64> {
+        let by_slot = self.by_slot.lock();
+        slots
+            .iter()
+            .map(|slot| {
+                slot.and_then(|s| by_slot.get(s.index()))
+                    .map_or(0.0, |placed| placed.at(now))
+            })
+            .collect()
+    }
+}
+
 impl Scorer for CacheFootprint {
     fn category(&self) -> Category {
         Category::Placement
     }
 
     fn score<'a>(&'a self, context: &'a ScoringContext<'a>, candidates: &'a [Candidate]) -> Scoring<'a> {
-        let Some(footprints) = self.footprints(candidates, Instant::now()) else {
+        let Some(slots) = self.slots(candidates) else {
             return Scoring::Ready(Answer::Abstain("no_events"));
         };
+        let now = Instant::now();
+        let footprints = self.footprints(&slots, now);
+        let placements = self.placements.read(&slots, now);
         let sizes: Vec<Option<u64>> = candidates
             .iter()
             .map(|c| c.replica.cache_blocks())
             .collect();
-        let placed = self
-            .packing
-            .scores(&footprints, &sizes, context.prompt_blocks, context.replicas_down);
+        let placed = self.packing.scores(
+            &footprints,
+            &placements,
+            &sizes,
+            context.prompt_blocks,
+            context.replicas_down,
+        );
         Scoring::Ready(Answer::Scored(Scores::with_memo(placed.scores, placed.mode)))
     }
 
@@ -357,6 +444,9 @@ impl Scorer for CacheFootprint {
         {
             let scores = &scores.per_candidate;
             let best = scores.iter().copied().fold(0.0, f64::max);
+            if let Some(slot) = self.index.slot(pick.chosen().replica.endpoint()) {
+                self.placements.record(slot, Instant::now());
+            }
             let decision = match (scores.get(pick.chosen).is_some_and(|&s| s >= best), mode) {
                 (false, _) => "load_override",
                 (true, Mode::Emptiest) => "emptiest",
@@ -554,11 +644,11 @@ mod tests {
     #[test]
     fn with_room_anywhere_the_emptiest_cache_with_room_wins() {
         // A 45-block prompt fits everywhere (45 + 45 <= 120): as without packing.
-        let placed = PACKING.scores(&[45.0, 0.0, 45.0, 45.0], &SIZES, Some(45), 0);
+        let placed = PACKING.scores(&[45.0, 0.0, 45.0, 45.0], &[0.0; 4], &SIZES, Some(45), 0);
         assert_eq!(placed.mode, Mode::Emptiest);
         assert_eq!(placed.scores, [0.0, 1.0, 0.0, 0.0]);
         // Room at two of four (90 + 45 > 120): those two, the emptier first, and the others 0.
-        let placed = PACKING.scores(&[90.0, 70.0, 90.0, 60.0], &SIZES, Some(45), 0);
+        let placed = PACKING.scores(&[90.0, 70.0, 90.0, 60.0], &[0.0; 4], &SIZES, Some(45), 0);
         assert_eq!(placed.mode, Mode::Emptiest);
         let s = &placed.scores;
         assert_eq!((s[0], s[2]), (0.0, 0.0), "{s:?}");
@@ -569,25 +659,62 @@ mod tests {
     fn without_room_anywhere_the_overflow_packs_onto_the_fullest_within_its_share() {
         // Eight tenants' 45-block system prompts, two per cache: a ninth fits nowhere. Every
         // cache is as full: any of them (the tie-break decides), none preferred.
-        let placed = PACKING.scores(&[90.0; 4], &SIZES, Some(45), 0);
+        let placed = PACKING.scores(&[90.0; 4], &[0.0; 4], &SIZES, Some(45), 0);
         assert_eq!(placed.mode, Mode::Packed);
         assert_eq!(placed.scores, [1.0; 4]);
         // The ninth went to the third cache: the tenth joins it rather than spread, while that
         // stays within 1.5 even shares of all the footprints (135 + 45 = 180 > 1.5 × 450 / 4
         // here: not yet; with more placed, yes).
-        let placed = PACKING.scores(&[90.0, 90.0, 135.0, 90.0], &SIZES, Some(45), 0);
+        let placed = PACKING.scores(&[90.0, 90.0, 135.0, 90.0], &[0.0; 4], &SIZES, Some(45), 0);
         assert_eq!(placed.mode, Mode::Packed);
         assert_eq!(placed.scores, [1.0, 1.0, 0.0, 1.0], "the share limit");
-        let placed = PACKING.scores(&[135.0, 90.0, 135.0, 90.0], &SIZES, Some(45), 0);
+        let placed = PACKING.scores(&[135.0, 90.0, 135.0, 90.0], &[0.0; 4], &SIZES, Some(45), 0);
         assert_eq!(placed.scores, [1.0, 90.0 / 135.0, 1.0, 90.0 / 135.0]);
         // Caches full of stale blocks: the one that rebuilt most (a larger footprint) is past
         // its cliff and loses least.
-        let placed = PACKING.scores(&[160.0, 160.0, 240.0, 200.0], &SIZES, Some(45), 0);
+        let placed = PACKING.scores(&[160.0, 160.0, 240.0, 200.0], &[0.0; 4], &SIZES, Some(45), 0);
         assert_eq!(placed.mode, Mode::Packed);
         assert_eq!(placed.scores, [160.0 / 240.0, 160.0 / 240.0, 1.0, 200.0 / 240.0]);
         // One cache past every limit: the others.
-        let placed = PACKING.scores(&[160.0, 160.0, 600.0, 160.0], &SIZES, Some(45), 0);
+        let placed = PACKING.scores(&[160.0, 160.0, 600.0, 160.0], &[0.0; 4], &SIZES, Some(45), 0);
         assert_eq!(placed.scores, [1.0, 1.0, 0.0, 1.0]);
+    }
+
+    #[test]
+    fn a_cache_that_was_given_more_than_its_share_of_new_prompts_takes_no_more() {
+        // Full of old blocks, the churning third cache is the fullest; but it was given four
+        // of the eleven prompts placed, and a fifth would pass 1.5 even shares (4.5 of 12):
+        // the next fullest within both shares instead.
+        let footprints = [160.0, 160.0, 240.0, 200.0];
+        let placed = PACKING.scores(&footprints, &[1.0, 3.0, 4.0, 3.0], &SIZES, Some(45), 0);
+        assert_eq!(placed.mode, Mode::Packed);
+        assert_eq!(placed.scores, [160.0 / 200.0, 160.0 / 200.0, 0.0, 1.0]);
+        // A fourth is within its share (3.5 + 1 <= 4.5).
+        let placed = PACKING.scores(&footprints, &[1.0, 3.0, 3.5, 3.5], &SIZES, Some(45), 0);
+        assert_eq!(placed.scores, [160.0 / 240.0, 160.0 / 240.0, 1.0, 200.0 / 240.0]);
+        // Before anything is placed the count limits nothing.
+        let placed = PACKING.scores(&footprints, &[0.0; 4], &SIZES, Some(45), 0);
+        assert_eq!(placed.scores[2], 1.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn placements_count_per_replica_and_fade_with_the_memory() {
+        let placements = RecentPlacements::default();
+        let (a, b) = slots();
+        let slots = [Some(a), Some(b), None];
+        let t0 = Instant::now();
+        assert_eq!(placements.read(&slots, t0), [0.0, 0.0, 0.0]);
+        placements.record(a, t0);
+        placements.record(a, t0);
+        placements.record(b, t0);
+        assert_eq!(placements.read(&slots, t0), [2.0, 1.0, 0.0]);
+        // One memory later a factor e less; a new placement adds a whole one.
+        let later = t0 + PLACEMENT_MEMORY;
+        placements.record(b, later);
+        let read = placements.read(&slots, later);
+        let e = std::f64::consts::E;
+        assert!((read[0] - 2.0 / e).abs() < 1e-9, "{read:?}");
+        assert!((read[1] - (1.0 / e + 1.0)).abs() < 1e-9, "{read:?}");
     }
 
     #[test]
@@ -600,12 +727,12 @@ mod tests {
             (Packing { fill: 0.0, ..PACKING }, SIZES, Some(45)),
         ];
         for (packing, sizes, prompt) in cases {
-            let placed = packing.scores(&footprints, &sizes, prompt, 0);
+            let placed = packing.scores(&footprints, &[0.0; 4], &sizes, prompt, 0);
             assert_eq!(placed.mode, Mode::Emptiest);
             assert_eq!(placed.scores, emptiest, "{packing:?} {sizes:?} {prompt:?}");
         }
         // Nor while a replica is down: its prompts are refugees, not tenants to pack.
-        let placed = PACKING.scores(&[90.0, 90.0, 135.0], &SIZES[..3], Some(45), 1);
+        let placed = PACKING.scores(&[90.0, 90.0, 135.0], &[0.0; 3], &SIZES[..3], Some(45), 1);
         assert_eq!(placed.mode, Mode::Emptiest);
         assert_eq!(placed.scores, [1.0 - 90.0 / 135.0, 1.0 - 90.0 / 135.0, 0.0]);
     }
