@@ -165,8 +165,9 @@ enum Mode {
 /// its cliff, the worst placement there is; packing the overflow onto a few caches that are
 /// past it anyway keeps the others under theirs (bench-routing with 12 tenants on 4 replicas:
 /// 2/4/4/2 tenants hit 85.9 %, 3/3/3/3 80 %). That workload's tenants take turns in a fixed
-/// order, an LRU cache's worst case; with tenants drawn at random an even spread does better
-/// and packing costs about 1.6 points (docs/results/2026-12-05-placement-trace.md). Hence:
+/// order, an LRU cache's worst case; with tenants drawn at random an even spread is the best
+/// (3/3/3/3 by hand: 90.0 %), and packing with both share limits below comes close (89.55 %
+/// against 88.2 % spreading; docs/results/2026-12-05-drawn-tenants.md). Hence:
 ///
 /// - while some candidate has room for the prompt (footprint plus prompt within `fill` of its
 ///   cache), the emptiest of those, as without packing;
