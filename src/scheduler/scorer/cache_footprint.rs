@@ -298,6 +298,14 @@ impl CacheFootprint {
     }
 }
 
+/// `slot`'s entry of a vector indexed by slot, grown with defaults to reach it.
+fn slot_entry<T: Default>(by_slot: &mut Vec<T>, slot: ReplicaSlot) -> &mut T {
+    if by_slot.len() <= slot.index() {
+        by_slot.resize_with(slot.index() + 1, T::default);
+    }
+    &mut by_slot[slot.index()]
+}
+
 /// The time constant of the rebuilt blocks added to a footprint.
 pub const REBUILD_WINDOW: Duration = Duration::from_secs(10);
 
@@ -338,10 +346,7 @@ impl RecentRebuilds {
                 let (Some(slot), Some(rebuilt)) = (slot, rebuilt) else {
                     return 0.0;
                 };
-                if by_slot.len() <= slot.index() {
-                    by_slot.resize(slot.index() + 1, RebuildRate::default());
-                }
-                let rate = &mut by_slot[slot.index()];
+                let rate = slot_entry(&mut by_slot, *slot);
                 if let Some(at) = rate.at {
                     let elapsed = now.saturating_duration_since(at).as_secs_f64();
                     rate.decayed = rate.decayed * (-elapsed / REBUILD_WINDOW.as_secs_f64()).exp()
@@ -390,10 +395,7 @@ impl DecayedCount {
 impl RecentPlacements {
     fn record(&self, slot: ReplicaSlot, now: Instant) {
         let mut by_slot = self.by_slot.lock();
-        if by_slot.len() <= slot.index() {
-            by_slot.resize(slot.index() + 1, DecayedCount::default());
-        }
-        let placed = &mut by_slot[slot.index()];
+        let placed = slot_entry(&mut by_slot, slot);
         *placed = DecayedCount {
             count: placed.at(now) + 1.0,
             at: Some(now),
@@ -526,10 +528,7 @@ impl Projections {
             return;
         }
         let mut by_slot = self.by_slot.lock();
-        if by_slot.len() <= slot.index() {
-            by_slot.resize_with(slot.index() + 1, Pending::default);
-        }
-        let pending = &mut by_slot[slot.index()];
+        let pending = slot_entry(&mut by_slot, slot);
         pending.sweep(now);
         if pending.picks.len() >= MAX_PENDING_PER_REPLICA
             && let Some(oldest) = pending.picks.pop_front()
