@@ -20,11 +20,14 @@
 //! has room, a prompt that `kv_cache` found only where it is being churned does not land on
 //! another churning cache.
 //!
-//! Once the caches are full, spreading is wrong: with each engine's cache size
+//! Once the caches are full, spreading is wrong where tenants take turns (it is right where they
+//! come back at random; [`Packing`] has the measurements): with each engine's cache size
 //! (`vllm:cache_config_info`) and the prompt's length (from `kv_cache`), a prompt goes to the
 //! emptiest cache only while some cache has room for it, and otherwise packs onto the caches
 //! that are past their working set anyway ([`Packing`]); there the same rebuilt blocks mark the
-//! cache that loses least by one more prompt.
+//! cache that loses least by one more prompt, and a count of the prompts placed on each cache
+//! ([`RecentPlacements`], this router's own placements; a peer's are not counted) keeps any
+//! one cache from taking more than its share.
 //!
 //! It abstains (`no_events`) when no candidate ever reported events: there is nothing to weigh.
 //!
@@ -32,9 +35,10 @@
 //! `packed` (no cache had room: the fullest within its share), `load_override` (load chose
 //! another).
 //!
-//! Concurrency: the projections and the rebuild rates are each one `parking_lot::Mutex` over a
-//! vector by index slot, held for a few arithmetic operations per candidate; the index's counts
-//! have their own locks, and each replica's cache size is an atomic the scrape task writes.
+//! Concurrency: the projections, the rebuild rates and the placement counts are each one
+//! `parking_lot::Mutex` over a vector by index slot, held for a few arithmetic operations per
+//! candidate; the index's counts have their own locks, and each replica's cache size is an
+//! atomic the scrape task writes.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -192,10 +196,9 @@ struct Packing {
 }
 
 impl Packing {
-    /// Each candidate's score, aligned with `footprints` and `sizes` (blocks), for a prompt of
+    /// Each candidate's score, aligned with `footprints` and `sizes` (blocks) and with `placed`
+    /// (the prompts this scorer placed on each lately, [`RecentPlacements`]), for a prompt of
     /// `prompt_blocks`.
-    /// `placed`, aligned too, is how many prompts this scorer placed on each of them lately
-    /// ([`RecentPlacements`]).
     fn scores(
         &self,
         footprints: &[f64],
