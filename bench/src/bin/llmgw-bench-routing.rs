@@ -1278,7 +1278,8 @@ fn tenant_line(placed: &[(usize, usize)], replicas: usize) -> Option<String> {
     Some(format!("tenants per replica: {}", per_replica.join(", ")))
 }
 
-/// llmgw's own decision counters, summed over its routers: which tier decided, over the run.
+/// llmgw's own decision counters, summed over its routers: which tier decided, over the run,
+/// and how the prompts found nowhere were placed.
 async fn decided_by(http: &reqwest::Client, admins: &[SocketAddr]) -> String {
     let mut metrics = String::new();
     for admin in admins {
@@ -1288,6 +1289,7 @@ async fn decided_by(http: &reqwest::Client, admins: &[SocketAddr]) -> String {
     for (family, tier) in [
         ("llmgw_kv_decisions_total", "KV index"),
         ("llmgw_prefix_decisions_total", "prefix tree"),
+        ("llmgw_cold_placements_total", "placement"),
     ] {
         let counts = llmgw_integration::prom::by_label(&metrics, family, "decision");
         if !counts.is_empty() {
