@@ -322,10 +322,8 @@ struct RecentRebuilds {
 struct RebuildRate {
     /// The cumulative count when last read.
     seen: u64,
-    /// Rebuilt blocks since, decayed with [`REBUILD_WINDOW`] as time constant.
-    decayed: f64,
-    /// When last read; `None` before the first read.
-    at: Option<Instant>,
+    /// Rebuilt blocks since the first read, decayed with [`REBUILD_WINDOW`].
+    decayed: DecayedSum,
 }
 
 impl RecentRebuilds {
@@ -350,14 +348,13 @@ impl RecentRebuilds {
                     return 0.0;
                 };
                 let rate = slot_entry(&mut by_slot, *slot);
-                if let Some(at) = rate.at {
-                    let elapsed = now.saturating_duration_since(at).as_secs_f64();
-                    rate.decayed = rate.decayed * (-elapsed / REBUILD_WINDOW.as_secs_f64()).exp()
-                        + rebuilt.saturating_sub(rate.seen) as f64;
-                }
+                let new = if rate.decayed.started() {
+                    rebuilt.saturating_sub(rate.seen) as f64
+                } else {
+                    0.0
+                };
                 rate.seen = rebuilt;
-                rate.at = Some(now);
-                rate.decayed
+                rate.decayed.add(new, now, REBUILD_WINDOW)
             })
             .collect()
     }
@@ -373,36 +370,12 @@ pub const PLACEMENT_MEMORY: Duration = Duration::from_secs(300);
 /// its block count stops telling once every cache is full.
 #[derive(Debug, Default)]
 struct RecentPlacements {
-    by_slot: Mutex<Vec<DecayedCount>>,
-}
-
-#[derive(Debug, Default, Clone, Copy)]
-struct DecayedCount {
-    count: f64,
-    /// When `count` was last decayed; `None` before the first placement.
-    at: Option<Instant>,
-}
-
-impl DecayedCount {
-    fn at(&self, now: Instant) -> f64 {
-        match self.at {
-            Some(at) => {
-                let elapsed = now.saturating_duration_since(at).as_secs_f64();
-                self.count * (-elapsed / PLACEMENT_MEMORY.as_secs_f64()).exp()
-            }
-            None => 0.0,
-        }
-    }
+    by_slot: Mutex<Vec<DecayedSum>>,
 }
 
 impl RecentPlacements {
     fn record(&self, slot: ReplicaSlot, now: Instant) {
-        let mut by_slot = self.by_slot.lock();
-        let placed = slot_entry(&mut by_slot, slot);
-        *placed = DecayedCount {
-            count: placed.at(now) + 1.0,
-            at: Some(now),
-        };
+        slot_entry(&mut self.by_slot.lock(), slot).add(1.0, now, PLACEMENT_MEMORY);
     }
 
     /// Each slot's placements as of `now` (no slot: none).
@@ -412,9 +385,39 @@ impl RecentPlacements {
             .iter()
             .map(|slot| {
                 slot.and_then(|s| by_slot.get(s.index()))
-                    .map_or(0.0, |placed| placed.at(now))
+                    .map_or(0.0, |placed| placed.at(now, PLACEMENT_MEMORY))
             })
             .collect()
+    }
+}
+
+/// A sum whose terms fade exponentially with a time constant (rebuilt blocks, placements).
+#[derive(Debug, Default, Clone, Copy)]
+struct DecayedSum {
+    value: f64,
+    /// When `value` was last decayed; `None` before the first term.
+    at: Option<Instant>,
+}
+
+impl DecayedSum {
+    /// Whether any term, even 0, was added: its clock runs from then.
+    fn started(&self) -> bool {
+        self.at.is_some()
+    }
+
+    /// The sum as of `now`.
+    fn at(&self, now: Instant, time_constant: Duration) -> f64 {
+        self.at.map_or(0.0, |at| {
+            let elapsed = now.saturating_duration_since(at).as_secs_f64();
+            self.value * (-elapsed / time_constant.as_secs_f64()).exp()
+        })
+    }
+
+    /// Adds `amount` at `now`; returns the sum.
+    fn add(&mut self, amount: f64, now: Instant, time_constant: Duration) -> f64 {
+        self.value = self.at(now, time_constant) + amount;
+        self.at = Some(now);
+        self.value
     }
 }
 
