@@ -128,6 +128,9 @@ pub struct Sample {
     pub replica: String,
     /// The conversation's tenant.
     pub tenant: usize,
+    /// The conversation's id and this request's turn in it (from 0).
+    pub conversation: usize,
+    pub turn: usize,
     pub ttft: Duration,
     pub status: u16,
     pub salted: bool,
@@ -141,6 +144,9 @@ pub struct Sample {
 /// Everything measured so far (shared with a progress printer).
 #[derive(Debug, Default)]
 pub struct Results {
+    /// The wall-clock instant the samples' `sent_at` count from (set by the run functions), so
+    /// that they can be lined up with the logs of the processes under test.
+    pub started_at: Option<std::time::SystemTime>,
     pub samples: Vec<Sample>,
     pub errors: Vec<String>,
     /// What each response other than 200 said: status, replica, when, and its body's start.
@@ -202,6 +208,7 @@ pub async fn run(
         .build()
         .unwrap_or_default();
     let started = Instant::now();
+    results.lock().started_at = Some(std::time::SystemTime::now());
     let config = Arc::new(config);
     let next_conversation = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut workers = tokio::task::JoinSet::new();
@@ -249,6 +256,7 @@ pub async fn run_open_loop(
     let mut arrivals = Arrivals::new(requests_per_s / turns, seed);
     let config = Arc::new(config);
     let started = Instant::now();
+    results.lock().started_at = Some(std::time::SystemTime::now());
     let mut conversations = tokio::task::JoinSet::new();
     for id in 0.. {
         let at = arrivals.next_arrival();
@@ -382,6 +390,8 @@ async fn conversation(
                 let mut results = results.lock();
                 results.samples.push(Sample {
                     tenant,
+                    conversation: id,
+                    turn,
                     salted: salt.is_some(),
                     bypassed: bypass.is_some(),
                     sent_at,
@@ -463,6 +473,8 @@ async fn streamed_chat(
                 ttft: sent.elapsed(),
                 status,
                 tenant: 0,
+                conversation: 0,
+                turn: 0,
                 salted: false,
                 bypassed: false,
                 sent_at: Duration::ZERO,
@@ -500,6 +512,8 @@ async fn streamed_chat(
             ttft: ttft.unwrap_or_else(|| sent.elapsed()),
             status,
             tenant: 0,
+            conversation: 0,
+            turn: 0,
             salted: false,
             bypassed: false,
             sent_at: Duration::ZERO,
@@ -767,6 +781,8 @@ vllm:external_prefix_cache_hits_total{engine=\"0\",model_name=\"tiny\"} 9.0
                 .map(|ms| Sample {
                     replica: "a".into(),
                     tenant: 0,
+                    conversation: 0,
+                    turn: 0,
                     ttft: Duration::from_millis(ms),
                     status: if ms == 10 { 500 } else { 200 },
                     salted: false,

@@ -867,12 +867,19 @@ async fn start_stack(
                     .enumerate()
                     .filter(|&(j, _)| j != i && !args.no_peering)
                     .flat_map(|(_, peer)| ["--peer".to_owned(), format!("http://{peer}")]);
-                let RouterProcess { addrs, guard } = RouterCommand::new()
+                let mut router = RouterCommand::new()
                     .feed(*feed)
                     .args(&flags)
                     .args(peers)
-                    .env("RUST_LOG", log_filter())
-                    .spawn()?;
+                    .env("RUST_LOG", log_filter());
+                if log_filter_given() {
+                    // One file per router, to tell their decisions apart.
+                    let path = args.out_dir.join(format!("router-{policy}-{i}.log"));
+                    let file = std::fs::File::create(&path)
+                        .with_context(|| format!("create {}", path.display()))?;
+                    router = router.stderr(file);
+                }
+                let RouterProcess { addrs, guard } = router.spawn()?;
                 routers.push(addrs);
                 router_guards.push(guard);
             }
@@ -960,6 +967,12 @@ async fn start_stack(
 /// `warn,llmgw::router=debug`, a line per routed request) is what diagnosing a run needs.
 fn log_filter() -> String {
     std::env::var("LLMGW_BENCH_RUST_LOG").unwrap_or_else(|_| "warn".to_owned())
+}
+
+/// Whether `LLMGW_BENCH_RUST_LOG` asks for more than the default: each router then logs to
+/// `router-POLICY-N.log` in the output directory.
+fn log_filter_given() -> bool {
+    std::env::var_os("LLMGW_BENCH_RUST_LOG").is_some()
 }
 
 fn spawn(mut cmd: Command, name: &str) -> anyhow::Result<ChildGuard> {
@@ -1124,6 +1137,9 @@ async fn measure_policy(
     let after = snapshot(stack, http, sims).await?;
 
     let results = std::mem::take(&mut *results.lock());
+    let requests = args.out_dir.join(format!("requests-{policy}.csv"));
+    let addresses: Vec<String> = sims.iter().map(|s| s.addr.to_string()).collect();
+    write(&requests, &requests_csv(&results, &addresses))?;
     let measured: Vec<&workload::Sample> = results
         .samples
         .iter()
@@ -1208,6 +1224,36 @@ async fn measure_policy(
         extra += &decided_by(http, &stack.llmgw_admins).await;
     }
     Ok((report, ttft_ms, Some(extra)))
+}
+
+/// Every request of a run, one line each in the order they ended, for tracing a placement:
+/// when it was sent (Unix seconds, to line it up with the routers' logs, and seconds into the
+/// run), its conversation, turn and tenant, the replica that served it (its index, -1 when
+/// unknown), the status and the TTFT. `replicas` are the replicas' addresses in index order.
+/// `bench/trace_routing.py` lines these up with the routers' `routed` log lines.
+fn requests_csv(results: &Results, replicas: &[String]) -> String {
+    let start = results
+        .started_at
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .unwrap_or_default();
+    let mut csv = "sent_unix_s,sent_s,conversation,turn,tenant,replica,status,ttft_ms\n".to_owned();
+    for s in &results.samples {
+        let replica = replicas
+            .iter()
+            .position(|r| *r == s.replica)
+            .map_or(-1, |i| i as i64);
+        csv += &format!(
+            "{:.3},{:.3},{},{},{},{replica},{},{:.1}\n",
+            (start + s.sent_at).as_secs_f64(),
+            s.sent_at.as_secs_f64(),
+            s.conversation,
+            s.turn,
+            s.tenant,
+            s.status,
+            s.ttft.as_secs_f64() * 1e3,
+        );
+    }
+    csv
 }
 
 /// Where each tenant's measured requests went: per replica, the tenants that sent it most of
@@ -1325,7 +1371,39 @@ fn machine_state() -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::tenant_line;
+    use std::time::{Duration, UNIX_EPOCH};
+
+    use llmgw_integration::workload::{Results, Sample};
+
+    use super::{requests_csv, tenant_line};
+
+    #[test]
+    fn the_requests_file_has_a_line_per_request_with_its_wall_clock_time_and_replica_index() {
+        let sample = |conversation, turn, replica: &str, sent_ms| Sample {
+            replica: replica.to_owned(),
+            tenant: conversation % 3,
+            conversation,
+            turn,
+            ttft: Duration::from_micros(12_345),
+            status: 200,
+            salted: false,
+            bypassed: false,
+            sent_at: Duration::from_millis(sent_ms),
+            done_at: Duration::from_millis(sent_ms + 20),
+        };
+        let results = Results {
+            started_at: Some(UNIX_EPOCH + Duration::from_secs(1_000)),
+            samples: vec![sample(4, 0, "127.0.0.1:2", 1_500), sample(4, 1, "?", 1_750)],
+            ..Results::default()
+        };
+        let replicas = ["127.0.0.1:1".to_owned(), "127.0.0.1:2".to_owned()];
+        assert_eq!(
+            requests_csv(&results, &replicas),
+            "sent_unix_s,sent_s,conversation,turn,tenant,replica,status,ttft_ms\n\
+             1001.500,1.500,4,0,1,1,200,12.3\n\
+             1001.750,1.750,4,1,1,-1,200,12.3\n"
+        );
+    }
 
     #[test]
     fn the_tenant_line_names_each_home_and_the_replicas_a_tenant_split_onto() {
