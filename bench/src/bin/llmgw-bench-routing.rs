@@ -388,7 +388,12 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
                 continue;
             }
         };
-        let (report, samples, extra) = measure_policy(
+        let Measured {
+            report,
+            ttft_ms: samples,
+            extra,
+            requests,
+        } = measure_policy(
             policy,
             &stack,
             &args,
@@ -399,6 +404,10 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
         )
         .await
         .with_context(|| format!("measuring {policy}"))?;
+        write(
+            &args.out_dir.join(format!("requests-{policy}.csv")),
+            &requests,
+        )?;
         println!("{}", markdown_table(std::slice::from_ref(&report)));
         if let Some(extra) = extra {
             println!("{extra}");
@@ -682,10 +691,10 @@ async fn measure_ceiling(
         _guards: Vec::new(),
     };
     let sims = std::slice::from_mut(&mut sim);
-    let (report, _, _) = measure_policy(Policy::RoundRobin, &stack, args, rate, sims, None, http)
+    let measured = measure_policy(Policy::RoundRobin, &stack, args, rate, sims, None, http)
         .await
         .context("measuring the hit-rate ceiling")?;
-    Ok(report)
+    Ok(measured.report)
 }
 
 /// The ceiling's sim: room for every block, no latency model.
@@ -1083,6 +1092,16 @@ async fn snapshot(
 /// Runs the open-loop workload through `stack` and measures it, crashing and restarting
 /// `sims[0]` at `restart` (when, for how long). Returns the report, the measured TTFTs (ms)
 /// and a note: the prompt tokens per replica and, for llmgw, which tier decided.
+/// One policy's run: its report row, the TTFT of each measured request (ms), the lines under
+/// its row (the split over the replicas, the tenants' homes, the decisions), and every request
+/// as `requests-POLICY.csv` ([`requests_csv`]).
+struct Measured {
+    report: PolicyReport,
+    ttft_ms: Vec<f64>,
+    extra: Option<String>,
+    requests: String,
+}
+
 async fn measure_policy(
     policy: Policy,
     stack: &Stack,
@@ -1091,7 +1110,7 @@ async fn measure_policy(
     sims: &mut [SimHandle],
     restart: Option<(Duration, Duration)>,
     http: &reqwest::Client,
-) -> anyhow::Result<(PolicyReport, Vec<f64>, Option<String>)> {
+) -> anyhow::Result<Measured> {
     let duration = Duration::from_secs(args.seconds);
     let warmup = Duration::from_secs(args.warmup_seconds);
     let results = Arc::new(Mutex::new(Results::default()));
@@ -1137,9 +1156,8 @@ async fn measure_policy(
     let after = snapshot(stack, http, sims).await?;
 
     let results = std::mem::take(&mut *results.lock());
-    let requests = args.out_dir.join(format!("requests-{policy}.csv"));
     let addresses: Vec<String> = sims.iter().map(|s| s.addr.to_string()).collect();
-    write(&requests, &requests_csv(&results, &addresses))?;
+    let requests = requests_csv(&results, &addresses);
     let measured: Vec<&workload::Sample> = results
         .samples
         .iter()
@@ -1223,7 +1241,12 @@ async fn measure_policy(
         extra += "; ";
         extra += &decided_by(http, &stack.llmgw_admins).await;
     }
-    Ok((report, ttft_ms, Some(extra)))
+    Ok(Measured {
+        report,
+        ttft_ms,
+        extra: Some(extra),
+        requests,
+    })
 }
 
 /// Every request of a run, one line each in the order they ended, for tracing a placement:
