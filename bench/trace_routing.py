@@ -24,6 +24,7 @@ import csv
 import datetime
 import pathlib
 import re
+import signal
 import sys
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -127,4 +128,6 @@ def main():
 
 
 if __name__ == "__main__":
+    # Piped into `head` or `less`: end quietly when the reader stops.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     main()
