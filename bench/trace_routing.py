@@ -14,7 +14,10 @@ that picked its replica within a second after it was sent (the replicas' address
 from the matches). Per tenant it prints its home (the replica that served most of its requests),
 then every first turn, every request served away from home and every decision not made by the
 KV index outright: the time into the run, conversation, turn, replica, the router that decided,
-its tier, reason and outcome, and the blocks matched of the prompt's.
+its tier, reason and outcome, and the blocks matched of the prompt's. A placement of a prompt no
+replica held adds `cache_footprint`'s view: its decision, then per candidate (in the routers'
+replica order) `footprint:placements:score`, the footprint in blocks, the prompts placed there
+lately and the score it gave.
 """
 
 import argparse
@@ -118,6 +121,9 @@ def main():
                     f"/{fields.get('tier_reason', '')}/{fields.get('prefix_outcome', '')}"
                     f" {fields.get('matched_blocks', '-')}/{fields.get('prompt_blocks', '-')}"
                 )
+                if "placement" in fields:
+                    how += f"  {fields['placement']}"
+
             print(
                 f"  {'*' if away else ' '}{float(request['sent_s']):7.2f} s"
                 f"  c{request['conversation']:>4} turn {request['turn']}"

@@ -285,6 +285,7 @@ impl Picker for Router {
             tier = Empty,
             tier_reason = Empty,
             prefix_outcome = Empty,
+            placement = Empty,
             pick = Empty,
             fallbacks = Empty,
             rejected_status = Empty,

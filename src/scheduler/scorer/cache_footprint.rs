@@ -444,19 +444,24 @@ impl Scorer for CacheFootprint {
             context.prompt_blocks,
             context.replicas_down,
         );
-        Scoring::Ready(Answer::Scored(Scores::with_memo(placed.scores, placed.mode)))
+        let memo = Memo {
+            mode: placed.mode,
+            footprints,
+            placements,
+        };
+        Scoring::Ready(Answer::Scored(Scores::with_memo(placed.scores, memo)))
     }
 
     fn after_pick(&self, _: &ScoringContext<'_>, pick: Pick<'_>, role: Role<'_>) {
         if let Role::Counted(scores) = role
-            && let Some(mode) = scores.memo::<Mode>()
+            && let Some(memo) = scores.memo::<Memo>()
         {
             let scores = &scores.per_candidate;
             let best = scores.iter().copied().fold(0.0, f64::max);
             if let Some(slot) = self.index.slot(pick.chosen().replica.endpoint()) {
                 self.placements.record(slot, Instant::now());
             }
-            let decision = match (scores.get(pick.chosen).is_some_and(|&s| s >= best), mode) {
+            let decision = match (scores.get(pick.chosen).is_some_and(|&s| s >= best), memo.mode) {
                 (false, _) => "load_override",
                 (true, Mode::Emptiest) => "emptiest",
                 (true, Mode::Packed) => "packed",
@@ -465,8 +470,50 @@ impl Scorer for CacheFootprint {
                 .decisions
                 .get_or_create(&DecisionLabels { decision })
                 .inc();
-            tracing::Span::current().record("tier", "placement");
+            let route = tracing::Span::current();
+            route.record("tier", "placement");
+            route.record(
+                "placement",
+                tracing::field::display(PlacementTrace {
+                    decision,
+                    memo,
+                    scores,
+                }),
+            );
         }
+    }
+}
+
+/// What a decision saw, for after its pick: how it placed, and per candidate the footprint
+/// and the count of recent placements it weighed.
+struct Memo {
+    mode: Mode,
+    footprints: Vec<f64>,
+    placements: Vec<f64>,
+}
+
+/// A placement as the route span's `placement` field: the decision, then per candidate (in
+/// the candidates' order) its footprint in blocks, recent placements and score. Formatted only
+/// when the span is recorded (`llmgw::router=debug`).
+struct PlacementTrace<'a> {
+    decision: &'static str,
+    memo: &'a Memo,
+    scores: &'a [f64],
+}
+
+impl std::fmt::Display for PlacementTrace<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.decision)?;
+        let rows = self
+            .memo
+            .footprints
+            .iter()
+            .zip(&self.memo.placements)
+            .zip(self.scores);
+        for ((footprint, placed), score) in rows {
+            write!(f, "|{footprint:.0}:{placed:.1}:{score:.2}")?;
+        }
+        Ok(())
     }
 }
 
@@ -741,6 +788,21 @@ mod tests {
         let placed = PACKING.scores(&[90.0, 90.0, 135.0], &[0.0; 3], &SIZES[..3], Some(45), 1);
         assert_eq!(placed.mode, Mode::Emptiest);
         assert_eq!(placed.scores, [1.0 - 90.0 / 135.0, 1.0 - 90.0 / 135.0, 0.0]);
+    }
+
+    #[test]
+    fn a_placement_is_traced_with_each_candidate_s_footprint_count_and_score() {
+        let memo = Memo {
+            mode: Mode::Packed,
+            footprints: vec![160.0, 201.4],
+            placements: vec![2.0, 2.96],
+        };
+        let trace = PlacementTrace {
+            decision: "packed",
+            memo: &memo,
+            scores: &[0.0, 1.0],
+        };
+        assert_eq!(trace.to_string(), "packed|160:2.0:0.00|201:3.0:1.00");
     }
 
     #[tokio::test(start_paused = true)]
