@@ -262,7 +262,9 @@ impl PeerClient {
 
     fn apply_pick(&self, pick: pb::Pick) -> Result<bool, Refusal> {
         let (blocks, chunks) = (pick.block_hashes.len(), pick.tree_chain.len());
-        if blocks + chunks == 0 || blocks > limits::MAX_PICK_BLOCKS {
+        // A placement alone (`placed`, from `cache_footprint`) carries no blocks; any other
+        // pick says what was sent.
+        if (blocks + chunks == 0 && !pick.placed) || blocks > limits::MAX_PICK_BLOCKS {
             return Err(Refusal::PickBlocks(blocks));
         }
         if chunks > limits::MAX_PICK_BLOCKS {
@@ -299,6 +301,7 @@ impl PeerClient {
             hashes: pick.block_hashes.into_iter().map(ExternalHash).collect(),
             new_blocks: pick.new_blocks,
             tree_chain: pick.tree_chain.into(),
+            placed: pick.placed,
         });
         Ok(true)
     }

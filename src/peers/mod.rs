@@ -71,7 +71,9 @@ pub mod limits {
 
 /// A pick as routers share it: `replica` was chosen for a prompt of `hashes` (as its engine
 /// will store them; empty when the router did not hash it), `new_blocks` of which it did not
-/// hold, and whose text the prefix tree keys by `tree_chain` (empty when no tree recorded it).
+/// hold, and whose text the prefix tree keys by `tree_chain` (empty when no tree recorded it);
+/// `placed` when the prompt was found nowhere and a placement scorer chose the replica. Each
+/// scorer publishes the part it knows, so one decision may send more than one.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerPick {
     pub model: String,
@@ -80,6 +82,7 @@ pub struct PeerPick {
     pub hashes: Arc<[ExternalHash]>,
     pub new_blocks: u32,
     pub tree_chain: Arc<[u64]>,
+    pub placed: bool,
 }
 
 /// What learns from peers' picks: the scheduler, whose scorers credit them.

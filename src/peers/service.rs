@@ -144,6 +144,7 @@ fn pick_update(pick: &PeerPick) -> pb::PeerUpdate {
             block_hashes: pick.hashes.iter().map(|h| h.0).collect(),
             new_blocks: pick.new_blocks,
             tree_chain: pick.tree_chain.to_vec(),
+            placed: pick.placed,
         })),
     }
 }

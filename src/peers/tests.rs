@@ -212,6 +212,7 @@ fn pick(replica: &str, hashes: &[u64], new_blocks: u32) -> PeerPick {
         hashes: hashes.iter().copied().map(ExternalHash).collect(),
         new_blocks,
         tree_chain: Arc::from([7, 8]),
+        placed: false,
     }
 }
 
@@ -224,8 +225,12 @@ async fn a_routers_picks_and_loads_reach_its_peer_and_leave_with_it() {
     })
     .await;
 
-    // A pick published now reaches the subscriber's sink as it was made.
-    let sent = pick("127.0.0.1:8002", &[11, 12, 13], 2);
+    // A pick published now reaches the subscriber's sink as it was made (a placement, so
+    // that the flag is seen to travel too).
+    let sent = PeerPick {
+        placed: true,
+        ..pick("127.0.0.1:8002", &[11, 12, 13], 2)
+    };
     server.outbox.publish(|| sent.clone());
     eventually("the pick heard", || !subscriber.heard.0.lock().is_empty()).await;
     assert_eq!(*subscriber.heard.0.lock(), vec![sent]);
@@ -375,6 +380,7 @@ fn wire_pick(replica: &str, model: &str, blocks: usize, new_blocks: u32) -> pb::
         block_hashes: (0..blocks as u64).collect(),
         new_blocks,
         tree_chain: Vec::new(),
+        placed: false,
     }))
 }
 
@@ -462,9 +468,22 @@ async fn updates_out_of_bounds_are_refused_and_change_nothing() {
         block_hashes: Vec::new(),
         new_blocks: 0,
         tree_chain: vec![5, 6],
+        placed: false,
     }));
     assert_eq!(client.apply(tree_only).1, Ok(true));
     assert_eq!(heard.0.lock()[1].tree_chain[..], [5, 6]);
+    heard.0.lock().pop();
+    // A placement alone carries no blocks, and applies.
+    let placement = update(pb::peer_update::Body::Pick(pb::Pick {
+        model: MODEL.to_owned(),
+        replica: "127.0.0.1:8001".to_owned(),
+        block_hashes: Vec::new(),
+        new_blocks: 0,
+        tree_chain: Vec::new(),
+        placed: true,
+    }));
+    assert_eq!(client.apply(placement).1, Ok(true));
+    assert!(heard.0.lock()[1].placed);
     heard.0.lock().pop();
     // A LoRA adapter's pick applies once the replica lists the adapter.
     let sql = || wire_pick("127.0.0.1:8001", "sql", 3, 1);

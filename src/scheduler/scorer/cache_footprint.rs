@@ -26,8 +26,8 @@
 //! emptiest cache only while some cache has room for it, and otherwise packs onto the caches
 //! that are past their working set anyway ([`Packing`]); there the same rebuilt blocks mark the
 //! cache that loses least by one more prompt, and a count of the prompts placed on each cache
-//! ([`RecentPlacements`], this router's own placements; a peer's are not counted) keeps any
-//! one cache from taking more than its share.
+//! ([`RecentPlacements`]: this router's placements and, through peering, its peers') keeps
+//! any one cache from taking more than its share.
 //!
 //! It abstains (`no_events`) when no candidate ever reported events: there is nothing to weigh.
 //!
@@ -53,6 +53,7 @@ use tokio::time::Instant;
 
 use super::{DecisionLabels, relative_lower_is_better};
 use crate::kvindex::{KvIndex, ReplicaSlot};
+use crate::peers::{PeerPick, PickOutbox};
 use crate::scheduler::Candidate;
 use crate::scheduler::plugin::{
     Answer, Category, Pick, Role, Scorer, Scores, Scoring, ScoringContext,
@@ -114,6 +115,7 @@ fn build(
         placements: RecentPlacements::default(),
         metrics: context.shared(PlacementMetrics::register),
         packing: Packing { fill, max_share },
+        picks: Arc::clone(&context.resources.picks),
     }))
 }
 
@@ -272,6 +274,8 @@ struct CacheFootprint {
     placements: RecentPlacements,
     metrics: Arc<PlacementMetrics>,
     packing: Packing,
+    /// Where this router's placements go to its peer routers.
+    picks: Arc<PickOutbox>,
 }
 
 impl CacheFootprint {
@@ -365,9 +369,9 @@ impl RecentRebuilds {
 /// enough that a tenant gone for good stops counting.
 pub const PLACEMENT_MEMORY: Duration = Duration::from_secs(300);
 
-/// How many prompts this scorer placed on each replica lately, each decayed with
-/// [`PLACEMENT_MEMORY`] as time constant: the number of tenants whose home a cache is, which
-/// its block count stops telling once every cache is full.
+/// How many prompts this scorer, or a peer router's, placed on each replica lately, each
+/// decayed with [`PLACEMENT_MEMORY`] as time constant: the number of tenants whose home a cache
+/// is, which its block count stops telling once every cache is full.
 #[derive(Debug, Default)]
 struct RecentPlacements {
     by_slot: Mutex<Vec<DecayedSum>>,
@@ -452,15 +456,24 @@ impl Scorer for CacheFootprint {
         Scoring::Ready(Answer::Scored(Scores::with_memo(placed.scores, memo)))
     }
 
-    fn after_pick(&self, _: &ScoringContext<'_>, pick: Pick<'_>, role: Role<'_>) {
+    fn after_pick(&self, context: &ScoringContext<'_>, pick: Pick<'_>, role: Role<'_>) {
         if let Role::Counted(scores) = role
             && let Some(memo) = scores.memo::<Memo>()
         {
             let scores = &scores.per_candidate;
             let best = scores.iter().copied().fold(0.0, f64::max);
-            if let Some(slot) = self.index.slot(pick.chosen().replica.endpoint()) {
+            let replica = pick.chosen().replica.endpoint();
+            if let Some(slot) = self.index.slot(replica) {
                 self.placements.record(slot, Instant::now());
             }
+            self.picks.publish(|| PeerPick {
+                model: context.request.model.clone(),
+                replica: replica.to_owned(),
+                hashes: Arc::from([]),
+                new_blocks: 0,
+                tree_chain: Arc::from([]),
+                placed: true,
+            });
             let decision = match (scores.get(pick.chosen).is_some_and(|&s| s >= best), memo.mode) {
                 (false, _) => "load_override",
                 (true, Mode::Emptiest) => "emptiest",
@@ -480,6 +493,16 @@ impl Scorer for CacheFootprint {
                     scores,
                 }),
             );
+        }
+    }
+
+    fn peer_picked(&self, pick: &PeerPick) {
+        // A peer's placement counts toward the replica's share as this router's own do, so
+        // routers behind one proxy keep one count between them.
+        if pick.placed
+            && let Ok(slot) = self.index.slot_or_insert(&pick.replica)
+        {
+            self.placements.record(slot, Instant::now());
         }
     }
 }

@@ -647,6 +647,7 @@ impl KvCacheScorer {
             hashes: Arc::clone(hashes),
             new_blocks: u32::try_from(new_blocks).unwrap_or(u32::MAX),
             tree_chain: Arc::from([]),
+            placed: false,
         });
     }
 

@@ -145,6 +145,7 @@ impl Scorer for PrefixTreeScorer {
                 hashes: Arc::from([]),
                 new_blocks: 0,
                 tree_chain: chain.into(),
+                placed: false,
             });
         }
         if let Role::Counted(scores) = role {

@@ -1098,9 +1098,9 @@ async fn a_peer_routers_picks_count_as_this_routers_own() {
     // Router A places a new prompt; router B hears of it before any engine event.
     let first = completion("m", &"aaaa".repeat(4), None);
     let home = a.pick(&first).await;
-    // Two messages: the KV index's blocks (from `kv_cache`) and the text (from its fallback,
-    // `prefix_tree`, which records every pick).
-    assert_eq!(relay(&mut from_a, &b), 2);
+    // Three messages: the KV index's blocks (from `kv_cache`), the text (from its fallback,
+    // `prefix_tree`, which records every pick) and the placement (from `cache_footprint`).
+    assert_eq!(relay(&mut from_a, &b), 3);
     // B sends the same prompt after it (a speculative hit, as if B had picked it) ...
     assert_eq!(b.pick(&first).await, home);
     assert_eq!(b.kv("hit"), 1.0);
@@ -1113,6 +1113,34 @@ async fn a_peer_routers_picks_count_as_this_routers_own() {
     homes.sort();
     homes.dedup();
     assert_eq!(homes.len(), 3, "one prompt per cache: {homes:?}");
+}
+
+#[tokio::test]
+async fn a_peer_routers_placements_count_toward_each_caches_share() {
+    // No speculative entries (nor projections), so that only the count of placements differs.
+    let a = fixture(
+        &PLACEMENT.replace("speculative_ttl: 2s", "speculative_ttl: 0s"),
+        2000,
+    )
+    .await;
+    let (b, c) = (a.peer(), a.peer());
+    for (i, replica) in a.pool.snapshot().replicas().iter().enumerate() {
+        replica.set_cache_blocks(12);
+        fill(&a, i, if i == 0 { 10 } else { 8 });
+    }
+    let mut from_a = a.picks.subscribe();
+    // No cache has room for a 4-block prompt: router A packs the first onto the fullest.
+    assert_eq!(
+        a.pick(&completion("m", &"aaaa".repeat(4), None)).await,
+        a.endpoint(0)
+    );
+    assert_eq!(relay(&mut from_a, &b), 3);
+    // B counts A's placement as its own: a second there would pass 1.5 even shares of two
+    // (2 > 1), so B's new prompt goes to another cache, as one router's would.
+    let next = completion("m", &"bbbb".repeat(4), None);
+    assert_ne!(b.pick(&next).await, a.endpoint(0));
+    // C, not peered, counts nothing and packs it onto the fullest too.
+    assert_eq!(c.pick(&next).await, a.endpoint(0));
 }
 
 #[tokio::test]
