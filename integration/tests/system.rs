@@ -304,19 +304,20 @@ async fn a_peered_router_credits_the_other_routers_pick() {
     let applied = &[("kind", "pick"), ("outcome", "applied")];
     let heard_before = metric(second, "llmgw_peer_updates_total", applied).await;
     let placed = pick(first, "/v1/completions", &body).await;
-    // Two updates: the pick's blocks (from `kv_cache`) and its text's chain (from the
-    // `prefix_tree` fallback, which records every pick).
+    // Three updates: the pick's blocks (from `kv_cache`), its text's chain (from the
+    // `prefix_tree` fallback, which records every pick), and the placement (from
+    // `cache_footprint`: the prompt was found nowhere).
     let mut heard = heard_before;
     for _ in 0..500 {
         heard = metric(second, "llmgw_peer_updates_total", applied).await;
-        if heard >= heard_before + 2.0 {
+        if heard >= heard_before + 3.0 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(
         heard - heard_before,
-        2.0,
+        3.0,
         "the second router heard the first's pick"
     );
     let hits_before = metric(second, "llmgw_kv_decisions_total", &[("decision", "hit")]).await;
