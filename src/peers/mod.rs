@@ -4,16 +4,18 @@
 //! The KV index is the same in every router (every agent feeds every router), but some state
 //! lives only in the router that made a pick until the engines' events arrive: the speculative
 //! entries that send a burst of one prompt after its first request, the projections that tell
-//! the placement scorer how full each cache is about to be, and the requests in flight. Without
+//! the placement scorer how full each cache is about to be, the count of new prompts it placed
+//! on each cache lately, and the requests in flight. Without
 //! peering, each router sees only its own half of these and places the overflow of new prompts
 //! as if the other did not exist.
 //!
 //! * **Outgoing** ([`PickOutbox`]): `kv_cache` publishes each pick (model, replica, the
-//!   prompt's block hashes, the blocks it adds), and `prefix_tree` each pick's text chain; the
+//!   prompt's block hashes, the blocks it adds), `prefix_tree` each pick's text chain, and
+//!   `cache_footprint` each placement of a prompt found nowhere (`placed`, no blocks); the
 //!   [`service`] streams them, and each replica's in-flight count, to every subscribed peer.
 //! * **Incoming** ([`client`]): one task per peer subscribes, hands its picks to the scheduler
 //!   ([`PickSink`]: `kv_cache` credits the replica as it does its own picks, `prefix_tree`
-//!   records where the text went) and keeps its
+//!   records where the text went, `cache_footprint` counts the placement) and keeps its
 //!   loads, whose sum over peers the pool adds to its own in-flight counts
 //!   ([`crate::pool::Replica::peer_in_flight`]) while the peer's stream lasts. Peers are given
 //!   by URL (`--peer`) or by a name that resolves to every router (`--peer-service`, followed
