@@ -1089,9 +1089,6 @@ async fn snapshot(
     })
 }
 
-/// Runs the open-loop workload through `stack` and measures it, crashing and restarting
-/// `sims[0]` at `restart` (when, for how long). Returns the report, the measured TTFTs (ms)
-/// and a note: the prompt tokens per replica and, for llmgw, which tier decided.
 /// One policy's run: its report row, the TTFT of each measured request (ms), the lines under
 /// its row (the split over the replicas, the tenants' homes, the decisions), and every request
 /// as `requests-POLICY.csv` ([`requests_csv`]).
@@ -1102,6 +1099,8 @@ struct Measured {
     requests: String,
 }
 
+/// Runs the open-loop workload through `stack` and measures it, crashing and restarting
+/// `sims[0]` at `restart` (when, for how long).
 async fn measure_policy(
     policy: Policy,
     stack: &Stack,

@@ -500,7 +500,7 @@ impl Scorer for CacheFootprint {
         // A peer's placement counts toward the replica's share as this router's own do, so
         // routers behind one proxy keep one count between them.
         if pick.placed
-            && let Ok(slot) = self.index.slot_or_insert(&pick.replica)
+            && let Some(slot) = self.index.slot(&pick.replica)
         {
             self.placements.record(slot, Instant::now());
         }
