@@ -82,7 +82,7 @@ impl WorkloadConfig {
     /// id with `tenants_drawn`).
     pub fn tenant_of(&self, id: usize) -> usize {
         let tenants = self.tenants.max(1);
-        if id_hash(id, 0) % 100 < u64::from(self.hot_tenant_percent) {
+        if id_hash(id) % 100 < u64::from(self.hot_tenant_percent) {
             0
         } else if self.tenants_drawn {
             (splitmix(id as u64) % tenants as u64) as usize
@@ -93,8 +93,12 @@ impl WorkloadConfig {
 
     /// Whether conversation `id` bypasses the router: one in `bypass_every`, by a hash of the
     /// id (not the id itself, which would pick whole tenants, as tenants are taken in turn).
+    /// The hash must mix its low bits: the multiplicative [`id_hash`]'s parity repeats with
+    /// period four over long runs of ids, so with 8 tenants in turn half of them bypassed for
+    /// 20 s at a time and the other half never did.
     pub fn bypasses(&self, id: usize) -> bool {
-        self.bypass_every > 0 && id_hash(id, 1).is_multiple_of(self.bypass_every as u64)
+        self.bypass_every > 0
+            && splitmix(id as u64 ^ BYPASS_STREAM).is_multiple_of(self.bypass_every as u64)
     }
 
     /// The model a tenant's requests name: an adapter's when the workload has adapters.
@@ -116,10 +120,13 @@ fn splitmix(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// A hash of a conversation id, one per `purpose`, the same in every run.
-fn id_hash(id: usize, purpose: u64) -> u64 {
-    (id as u64 ^ purpose.wrapping_mul(0xD6E8_FEB8_6659_FD93)).wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        >> 32
+/// Keeps the bypass draw apart from the tenant draw, which hashes the bare id.
+const BYPASS_STREAM: u64 = 0xD6E8_FEB8_6659_FD93;
+
+/// A multiplicative hash of a conversation id, the same in every run: consecutive ids step
+/// through `% 100` evenly (the hot tenant's share), but its parity repeats over long runs.
+fn id_hash(id: usize) -> u64 {
+    (id as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32
 }
 
 /// One request's outcome.
@@ -771,6 +778,24 @@ vllm:external_prefix_cache_hits_total{engine=\"0\",model_name=\"tiny\"} 9.0
                 (300..700).contains(&of_tenant),
                 "tenant {tenant}: {of_tenant} of 1000"
             );
+        }
+        // Within a run's worth of conversations (a 30 s bench run starts about 130), every
+        // tenant sends some straight to its replica and some through the router.
+        for window in (0..8_000).collect::<Vec<usize>>().chunks(160) {
+            for tenant in 0..8 {
+                let of_tenant: Vec<bool> = window
+                    .iter()
+                    .filter(|&&id| config.tenant_of(id) == tenant)
+                    .map(|&id| config.bypasses(id))
+                    .collect();
+                let bypassed = of_tenant.iter().filter(|&&b| b).count();
+                assert!(
+                    (1..of_tenant.len()).contains(&bypassed),
+                    "tenant {tenant}, ids from {}: {bypassed} of {} bypass",
+                    window[0],
+                    of_tenant.len()
+                );
+            }
         }
     }
 
