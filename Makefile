@@ -58,6 +58,7 @@ images-if-docker:
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --workspace
 
 fmt:
 	$(CARGO) fmt --all

@@ -258,7 +258,7 @@ pub struct AgentArgs {
     /// This node's name, as the routers know it.
     #[arg(long, env = "LLMGW_AGENT_NODE")]
     pub node: Option<String>,
-    /// REPLICA=ENDPOINT[,replay=ENDPOINT][,bind][,topic=T][,dp=N]; repeatable (or `;`-separated
+    /// `REPLICA=ENDPOINT[,replay=ENDPOINT][,bind][,topic=T][,dp=N]`; repeatable (or `;`-separated
     /// in the environment).
     #[arg(long = "engine", env = "LLMGW_AGENT_ENGINE", value_delimiter = ';')]
     pub engines: Vec<EngineSpec>,

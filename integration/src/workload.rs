@@ -93,7 +93,7 @@ impl WorkloadConfig {
 
     /// Whether conversation `id` bypasses the router: one in `bypass_every`, by a hash of the
     /// id (not the id itself, which would pick whole tenants, as tenants are taken in turn).
-    /// The hash must mix its low bits: the multiplicative [`id_hash`]'s parity repeats with
+    /// The hash must mix its low bits: the multiplicative `id_hash`'s parity repeats with
     /// period four over long runs of ids, so with 8 tenants in turn half of them bypassed for
     /// 20 s at a time and the other half never did.
     pub fn bypasses(&self, id: usize) -> bool {

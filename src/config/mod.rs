@@ -125,7 +125,7 @@ pub struct ServeArgs {
     /// YAML configuration file (reloaded when it changes).
     #[arg(long, env = "LLMGW_CONFIG")]
     pub config: Option<PathBuf>,
-    /// A replica, repeatable: MODEL=IP:PORT[@NODE]. The same address under several models (a
+    /// A replica, repeatable: `MODEL=IP:PORT[@NODE]`. The same address under several models (a
     /// base model and its LoRA adapters) is one replica.
     #[arg(long = "replica", env = "LLMGW_REPLICAS", value_delimiter = ',')]
     pub replicas: Vec<String>,
@@ -190,8 +190,8 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub flow_control: FlowControlOptions,
     /// A model's engine settings for precise prefix routing, repeatable:
-    /// MODEL=block_size=N[,algo=sha256_cbor|xxhash_cbor][,seed=PYTHONHASHSEED]
-    /// [,salt=tagged|untagged][,tokenizer=PATH/tokenizer.json]. Models without one are routed by
+    /// `MODEL=block_size=N[,algo=sha256_cbor|xxhash_cbor][,seed=PYTHONHASHSEED]
+    /// [,salt=tagged|untagged][,tokenizer=PATH/tokenizer.json]`. Models without one are routed by
     /// the approximate prefix tree.
     #[arg(long = "model", env = "LLMGW_MODEL")]
     pub models: Vec<String>,

@@ -1,7 +1,7 @@
 //! Flow control: admission between parsing a request and scheduling it. A request whose model
 //! has capacity (some ready replica below the `saturation` filter's limits,
 //! [`crate::scheduler::Capacity`]) and no queue goes straight on; otherwise it waits in its
-//! model's bounded queue ([`queue`]) until capacity returns, and is answered 429 at its
+//! model's bounded queue (its `queue` module) until capacity returns, and is answered 429 at its
 //! deadline (503 when no replica is ready then), never left hanging.
 //!
 //! * **Priority** comes from the request's inference objective ([`objectives`]): higher bands

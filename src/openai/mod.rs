@@ -1,7 +1,7 @@
 //! Understanding an OpenAI-style request body: only what routing (and, later, tokenization)
 //! needs.
 //!
-//! The body is walked once by a validating skimmer ([`skim`]) that checks it is JSON and finds
+//! The body is walked once by a validating skimmer (`skim`) that checks it is JSON and finds
 //! the top-level members without building values: a megabyte prompt is crossed sixteen bytes per
 //! step instead of being parsed. The few small fields routing reads (`model`, `cache_salt`,
 //! `stream`, ...) are then read with `serde_json`. Large values the router does not inspect
@@ -11,8 +11,8 @@
 //! its characters. Token-id prompts are read into integers in the same single pass.
 //!
 //! Two endpoints are not OpenAI chats but are routed as the chat vLLM renders for them:
-//! Anthropic's `/v1/messages` ([`anthropic`]) and OpenAI's Responses API, `/v1/responses`
-//! ([`responses`]). Each is converted into the conversation vLLM's own code builds (checked
+//! Anthropic's `/v1/messages` (`anthropic`) and OpenAI's Responses API, `/v1/responses`
+//! (`responses`). Each is converted into the conversation vLLM's own code builds (checked
 //! against vectors made with that code), and marked `unreproducible` where vLLM renders from
 //! state the router does not have.
 //!

@@ -72,7 +72,7 @@ const MAX_ENGINE_BLOCKS: u64 = 1 << 32;
 /// The engine's KV cache size in blocks: the `num_gpu_blocks` label of `vllm:cache_config_info`,
 /// summed over engines (data-parallel engines each export theirs, with an `engine` label). `None`
 /// when the page has no such sample, or one whose label is not a whole number from 1 to
-/// [`MAX_ENGINE_BLOCKS`] (vLLM writes `None` before the cache is allocated).
+/// `MAX_ENGINE_BLOCKS` (vLLM writes `None` before the cache is allocated).
 pub fn parse_cache_blocks(text: &str) -> Option<u64> {
     let mut total: Option<u64> = None;
     for line in text.lines().filter(|l| l.starts_with(CACHE_CONFIG_INFO)) {

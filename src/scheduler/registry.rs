@@ -3,7 +3,7 @@
 //! Each filter lives in a file of [`super::filter`] and each scorer in a file of
 //! [`super::scorer`]; a file exports a `PLUGIN` descriptor (its type name and a build
 //! function), and the `plugins!` line in its folder's `mod.rs` registers it. Building a profile
-//! ([`build_profile`]) turns each [`PluginSpec`] into a plugin, checking the type, the
+//! (`build_profile`) turns each [`PluginSpec`] into a plugin, checking the type, the
 //! parameters (each plugin deserializes its own settings struct with unknown keys refused) and
 //! the weights, and naming the key at fault in every error.
 //!

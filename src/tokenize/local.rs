@@ -530,7 +530,7 @@ impl LocalTokenizer {
         self.splitter.is_some()
     }
 
-    /// Whether plain text is cut into cached segments (see [`Segmenter`]).
+    /// Whether plain text is cut into cached segments (see `Segmenter`).
     pub fn cuts_in_segments(&self) -> bool {
         self.segmenter.is_some()
     }
