@@ -779,7 +779,7 @@ vllm:external_prefix_cache_hits_total{engine=\"0\",model_name=\"tiny\"} 9.0
                 "tenant {tenant}: {of_tenant} of 1000"
             );
         }
-        // Within a run's worth of conversations (a 30 s bench run starts about 130), every
+        // Within a run's worth of conversations (a 30 s run at 20 req/s starts about 120), every
         // tenant sends some straight to its replica and some through the router.
         for window in (0..8_000).collect::<Vec<usize>>().chunks(160) {
             for tenant in 0..8 {
