@@ -8,10 +8,11 @@ Run the bench with the routers' `routed` lines on, then point this at its output
     python3 bench/trace_routing.py target/trace
 
 The bench writes `requests-POLICY.csv` (every request: when it was sent, its conversation, turn,
-tenant and the replica that served it) and, with `LLMGW_BENCH_RUST_LOG` set, each router's log to
+tenant, the replica that served it and whether it bypassed the routers) and, with `LLMGW_BENCH_RUST_LOG` set, each router's log to
 `router-POLICY-N.log`. A request is matched to the first unused `routed` line, of any router,
 that picked its replica from 50 ms before it was sent (clock skew) to a second after (the
-replicas' addresses are learned from the matches). Per tenant it prints its home (the replica
+replicas' addresses are learned from the matches); a request that bypassed the routers
+(`--bypass-every`) is matched to none and shown as `bypassed`. Per tenant it prints its home (the replica
 that served most of its requests), then every first turn, every request served away from home and
 every decision not made by the KV index outright: the time into the run, conversation, turn,
 replica, the router that decided, its tier, reason and outcome, and the blocks matched of the
@@ -77,9 +78,12 @@ def main():
         sent = float(request["sent_unix_s"])
         return bisect.bisect_left(times, sent - 0.05), sent + 1.0
 
+    def bypassed(request):
+        return request.get("bypassed") == "1"
+
     # Replica index -> address: the pick of the line nearest after each request, by majority.
     votes = collections.Counter()
-    for request in requests:
+    for request in filter(lambda r: not bypassed(r), requests):
         i, until = near(request)
         if i < len(logs) and logs[i][0] < until:
             votes[(request["replica"], logs[i][2].get("pick"))] += 1
@@ -94,6 +98,9 @@ def main():
     for request in requests:
         i, until = near(request)
         decided = None
+        if bypassed(request):
+            by_tenant[int(request["tenant"])].append((request, decided))
+            continue
         while i < len(logs) and logs[i][0] < until:
             if i not in used and logs[i][2].get("pick") == address.get(request["replica"]):
                 used.add(i)
@@ -112,9 +119,9 @@ def main():
             fields = decided[2] if decided else {}
             by_index = fields.get("tier") == "index" and fields.get("prefix_outcome") == "hit"
             away = request["replica"] != home
-            if request["turn"] != "0" and not away and by_index:
+            if request["turn"] != "0" and not away and (by_index or bypassed(request)):
                 continue
-            how = "no routed line"
+            how = "bypassed" if bypassed(request) else "no routed line"
             if decided:
                 how = (
                     f"router {decided[1]} {fields.get('tier', '?')}"
@@ -130,7 +137,8 @@ def main():
                 f" -> {request['replica']}  {how}"
             )
     if unmatched:
-        print(f"{unmatched} of {len(requests)} requests matched no routed line")
+        routed = sum(not bypassed(r) for r in requests)
+        print(f"{unmatched} of {routed} routed requests matched no routed line")
 
 
 if __name__ == "__main__":

@@ -1251,21 +1251,23 @@ async fn measure_policy(
 /// Every request of a run, one line each in the order they ended, for tracing a placement:
 /// when it was sent (Unix seconds, to line it up with the routers' logs, and seconds into the
 /// run), its conversation, turn and tenant, the replica that served it (its index, -1 when
-/// unknown), the status and the TTFT. `replicas` are the replicas' addresses in index order.
+/// unknown), the status, the TTFT and whether it went straight to its replica (`bypassed` 1:
+/// `--bypass-every`, no router saw it). `replicas` are the replicas' addresses in index order.
 /// `bench/trace_routing.py` lines these up with the routers' `routed` log lines.
 fn requests_csv(results: &Results, replicas: &[String]) -> String {
     let start = results
         .started_at
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .unwrap_or_default();
-    let mut csv = "sent_unix_s,sent_s,conversation,turn,tenant,replica,status,ttft_ms\n".to_owned();
+    let mut csv =
+        "sent_unix_s,sent_s,conversation,turn,tenant,replica,status,ttft_ms,bypassed\n".to_owned();
     for s in &results.samples {
         let replica = replicas
             .iter()
             .position(|r| *r == s.replica)
             .map_or(-1, |i| i as i64);
         csv += &format!(
-            "{:.3},{:.3},{},{},{},{replica},{},{:.1}\n",
+            "{:.3},{:.3},{},{},{},{replica},{},{:.1},{}\n",
             (start + s.sent_at).as_secs_f64(),
             s.sent_at.as_secs_f64(),
             s.conversation,
@@ -1273,6 +1275,7 @@ fn requests_csv(results: &Results, replicas: &[String]) -> String {
             s.tenant,
             s.status,
             s.ttft.as_secs_f64() * 1e3,
+            u8::from(s.bypassed),
         );
     }
     csv
@@ -1400,8 +1403,8 @@ mod tests {
     use super::{requests_csv, tenant_line};
 
     #[test]
-    fn the_requests_file_has_a_line_per_request_with_its_wall_clock_time_and_replica_index() {
-        let sample = |conversation, turn, replica: &str, sent_ms| Sample {
+    fn the_requests_file_has_a_line_per_request_with_its_wall_clock_time_replica_and_bypass() {
+        let sample = |conversation, turn, replica: &str, sent_ms, bypassed| Sample {
             replica: replica.to_owned(),
             tenant: conversation % 3,
             conversation,
@@ -1409,21 +1412,26 @@ mod tests {
             ttft: Duration::from_micros(12_345),
             status: 200,
             salted: false,
-            bypassed: false,
+            bypassed,
             sent_at: Duration::from_millis(sent_ms),
             done_at: Duration::from_millis(sent_ms + 20),
         };
         let results = Results {
             started_at: Some(UNIX_EPOCH + Duration::from_secs(1_000)),
-            samples: vec![sample(4, 0, "127.0.0.1:2", 1_500), sample(4, 1, "?", 1_750)],
+            samples: vec![
+                sample(4, 0, "127.0.0.1:2", 1_500, false),
+                sample(4, 1, "?", 1_750, false),
+                sample(5, 0, "127.0.0.1:1", 1_800, true),
+            ],
             ..Results::default()
         };
         let replicas = ["127.0.0.1:1".to_owned(), "127.0.0.1:2".to_owned()];
         assert_eq!(
             requests_csv(&results, &replicas),
-            "sent_unix_s,sent_s,conversation,turn,tenant,replica,status,ttft_ms\n\
-             1001.500,1.500,4,0,1,1,200,12.3\n\
-             1001.750,1.750,4,1,1,-1,200,12.3\n"
+            "sent_unix_s,sent_s,conversation,turn,tenant,replica,status,ttft_ms,bypassed\n\
+             1001.500,1.500,4,0,1,1,200,12.3,0\n\
+             1001.750,1.750,4,1,1,-1,200,12.3,0\n\
+             1001.800,1.800,5,0,2,0,200,12.3,1\n"
         );
     }
 
