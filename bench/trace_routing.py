@@ -8,17 +8,18 @@ Run the bench with the routers' `routed` lines on, then point this at its output
     python3 bench/trace_routing.py target/trace
 
 The bench writes `requests-POLICY.csv` (every request: when it was sent, its conversation, turn,
-tenant, the replica that served it and whether it bypassed the routers) and, with `LLMGW_BENCH_RUST_LOG` set, each router's log to
-`router-POLICY-N.log`. A request is matched to the first unused `routed` line, of any router,
-that picked its replica from 50 ms before it was sent (clock skew) to a second after (the
-replicas' addresses are learned from the matches); a request that bypassed the routers
-(`--bypass-every`) is matched to none and shown as `bypassed`. Per tenant it prints its home (the replica
-that served most of its requests), then every first turn, every request served away from home and
-every decision not made by the KV index outright: the time into the run, conversation, turn,
-replica, the router that decided, its tier, reason and outcome, and the blocks matched of the
-prompt's. A placement of a prompt no replica held adds `cache_footprint`'s view: its decision,
-then per candidate (in the routers' replica order) `footprint:placements:score`, the footprint in
-blocks, the prompts placed there lately and the score it gave.
+tenant, the replica that served it and whether it bypassed the routers) and, with
+`LLMGW_BENCH_RUST_LOG` set, each router's log to `router-POLICY-N.log`. A request is matched to
+the first unused `routed` line, of any router, that picked its replica from 50 ms before it was
+sent (clock skew) to a second after (the replicas' addresses are learned from the matches); a
+request that bypassed the routers (`--bypass-every`) is matched to none and shown as
+`bypassed`. Per tenant it prints its home (the replica that served most of its requests), then
+every first turn, every request served away from home and every decision not made by the KV
+index outright: the time into the run, conversation, turn, replica, the router that decided, its
+tier, reason and outcome, and the blocks matched of the prompt's. A placement of a prompt no
+replica held adds `cache_footprint`'s view: its decision, then per candidate (in the routers'
+replica order) `footprint:placements:score`, the footprint in blocks, the prompts placed there
+lately and the score it gave.
 """
 
 import argparse
