@@ -97,11 +97,11 @@ def main():
     by_tenant = collections.defaultdict(list)
     unmatched = 0
     for request in requests:
+        if bypassed(request):
+            by_tenant[int(request["tenant"])].append((request, None))
+            continue
         i, until = near(request)
         decided = None
-        if bypassed(request):
-            by_tenant[int(request["tenant"])].append((request, decided))
-            continue
         while i < len(logs) and logs[i][0] < until:
             if i not in used and logs[i][2].get("pick") == address.get(request["replica"]):
                 used.add(i)

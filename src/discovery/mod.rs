@@ -12,7 +12,8 @@
 //! # Concurrency model
 //! One task per source drives kube's watcher streams and keeps their objects in a reflector
 //! store; after each change it recomputes the source's replicas and hands them to
-//! [`ReplicaSources`](crate::pool::ReplicaSources), which publishes the union to the pool. Nothing else shares that state.
+//! [`ReplicaSources`](crate::pool::ReplicaSources), which publishes the union to the pool.
+//! Nothing else shares that state.
 //! A failed list or watch keeps the source's last replicas (the API server being briefly
 //! unreachable must not empty the pool) and is retried with kube's default backoff.
 

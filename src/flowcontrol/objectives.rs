@@ -1,7 +1,8 @@
 //! Inference objectives: the names a client puts in `x-gateway-inference-objective` (or
 //! llm-d's `x-llm-d-inference-objective`), each with a priority and optionally its own queue
 //! timeout. They come from the configuration file and, with the Kubernetes source on, from the
-//! pool's `InferenceObjective` resources ([`crate::discovery::inference_objective`]); a name in both takes the file's.
+//! pool's `InferenceObjective` resources ([`crate::discovery::inference_objective`]); a name in
+//! both takes the file's.
 //!
 //! # Concurrency model
 //! An immutable [`ObjectiveSet`] behind an [`ArcSwap`]: requests read it without locks, the

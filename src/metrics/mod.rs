@@ -18,7 +18,8 @@
 //!   of `llmgw_observed_prompt_tokens_total` (scraped) and `llmgw_reported_cached_tokens_total`
 //!   of `llmgw_reported_prompt_tokens_total` (the responses' usage), and
 //!   `llmgw_cache_drift_ratio` once judged.
-//! * With a named InferencePool, GIE's standard pool gauges (`inference_pool_*`, see the `gie` module).
+//! * With a named InferencePool, GIE's standard pool gauges (`inference_pool_*`, see the `gie`
+//!   module).
 //! * GIE's request metrics (`inference_objective_*`, see [`ObjectiveMetrics`]): requests, errors
 //!   by GIE's error code, duration, request and response sizes, token counts from the
 //!   response's usage (when the proxy sends the response body), running requests.
