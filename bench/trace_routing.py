@@ -19,7 +19,9 @@ index outright: the time into the run, conversation, turn, replica, the router t
 tier, reason and outcome, and the blocks matched of the prompt's. A placement of a prompt no
 replica held adds `cache_footprint`'s view: its decision, then per candidate (in the routers'
 replica order) `footprint:placements:score`, the footprint in blocks, the prompts placed there
-lately and the score it gave.
+lately and the score it gave. A load override (of affinity or of a placement) adds the
+decision's scores (with `--scores`, every line shown does): the scorers that counted, then per
+candidate its weighted mean and each scorer's score, `/`-separated.
 """
 
 import argparse
@@ -60,6 +62,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", type=pathlib.Path)
     parser.add_argument("--policy", default="llmgw_precise")
+    parser.add_argument("--scores", action="store_true",
+                        help="show the decision's scores on every line, not only load overrides")
     args = parser.parse_args()
 
     requests_path = args.run_dir / f"requests-{args.policy}.csv"
@@ -131,6 +135,11 @@ def main():
                 )
                 if "placement" in fields:
                     how += f"  {fields['placement']}"
+                overridden = "load_override" in (
+                    fields.get("prefix_outcome"), fields.get("placement", "").split("|")[0]
+                )
+                if "scores" in fields and (args.scores or overridden):
+                    how += f"  {fields['scores']}"
 
             print(
                 f"  {'*' if away else ' '}{float(request['sent_s']):7.2f} s"

@@ -286,6 +286,7 @@ impl Picker for Router {
             tier_reason = Empty,
             prefix_outcome = Empty,
             placement = Empty,
+            scores = Empty,
             pick = Empty,
             fallbacks = Empty,
             rejected_status = Empty,

@@ -233,6 +233,45 @@ fn role(answer: Option<&Answer>, counted: bool) -> Role<'_> {
     }
 }
 
+/// A decision's scores as the route span's `scores` field: the names of the scorers that
+/// counted, then per candidate (in the candidates' order) its weighted mean and each counted
+/// score, `/`-separated: `kv_cache,in_flight|0.67/1.00/0.00|0.33/0.00/1.00`. Formatted only when
+/// the span is recorded (`llmgw::router=debug`).
+struct ScoresTrace<'a> {
+    scorers: &'a [ScorerEntry],
+    evaluated: &'a [Evaluated],
+    total: &'a [f64],
+}
+
+impl std::fmt::Display for ScoresTrace<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The counted answers, each named by the scorer that gave it (a fallback by its own).
+        let counted = || {
+            self.scorers
+                .iter()
+                .zip(self.evaluated)
+                .filter_map(|(entry, ev)| {
+                    let name = match (ev.counted, &entry.fallback) {
+                        (Counted::Fallback, Some((fallback, _))) => fallback,
+                        _ => &entry.name,
+                    };
+                    Some((name, ev.counted_scores()?))
+                })
+        };
+        for (k, (name, _)) in counted().enumerate() {
+            write!(f, "{}{name}", if k == 0 { "" } else { "," })?;
+        }
+        for (i, total) in self.total.iter().enumerate() {
+            write!(f, "|{total:.2}")?;
+            for (_, scores) in counted() {
+                let score = scores.per_candidate.get(i).copied().unwrap_or(0.0);
+                write!(f, "/{score:.2}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Everything but the plugins.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SchedulerOptions {
@@ -462,6 +501,16 @@ impl Scheduler {
             }
             if weight_sum > 0.0 {
                 total.iter_mut().for_each(|t| *t /= weight_sum);
+            }
+            if !route.is_disabled() {
+                route.record(
+                    "scores",
+                    tracing::field::display(ScoresTrace {
+                        scorers: &self.scorers,
+                        evaluated: &evaluated,
+                        total: &total,
+                    }),
+                );
             }
             rank_for(request, &total, &candidates)
         };

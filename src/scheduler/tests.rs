@@ -745,3 +745,37 @@ async fn capacity_counts_what_the_saturation_limits_leave() {
         Ok(Headroom::Unlimited)
     );
 }
+
+#[test]
+fn a_decisions_scores_are_traced_per_candidate_by_the_scorers_that_counted() {
+    let scored = |scores: &[f64]| Some(Answer::Scored(Scores::new(scores.to_vec())));
+    let scorers = vec![
+        ScorerEntry::new("kv_cache", 2.0, Fixed::zeros())
+            .with_fallback("prefix_tree", Fixed::zeros()),
+        ScorerEntry::new("cache_footprint", 2.0, Fixed::zeros()),
+        ScorerEntry::new("in_flight", 1.0, Fixed::zeros()),
+    ];
+    let evaluated = vec![
+        // The primary abstained; its fallback's answer counted, under the fallback's name.
+        Evaluated {
+            primary: Some(Answer::Abstain("no_events")),
+            fallback: scored(&[1.0, 0.0]),
+            counted: Counted::Fallback,
+        },
+        Evaluated::not_asked(),
+        Evaluated {
+            primary: scored(&[0.5, 1.0]),
+            fallback: None,
+            counted: Counted::Primary,
+        },
+    ];
+    let trace = ScoresTrace {
+        scorers: &scorers,
+        evaluated: &evaluated,
+        total: &[2.5 / 3.0, 1.0 / 3.0],
+    };
+    assert_eq!(
+        trace.to_string(),
+        "prefix_tree,in_flight|0.83/1.00/0.50|0.33/0.00/1.00"
+    );
+}
