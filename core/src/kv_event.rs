@@ -45,10 +45,6 @@ pub trait KvEventSink: Send + Sync {
     fn lost(&self, replica: &str) {
         self.cleared(replica);
     }
-    /// The replica's engines report their events (the router holds a full copy of what they
-    /// cache), even while they hold nothing: an index can tell an empty cache from one it
-    /// hears nothing about.
-    fn reporting(&self, _replica: &str) {}
 
     /// One more reference to each block.
     fn stored(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {

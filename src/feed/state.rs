@@ -670,7 +670,6 @@ impl FeedState {
         view.synced = true;
         let replica = view.replica.clone();
         self.rebuild(sink, &replica);
-        sink.reporting(&replica);
         self.metrics.snapshots.inc();
         Ok(())
     }
