@@ -33,15 +33,14 @@
 //!
 //! Metrics: `llmgw_cold_placements_total{decision}`: `emptiest` (the emptiest cache with room),
 //! `packed` (no cache had room: the fullest within its share), `load_override` (load chose
-//! another), `no_events` (no engine had reported events yet: load chose; counted toward the
-//! chosen cache's share all the same).
+//! another).
 //!
 //! Concurrency: the projections, the rebuild rates and the placement counts are each one
 //! `parking_lot::Mutex` over a vector by index slot, held for a few arithmetic operations per
 //! candidate; the index's counts have their own locks, and each replica's cache size is an
 //! atomic the scrape task writes.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -132,8 +131,7 @@ impl PlacementMetrics {
         registry.register(
             "llmgw_cold_placements",
             "Placements of prompts no replica held: emptiest (the emptiest cache with room), \
-             packed (no cache had room: the fullest within its share), load_override, or \
-             no_events (no engine had reported events: load chose)",
+             packed (no cache had room: the fullest within its share) or load_override",
             metrics.decisions.clone(),
         );
         metrics
@@ -373,39 +371,24 @@ pub const PLACEMENT_MEMORY: Duration = Duration::from_secs(300);
 
 /// How many prompts this scorer, or a peer router's, placed on each replica lately, each
 /// decayed with [`PLACEMENT_MEMORY`] as time constant: the number of tenants whose home a cache
-/// is, which its block count stops telling once every cache is full. Keyed by endpoint, not
-/// index slot: the placements load made before any engine reported events (so before the
-/// index has slots) count too.
+/// is, which its block count stops telling once every cache is full.
 #[derive(Debug, Default)]
 struct RecentPlacements {
-    by_replica: Mutex<HashMap<String, DecayedSum>>,
+    by_slot: Mutex<Vec<DecayedSum>>,
 }
 
-/// Placements below this (decayed) are forgotten when a replica is first counted: the map
-/// keeps the replicas placed on lately, not every endpoint a fleet ever had.
-const FORGOTTEN_PLACEMENTS: f64 = 1e-3;
-
 impl RecentPlacements {
-    fn record(&self, replica: &str, now: Instant) {
-        let mut by_replica = self.by_replica.lock();
-        if let Some(placed) = by_replica.get_mut(replica) {
-            placed.add(1.0, now, PLACEMENT_MEMORY);
-            return;
-        }
-        by_replica.retain(|_, placed| placed.at(now, PLACEMENT_MEMORY) >= FORGOTTEN_PLACEMENTS);
-        let mut placed = DecayedSum::default();
-        placed.add(1.0, now, PLACEMENT_MEMORY);
-        by_replica.insert(replica.to_owned(), placed);
+    fn record(&self, slot: ReplicaSlot, now: Instant) {
+        slot_entry(&mut self.by_slot.lock(), slot).add(1.0, now, PLACEMENT_MEMORY);
     }
 
-    /// Each candidate's placements as of `now`.
-    fn read(&self, candidates: &[Candidate], now: Instant) -> Vec<f64> {
-        let by_replica = self.by_replica.lock();
-        candidates
+    /// Each slot's placements as of `now` (no slot: none).
+    fn read(&self, slots: &[Option<ReplicaSlot>], now: Instant) -> Vec<f64> {
+        let by_slot = self.by_slot.lock();
+        slots
             .iter()
-            .map(|c| {
-                by_replica
-                    .get(c.replica.endpoint())
+            .map(|slot| {
+                slot.and_then(|s| by_slot.get(s.index()))
                     .map_or(0.0, |placed| placed.at(now, PLACEMENT_MEMORY))
             })
             .collect()
@@ -453,7 +436,7 @@ impl Scorer for CacheFootprint {
         };
         let now = Instant::now();
         let footprints = self.footprints(&slots, now);
-        let placements = self.placements.read(candidates, now);
+        let placements = self.placements.read(&slots, now);
         let sizes: Vec<Option<u64>> = candidates
             .iter()
             .map(|c| c.replica.cache_blocks())
@@ -474,46 +457,33 @@ impl Scorer for CacheFootprint {
     }
 
     fn after_pick(&self, context: &ScoringContext<'_>, pick: Pick<'_>, role: Role<'_>) {
-        let (decision, memo, scores) = match role {
-            Role::Counted(scores) => {
-                let Some(memo) = scores.memo::<Memo>() else {
-                    return;
-                };
-                let scores = &scores.per_candidate;
-                let best = scores.iter().copied().fold(0.0, f64::max);
-                let decision = match (scores.get(pick.chosen).is_some_and(|&s| s >= best), memo.mode) {
-                    (false, _) => "load_override",
-                    (true, Mode::Emptiest) => "emptiest",
-                    (true, Mode::Packed) => "packed",
-                };
-                (decision, Some(memo), scores.as_slice())
+        if let Role::Counted(scores) = role
+            && let Some(memo) = scores.memo::<Memo>()
+        {
+            let scores = &scores.per_candidate;
+            let best = scores.iter().copied().fold(0.0, f64::max);
+            let replica = pick.chosen().replica.endpoint();
+            if let Some(slot) = self.index.slot(replica) {
+                self.placements.record(slot, Instant::now());
             }
-            // Asked, so the prompt was found nowhere, but no engine has reported events yet:
-            // load chose its home. It is a home all the same, and the share limit must count it
-            // (without, the caches that got the first tenants this way looked emptier of
-            // tenants than the others and took none of the overflow).
-            Role::NotCounted {
-                abstained: Some("no_events"),
-                ..
-            } => ("no_events", None, &[][..]),
-            _ => return,
-        };
-        let replica = pick.chosen().replica.endpoint();
-        self.placements.record(replica, Instant::now());
-        self.picks.publish(|| PeerPick {
-            model: context.request.model.clone(),
-            replica: replica.to_owned(),
-            hashes: Arc::from([]),
-            new_blocks: 0,
-            tree_chain: Arc::from([]),
-            placed: true,
-        });
-        self.metrics
-            .decisions
-            .get_or_create(&DecisionLabels { decision })
-            .inc();
-        let route = tracing::Span::current();
-        if let Some(memo) = memo {
+            self.picks.publish(|| PeerPick {
+                model: context.request.model.clone(),
+                replica: replica.to_owned(),
+                hashes: Arc::from([]),
+                new_blocks: 0,
+                tree_chain: Arc::from([]),
+                placed: true,
+            });
+            let decision = match (scores.get(pick.chosen).is_some_and(|&s| s >= best), memo.mode) {
+                (false, _) => "load_override",
+                (true, Mode::Emptiest) => "emptiest",
+                (true, Mode::Packed) => "packed",
+            };
+            self.metrics
+                .decisions
+                .get_or_create(&DecisionLabels { decision })
+                .inc();
+            let route = tracing::Span::current();
             route.record("tier", "placement");
             route.record(
                 "placement",
@@ -523,16 +493,16 @@ impl Scorer for CacheFootprint {
                     scores,
                 }),
             );
-        } else {
-            route.record("placement", decision);
         }
     }
 
     fn peer_picked(&self, pick: &PeerPick) {
         // A peer's placement counts toward the replica's share as this router's own do, so
         // routers behind one proxy keep one count between them.
-        if pick.placed {
-            self.placements.record(&pick.replica, Instant::now());
+        if pick.placed
+            && let Some(slot) = self.index.slot(&pick.replica)
+        {
+            self.placements.record(slot, Instant::now());
         }
     }
 }
@@ -806,49 +776,21 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn placements_count_per_replica_and_fade_with_the_memory() {
         let placements = RecentPlacements::default();
-        let pool = crate::pool::Pool::new(
-            ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
-                .iter()
-                .map(|a| crate::pool::ReplicaSpec {
-                    address: a.parse().expect("address"),
-                    models: vec!["m".to_owned()],
-                    node: None,
-                })
-                .collect(),
-            Duration::from_secs(60),
-        );
-        let candidates: Vec<Candidate> = pool
-            .snapshot()
-            .replicas()
-            .iter()
-            .map(|replica| Candidate {
-                replica: Arc::clone(replica),
-                in_flight: 0,
-                engine: None,
-                waiting_estimate: None,
-                adapter_slots: None,
-            })
-            .collect();
-        let (a, b) = ("127.0.0.1:1", "127.0.0.1:2");
+        let (a, b) = slots();
+        let slots = [Some(a), Some(b), None];
         let t0 = Instant::now();
-        assert_eq!(placements.read(&candidates, t0), [0.0, 0.0, 0.0]);
+        assert_eq!(placements.read(&slots, t0), [0.0, 0.0, 0.0]);
         placements.record(a, t0);
         placements.record(a, t0);
         placements.record(b, t0);
-        assert_eq!(placements.read(&candidates, t0), [2.0, 1.0, 0.0]);
+        assert_eq!(placements.read(&slots, t0), [2.0, 1.0, 0.0]);
         // One memory later a factor e less; a new placement adds a whole one.
         let later = t0 + PLACEMENT_MEMORY;
         placements.record(b, later);
-        let read = placements.read(&candidates, later);
+        let read = placements.read(&slots, later);
         let e = std::f64::consts::E;
         assert!((read[0] - 2.0 / e).abs() < 1e-9, "{read:?}");
         assert!((read[1] - (1.0 / e + 1.0)).abs() < 1e-9, "{read:?}");
-        // Long gone, a replica is forgotten when another is first counted: the map holds the
-        // replicas placed on lately, not every endpoint there ever was.
-        let much_later = later + PLACEMENT_MEMORY * 20;
-        placements.record("127.0.0.1:3", much_later);
-        assert_eq!(placements.by_replica.lock().len(), 1);
-        assert_eq!(placements.read(&candidates, much_later), [0.0, 0.0, 1.0]);
     }
 
     #[test]

@@ -1144,37 +1144,6 @@ async fn a_peer_routers_placements_count_toward_each_caches_share() {
 }
 
 #[tokio::test]
-async fn a_home_load_chose_before_any_event_counts_toward_its_caches_share() {
-    let f = fixture(
-        &PLACEMENT.replace("speculative_ttl: 2s", "speculative_ttl: 0s"),
-        2000,
-    )
-    .await;
-    let mut to_peers = f.picks.subscribe();
-    // No engine has reported events: the index cannot weigh anything and load places the
-    // first prompt (the tie-break decides among idle replicas).
-    let home = f.pick(&completion("m", &"aaaa".repeat(4), None)).await;
-    assert_eq!(placements(&f, "no_events"), 1.0);
-    let told: Vec<_> = std::iter::from_fn(|| to_peers.try_recv().ok()).collect();
-    assert!(
-        told.iter().any(|pick| pick.placed && pick.replica == home),
-        "the placement goes to the peers: {told:?}"
-    );
-    // Then the engines report, the first home the fullest: no cache has room for a 4-block
-    // prompt. Packing would pile the next new prompt onto the fullest, but that cache took
-    // one of the two placements so far, past 1.5 even shares of three: another takes it.
-    for (i, replica) in f.pool.snapshot().replicas().iter().enumerate() {
-        replica.set_cache_blocks(12);
-        fill(&f, i, if f.endpoint(i) == home { 10 } else { 8 });
-    }
-    assert_ne!(
-        f.pick(&completion("m", &"bbbb".repeat(4), None)).await,
-        home
-    );
-    assert_eq!(placements(&f, "packed"), 1.0);
-}
-
-#[tokio::test]
 async fn without_peering_a_second_router_misses_the_firsts_pick() {
     let a = fixture(PLACEMENT, 2000).await;
     let b = a.peer();
