@@ -294,4 +294,21 @@ async fn a_routing_decision_is_exported_as_a_child_of_the_callers_span() {
     );
     assert_eq!(int_attribute(route, "prompt_blocks"), Some(4));
     assert_eq!(int_attribute(route, "matched_blocks"), Some(4));
+    // The decision's scores: the counted scorers, then per candidate (8001, 8002) its total and
+    // each score; kv_cache first, holding the whole prompt at 8002 only.
+    let scores = string_attribute(route, "scores").expect("a scores attribute");
+    let parts: Vec<&str> = scores.split('|').collect();
+    assert_eq!(parts.len(), 3, "{scores}");
+    assert!(parts[0].starts_with("kv_cache,"), "{scores}");
+    let kv_cache_score = |part: &str| part.split('/').nth(1).map(str::to_owned);
+    assert_eq!(
+        kv_cache_score(parts[1]).as_deref(),
+        Some("0.00"),
+        "{scores}"
+    );
+    assert_eq!(
+        kv_cache_score(parts[2]).as_deref(),
+        Some("1.00"),
+        "{scores}"
+    );
 }
