@@ -953,11 +953,13 @@ async fn a_cache_restated_by_a_snapshot_is_no_home() {
 
 /// `kv_cache` against in-flight load, weighed so that one request in flight on the holder
 /// decides a tie of copies but not its full match against none, and eight outvote its match.
+/// The holder's blocks are reported without a pick that put them there, as if from outside
+/// traffic: outside copies are not preferred, so that only the lends decide.
 const LENDING: &str = "
 profile:
   scorers:
     - type: kv_cache
-      parameters: {speculative_ttl: 0s, lend_memory: MEMORY}
+      parameters: {speculative_ttl: 0s, lend_memory: MEMORY, prefer_outside_copies: false}
       fallback: {type: prefix_tree, parameters: {chunk_bytes: 4}}
     - {type: in_flight, weight: 4}
 ";
@@ -1074,6 +1076,168 @@ async fn a_prefix_copied_to_several_replicas_is_spread_and_no_lend_gathers_it() 
         f.endpoint(1)
     );
     assert_eq!(f.kv("reclaim"), 0.0);
+}
+
+/// `kv_cache` (lending off) against in-flight load, as [`LENDING`]; `PREFER` turns the outside
+/// copies' preference on or off.
+const COPIES: &str = "
+profile:
+  scorers:
+    - type: kv_cache
+      parameters: {speculative_ttl: 0s, prefer_outside_copies: PREFER}
+      fallback: {type: prefix_tree, parameters: {chunk_bytes: 4}}
+    - {type: in_flight, weight: 4}
+";
+
+/// The router places a tenant's first prompt (4 blocks), its engine stores it, and the
+/// tenant's first three blocks reach another replica by traffic no router sees. Returns the
+/// router's replica and the outside one.
+async fn outside_copy_beside_a_routed_one(f: &Fixture) -> (usize, usize) {
+    // Every engine has reported events (a pick before any did is not recorded).
+    for i in 0..3 {
+        fill(f, i, 1);
+    }
+    let first = "abcdefghijklmnop";
+    let routed = f.pick(&completion("m", first, None)).await;
+    let routed = (0..3)
+        .find(|&i| f.endpoint(i) == routed)
+        .expect("a replica");
+    f.index
+        .stored(f.endpoint(routed), &hashes_of(first, None), Medium::Gpu);
+    let outside = (routed + 1) % 3;
+    f.index.stored(
+        f.endpoint(outside),
+        &hashes_of("abcdefghijkl", None),
+        Medium::Gpu,
+    );
+    (routed, outside)
+}
+
+#[tokio::test]
+async fn a_tie_goes_to_the_copy_that_traffic_no_router_sees_made() {
+    let f = fixture(&COPIES.replace("PREFER", "true"), 2000).await;
+    let (routed, outside) = outside_copy_beside_a_routed_one(&f).await;
+    // Both hold the tenant's first three blocks and the outside holder is a little busier:
+    // the routers' copy counts for nothing, and the tenant consolidates where the outside
+    // traffic keeps its prefix warm.
+    let _one = f.hold(outside, 1);
+    for prompt in ["abcdefghijklyyyy", "abcdefghijklxxxx"] {
+        assert_eq!(
+            f.pick(&completion("m", prompt, None)).await,
+            f.endpoint(outside)
+        );
+        // What the pick makes the outside holder store is the routers' (`yyyy`), not what it
+        // held: the next prompt of the tenant still prefers it.
+        f.index
+            .stored(f.endpoint(outside), &hashes_of(prompt, None), Medium::Gpu);
+    }
+    assert_eq!(f.kv("outside_copy"), 2.0);
+    // A conversation's next turn, held longest where the router sent it, stays there.
+    assert_eq!(
+        f.pick(&completion("m", "abcdefghijklmnopqrst", None)).await,
+        f.endpoint(routed)
+    );
+    assert_eq!(f.kv("outside_copy"), 2.0);
+}
+
+#[tokio::test]
+async fn without_the_preference_or_between_routed_copies_load_breaks_the_tie() {
+    let off = fixture(&COPIES.replace("PREFER", "false"), 2000).await;
+    let (routed, outside) = outside_copy_beside_a_routed_one(&off).await;
+    let _one = off.hold(outside, 1);
+    assert_eq!(
+        off.pick(&completion("m", "abcdefghijklyyyy", None)).await,
+        off.endpoint(routed)
+    );
+    assert_eq!(off.kv("outside_copy"), 0.0);
+
+    // The router placed a prompt, and load made it copy the prompt to a second replica: both
+    // copies are the routers', so load breaks their tie as without the preference.
+    let f = fixture(&COPIES.replace("PREFER", "true"), 2000).await;
+    for i in 0..3 {
+        fill(&f, i, 1);
+    }
+    let prompt = completion("m", "abcdefghijklmnop", None);
+    let first = f.pick(&prompt).await;
+    f.index
+        .stored(&first, &hashes_of("abcdefghijklmnop", None), Medium::Gpu);
+    let first = (0..3).find(|&i| f.endpoint(i) == first).expect("a replica");
+    let busy = f.hold(first, 8);
+    let copy = f.pick(&prompt).await;
+    drop(busy);
+    assert_eq!(f.kv("load_override"), 1.0);
+    f.index
+        .stored(&copy, &hashes_of("abcdefghijklmnop", None), Medium::Gpu);
+    let copy = (0..3).find(|&i| f.endpoint(i) == copy).expect("a replica");
+    let _one = f.hold(copy, 1);
+    assert_eq!(
+        f.pick(&completion("m", "abcdefghijklyyyy", None)).await,
+        f.endpoint(first)
+    );
+    assert_eq!(f.kv("outside_copy"), 0.0);
+}
+
+#[tokio::test]
+async fn a_fresh_fleets_first_picks_are_the_routers_copies_once_agents_feed_the_router() {
+    // An engine stored the first prompt the router sent it, load copied it to another: both
+    // copies are the routers', unless the first pick, made before any engine reported a
+    // block, went unrecorded and its copy passed for an outside one.
+    async fn first_then_copied(fed: bool) -> (Fixture, usize, usize) {
+        let f = fixture(&COPIES.replace("PREFER", "true"), 2000).await;
+        if fed {
+            // The agents' snapshots of the empty caches have arrived.
+            for i in 0..3 {
+                f.index.synced(f.endpoint(i));
+            }
+        }
+        let prompt = completion("m", "abcdefghijklmnop", None);
+        let home = f.pick(&prompt).await;
+        assert_eq!(f.kv("no_events"), 1.0);
+        assert_eq!(f.index.slot(&home), None, "a pick registers no replica");
+        f.index
+            .stored(&home, &hashes_of("abcdefghijklmnop", None), Medium::Gpu);
+        let home = (0..3).find(|&i| f.endpoint(i) == home).expect("a replica");
+        let busy = f.hold(home, 8);
+        let copy = f.pick(&prompt).await;
+        drop(busy);
+        f.index
+            .stored(&copy, &hashes_of("abcdefghijklmnop", None), Medium::Gpu);
+        let copy = (0..3).find(|&i| f.endpoint(i) == copy).expect("a replica");
+        assert_ne!(home, copy);
+        (f, home, copy)
+    }
+    let sibling = completion("m", "abcdefghijklyyyy", None);
+    let (f, home, _) = first_then_copied(true).await;
+    let _one = f.hold(home, 1);
+    assert_ne!(
+        f.pick(&sibling).await,
+        f.endpoint(home),
+        "load breaks the tie"
+    );
+    assert_eq!(f.kv("outside_copy"), 0.0);
+    // Without agents' snapshots the first pick is not hashed (no agent may ever feed this
+    // router), and its copy wins the tie as an outside one.
+    let (f, home, _) = first_then_copied(false).await;
+    let _one = f.hold(home, 1);
+    assert_eq!(f.pick(&sibling).await, f.endpoint(home));
+    assert_eq!(f.kv("outside_copy"), 1.0);
+}
+
+#[tokio::test]
+async fn peered_routers_share_which_copies_they_made_and_unpeered_ones_do_not() {
+    let a = fixture(&COPIES.replace("PREFER", "true"), 2000).await;
+    let (b, c) = (a.peer(), a.peer());
+    let mut from_a = a.picks.subscribe();
+    let (routed, outside) = outside_copy_beside_a_routed_one(&a).await;
+    assert!(relay(&mut from_a, &b) > 0);
+    let _one = a.hold(outside, 1);
+    let sibling = completion("m", "abcdefghijklyyyy", None);
+    // B heard of A's pick: A's copy is the routers', and the outside one wins.
+    assert_eq!(b.pick(&sibling).await, a.endpoint(outside));
+    assert_eq!(b.kv("outside_copy"), 1.0);
+    // C did not: to C both copies came from outside, and load breaks the tie.
+    assert_eq!(c.pick(&sibling).await, a.endpoint(routed));
+    assert_eq!(c.kv("outside_copy"), 0.0);
 }
 
 /// Tells `to` every pick `from` published since `picks` subscribed, as peering would.
