@@ -12,8 +12,7 @@
 //!     scorers:
 //!       - type: kv_cache             # precise: tokenize → blockhash → kvindex
 //!         weight: 2
-//!         parameters: {min_blocks: 1, speculative_ttl: 2s, rebuild_cost: 0, evicted_hold: 0, lend_memory: 0s,
-//!                      prefer_outside_copies: true}
+//!         parameters: {min_blocks: 1, speculative_ttl: 2s, rebuild_cost: 0, evicted_hold: 0, lend_memory: 0s}
 //!         fallback:                  # asked when kv_cache abstains or matches nothing
 //!           type: prefix_tree
 //!       - {type: adapter_affinity, weight: 1} # LoRA: where the adapter is running

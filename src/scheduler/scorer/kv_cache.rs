@@ -48,25 +48,17 @@
 //! within the memory, or copied to more than one borrower, is a hot tenant's and its copies
 //! stand.
 //!
-//! When two replicas hold the prompt's longest match and a router made one copy (this router,
-//! or a peer) while the other came from traffic no router sees (clients that know a replica's
-//! address), the routers' copy counts for nothing ([`copies`]): the outside traffic keeps its
-//! copy warm whatever the routers do, so the tenant consolidates there instead of living on
-//! both caches with load breaking each tie (`prefer_outside_copies`, on by default).
-//!
 //! Parameters: `min_blocks` (leading blocks a replica must hold before its cache counts,
 //! default 1), `speculative_ttl` (how long a pick credits the chosen replica, default 2s; 0
 //! off), `rebuild_cost` (held blocks a block the holder evicted moments ago costs; default 0,
 //! churn ignored; 2 is the measured setting), `evicted_hold` (held blocks a block the replica
 //! evicted moments ago counts for, 0 to 1; default 0, off; 1 is the measured setting),
-//! `lend_memory` (how long a lend is remembered, default 0s, off; 60s is the measured setting),
-//! `prefer_outside_copies` (default true).
+//! `lend_memory` (how long a lend is remembered, default 0s, off; 60s is the measured setting).
 //!
 //! Metrics: `llmgw_kv_decisions_total{decision}`: hit, miss, load_override when its scores
 //! decided, homecoming when the pick went home to compute the prompt again, reclaim when a
 //! lender won its prompt back from a copy as long, evicted_claim when the pick won by blocks
-//! its engine evicted moments ago, outside_copy when an outside copy won over the routers' one,
-//! churn_placement when churn left the placement scorers to
+//! its engine evicted moments ago, churn_placement when churn left the placement scorers to
 //! decide; `index_miss` when
 //! it matched nothing and the fallback decided; else the reason it abstained.
 //!
@@ -92,7 +84,6 @@ use serde::Deserialize;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use self::copies::RoutedCopies;
 use self::lends::{Lends, PromptEnd};
 use super::cache_footprint::Projections;
 use super::{DecisionLabels, classify};
@@ -106,7 +97,6 @@ use crate::scheduler::plugin::{Answer, Category, Pick, Role, Scorer, Scores, Sco
 use crate::scheduler::registry::{BuildContext, PluginError, ScorerPlugin, parameters};
 use crate::tokenize::Tokenizer;
 
-mod copies;
 mod lends;
 
 pub(super) static PLUGIN: ScorerPlugin = ScorerPlugin {
@@ -142,9 +132,6 @@ struct Parameters {
     /// cost a point of hit rate for a lower TTFT p99 (docs/results/2026-12-03-lending.md).
     #[serde(with = "crate::duration::text")]
     lend_memory: Duration,
-    /// Whether a copy of the prompt's longest match that came from traffic no router sees wins
-    /// a tie against one the routers made ([`copies`]); on by default.
-    prefer_outside_copies: bool,
 }
 
 impl Default for Parameters {
@@ -155,7 +142,6 @@ impl Default for Parameters {
             rebuild_cost: 0.0,
             evicted_hold: 0.0,
             lend_memory: Duration::ZERO,
-            prefer_outside_copies: true,
         }
     }
 }
@@ -192,7 +178,6 @@ fn build(context: &mut BuildContext<'_>, value: serde_yaml::Value) -> Result<Arc
         speculative: SpeculativeBlocks::new(parameters.speculative_ttl),
         speculative_ttl: parameters.speculative_ttl,
         lends: Lends::new(parameters.lend_memory),
-        copies: RoutedCopies::new(parameters.prefer_outside_copies),
         projections: context.shared(|_| Projections::default()),
         picks: resources.picks,
         block_hashes: Mutex::new(LruCache::new(
@@ -214,7 +199,7 @@ impl KvMetrics {
         registry.register(
             "llmgw_kv_decisions",
             "Decisions of the precise KV index tier: hit, miss, load_override, homecoming, \
-             reclaim, evicted_claim, outside_copy, churn_placement, or why it could not answer",
+             reclaim, evicted_claim, churn_placement, or why it could not answer",
             metrics.decisions.clone(),
         );
         metrics
@@ -252,8 +237,6 @@ struct KvCacheScorer {
     speculative_ttl: Duration,
     /// Prompts load sent away from the one replica that held them.
     lends: Lends,
-    /// Which blocks each replica stores because a router sent them.
-    copies: RoutedCopies,
     /// What each pick is about to store on its replica, for `cache_footprint`.
     projections: Arc<Projections>,
     /// Where this router's picks go to its peer routers.
@@ -297,12 +280,6 @@ struct Memo {
     home: Vec<u32>,
     /// The candidate that lent this prompt under load, while the lend is remembered.
     lender: Option<Lender>,
-    /// Candidates whose copy of the longest match the routers made, while another's came from
-    /// outside (empty when no such tie).
-    routed_copies: Vec<bool>,
-    /// No candidate's engine had reported a block: the scores are all 0 and were computed only
-    /// to record the pick's copy.
-    no_events: bool,
     prompt_tokens: usize,
     block_size: usize,
 }
@@ -422,11 +399,7 @@ impl KvCacheScorer {
             .iter()
             .map(|c| self.index.slot(c.replica.endpoint()))
             .collect();
-        // No engine has reported a block: nothing to match. Once agents feed the router (a fresh
-        // fleet), the prompt is still hashed, only so that its pick is recorded as the routers'
-        // copy ([`copies`]); the scores are withheld, and the fallback decides as on an abstain.
-        let no_events = slots.iter().all(Option::is_none);
-        if no_events && !(self.copies.enabled() && self.index.fed()) {
+        if slots.iter().all(Option::is_none) {
             return Answer::Abstain("no_events");
         }
         // Tokenize on the least loaded candidates first.
@@ -548,22 +521,6 @@ impl KvCacheScorer {
                     (borrowers == 1).then_some(Lender { candidate, last })
                 })
         };
-        // Of two copies of the longest match, one the routers made and one from traffic they do
-        // not see, the outside one wins: that traffic keeps it warm whatever the routers do,
-        // and the tenant should not live on both caches.
-        let routed_copies = if homecoming || lender.is_some() || copies < 2 || longest < self.min_blocks.max(1)
-        {
-            Vec::new()
-        } else {
-            let tied: Vec<Option<(&str, ExternalHash)>> = (0..candidates.len())
-                .map(|i| {
-                    let last = *hashes[i].get(longest as usize - 1)?;
-                    (held[i] == longest).then_some((candidates[i].replica.endpoint(), last))
-                })
-                .collect();
-            let routed = self.copies.routed_ties(&tied);
-            if routed.contains(&true) { routed } else { Vec::new() }
-        };
         let scores: Vec<f64> = (0..candidates.len())
             .map(|i| {
                 let total = hashes[i].len().max(1) as f64;
@@ -595,9 +552,6 @@ impl KvCacheScorer {
                     Some(_) => value = 0.0,
                     None => {}
                 }
-                if routed_copies.get(i) == Some(&true) {
-                    value = 0.0;
-                }
                 // A holder that evicted the rest of this prompt moments ago is churning it: what
                 // it holds is worth less than what it will compute again and evict anew.
                 (value - self.rebuild_cost * f64::from(rebuilt[i])).max(0.0) / total
@@ -614,14 +568,9 @@ impl KvCacheScorer {
             evicted,
             home,
             lender,
-            routed_copies,
-            no_events,
             prompt_tokens: tokens.len(),
             block_size: hasher.block_size(),
         };
-        if memo.no_events {
-            return Answer::Scored(Scores::with_memo(scores, memo).withheld());
-        }
         let scores = Scores::with_memo(scores, memo)
             .with_prompt_blocks(u32::try_from(prompt_blocks).unwrap_or(u32::MAX));
         Answer::Scored(if churning {
@@ -702,26 +651,12 @@ impl KvCacheScorer {
         });
     }
 
-    /// A pick made before any engine reported a block: counted and traced as `no_events`, as
-    /// an abstain is, and recorded as the routers' copy. Nothing is credited: the replica
-    /// enters the index with its engine's first events, as it would have without the hashes.
-    fn fresh_fleet_pick(&self, memo: &Memo, pick: Pick<'_>) {
-        self.metrics.count("no_events");
-        tracing::Span::current().record("tier_reason", "no_events");
-        if let Some(hashes) = memo.hashes.get(pick.chosen) {
-            self.copies
-                .routed(pick.chosen().replica.endpoint(), hashes);
-        }
-    }
-
     /// Credits `replica` with a prompt's blocks for the speculative window: the blocks
     /// themselves, and the `new_blocks` it is about to store for `cache_footprint`.
     fn credit_blocks(&self, replica: &str, hashes: &Arc<[ExternalHash]>, new_blocks: u64) {
         let Ok(slot) = self.index.slot_or_insert(replica) else {
             return;
         };
-        let made = usize::try_from(new_blocks).map_or(0, |n| hashes.len().saturating_sub(n));
-        self.copies.routed(replica, hashes.get(made..).unwrap_or_default());
         let now = Instant::now();
         self.projections.record(
             slot,
@@ -758,8 +693,6 @@ impl Scorer for KvCacheScorer {
                     "homecoming"
                 } else if memo.claimed_by_evictions(pick.chosen) {
                     "evicted_claim"
-                } else if memo.routed_copies.get(pick.chosen) == Some(&false) {
-                    "outside_copy"
                 } else if let Some(decision) = self.settle_lend(memo, pick) {
                     decision
                 } else {
@@ -775,15 +708,10 @@ impl Scorer for KvCacheScorer {
                 self.credit(&context.request.model, memo, pick);
             }
             Role::NotCounted { scores, abstained } => {
-                let memo = scores.and_then(|s| s.memo::<Memo>());
-                if let Some(memo) = memo.filter(|m| m.no_events) {
-                    self.fresh_fleet_pick(memo, pick);
-                    return;
-                }
                 let reason = abstained.unwrap_or("index_miss");
                 self.metrics.count(reason);
                 route.record("tier_reason", reason);
-                if let Some(memo) = memo {
+                if let Some(memo) = scores.and_then(|s| s.memo::<Memo>()) {
                     self.credit(&context.request.model, memo, pick);
                 }
             }
