@@ -45,9 +45,6 @@ pub trait KvEventSink: Send + Sync {
     fn lost(&self, replica: &str) {
         self.cleared(replica);
     }
-    /// A snapshot restated what the replica's engine holds (perhaps nothing): its events
-    /// reach this sink from now on.
-    fn synced(&self, _replica: &str) {}
 
     /// One more reference to each block.
     fn stored(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {

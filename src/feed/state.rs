@@ -670,7 +670,6 @@ impl FeedState {
         view.synced = true;
         let replica = view.replica.clone();
         self.rebuild(sink, &replica);
-        sink.synced(&replica);
         self.metrics.snapshots.inc();
         Ok(())
     }

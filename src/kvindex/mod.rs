@@ -33,7 +33,7 @@ mod speculative;
 mod tests;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use parking_lot::{RwLock, RwLockReadGuard};
@@ -225,8 +225,6 @@ pub struct KvIndex {
     /// Replicas with a home memory: while there are none (almost always), a lookup of homes
     /// takes no lock.
     homes: AtomicUsize,
-    /// Whether any engine's snapshot reached the index ([`KvIndex::fed`]).
-    fed: AtomicBool,
 }
 
 impl std::fmt::Debug for KvIndex {
@@ -245,16 +243,7 @@ impl KvIndex {
             shards: (0..SHARDS).map(|_| RwLock::new(Shard::default())).collect(),
             replicas: RwLock::new(ReplicaTable::default()),
             homes: AtomicUsize::new(0),
-            fed: AtomicBool::new(false),
         }
-    }
-
-    /// Whether any engine's snapshot has reached the index, even an empty one: agents feed this
-    /// router, and the replicas it knows no block of hold nothing yet (a fresh fleet) rather
-    /// than report nothing. An empty snapshot registers no replica: the scorers that weigh
-    /// caches by their blocks still abstain until one is stored.
-    pub fn fed(&self) -> bool {
-        self.fed.load(Ordering::Relaxed)
     }
 
     pub fn config(&self) -> &IndexConfig {
@@ -710,10 +699,6 @@ impl KvEventSink for KvIndex {
         if let Some(slot) = self.slot(replica) {
             self.clear(slot);
         }
-    }
-
-    fn synced(&self, _replica: &str) {
-        self.fed.store(true, Ordering::Relaxed);
     }
 
     fn lost(&self, replica: &str) {

@@ -712,7 +712,7 @@ async fn evaluate(
     let primary = ask(&entry.name, &*entry.scorer, context, candidates).await;
     if primary
         .scores()
-        .is_some_and(|s| !s.withheld && (s.any_positive() || s.placement_decides))
+        .is_some_and(|s| s.any_positive() || s.placement_decides)
     {
         return Evaluated {
             primary: Some(primary),
@@ -720,7 +720,7 @@ async fn evaluate(
             counted: Counted::Primary,
         };
     }
-    let primary_scored = primary.scores().is_some_and(|s| !s.withheld);
+    let primary_scored = primary.scores().is_some();
     let Some((name, fallback)) = &entry.fallback else {
         return Evaluated {
             primary: Some(primary),

@@ -74,9 +74,6 @@ pub struct Scores {
     /// The prompt's length in cache blocks, when the scorer counted them (`kv_cache` hashes
     /// the prompt): what a placement scorer must find room for.
     pub prompt_blocks: Option<u32>,
-    /// Scores given only to reach the scorer's own `after_pick` (its memo): the scheduler takes
-    /// the answer as an abstain, asks the fallback and never counts these scores.
-    pub withheld: bool,
 }
 
 impl Scores {
@@ -86,7 +83,6 @@ impl Scores {
             memo: None,
             placement_decides: false,
             prompt_blocks: None,
-            withheld: false,
         }
     }
 
@@ -96,7 +92,6 @@ impl Scores {
             memo: Some(Box::new(memo)),
             placement_decides: false,
             prompt_blocks: None,
-            withheld: false,
         }
     }
 
@@ -109,12 +104,6 @@ impl Scores {
     /// Marks an all-zero answer as final (see [`Scores::placement_decides`]).
     pub fn placement_decides(mut self) -> Scores {
         self.placement_decides = true;
-        self
-    }
-
-    /// Marks the answer as withheld (see [`Scores::withheld`]).
-    pub fn withheld(mut self) -> Scores {
-        self.withheld = true;
         self
     }
 

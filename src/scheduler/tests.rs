@@ -245,8 +245,6 @@ struct Fixed {
     category: Category,
     preferred: Option<String>,
     abstain: Option<&'static str>,
-    /// Its scores are withheld ([`Scores::withheld`]).
-    withheld: bool,
     asked: AtomicUsize,
     heard: Mutex<Vec<Heard>>,
 }
@@ -257,7 +255,6 @@ impl Fixed {
             category: Category::Affinity,
             preferred: preferred.map(str::to_owned),
             abstain,
-            withheld: false,
             asked: AtomicUsize::new(0),
             heard: Mutex::new(Vec::new()),
         })
@@ -300,12 +297,7 @@ impl Scorer for Fixed {
                     ))
                 })
                 .collect();
-            let scores = Scores::with_memo(scores, 42u64);
-            Answer::Scored(if self.withheld {
-                scores.withheld()
-            } else {
-                scores
-            })
+            Answer::Scored(Scores::with_memo(scores, 42u64))
         }))
     }
 
@@ -316,13 +308,7 @@ impl Scorer for Fixed {
                 assert_eq!(scores.memo::<u64>(), Some(&42), "the memo comes back");
                 Heard::Counted(chosen)
             }
-            Role::NotCounted { abstained, scores } => {
-                if self.withheld {
-                    let memo = scores.and_then(|s| s.memo::<u64>());
-                    assert_eq!(memo, Some(&42), "a withheld answer's memo comes back");
-                }
-                Heard::NotCounted(chosen, abstained)
-            }
+            Role::NotCounted { abstained, .. } => Heard::NotCounted(chosen, abstained),
             Role::NotAsked => Heard::NotAsked(chosen),
         });
     }
@@ -437,42 +423,6 @@ async fn a_fallback_answers_when_its_primary_abstains_or_matches_nothing() {
         Fixed::abstaining("x"),
     );
     assert!(pick(&scheduler).await.prefix_unavailable);
-}
-
-#[tokio::test]
-async fn a_withheld_answer_counts_as_an_abstain_and_only_its_scorer_sees_it() {
-    let pool = healthy_pool(3);
-    let withheld = |endpoint| {
-        let mut fixed = Fixed::preferring(endpoint);
-        Arc::get_mut(&mut fixed).expect("unshared").withheld = true;
-        fixed
-    };
-    // Its scores prefer replica 2, but the fallback decides, as on an abstain.
-    let primary = withheld("127.0.0.1:2");
-    let fallback = Fixed::preferring("127.0.0.1:3");
-    let scheduler = with_fallback(&pool, primary.clone(), fallback.clone());
-    let decision = pick(&scheduler).await;
-    assert_eq!(decision.primary().endpoint(), "127.0.0.1:3");
-    assert_eq!(
-        primary.heard(),
-        [Heard::NotCounted("127.0.0.1:3".into(), None)]
-    );
-    assert_eq!(fallback.heard(), [Heard::Counted("127.0.0.1:3".into())]);
-    drop(decision);
-    // A fallback with only zeros still counts: the withheld scores never do.
-    let scheduler = with_fallback(&pool, withheld("127.0.0.1:2"), Fixed::zeros());
-    let decision = pick(&scheduler).await;
-    assert!(!decision.prefix_unavailable);
-    drop(decision);
-    // Without a fallback nothing counted: the prefix tiers were unavailable.
-    let alone = withheld("127.0.0.1:2");
-    let scheduler = with_entries(
-        &pool,
-        16.0,
-        vec![ScorerEntry::new("p", 1.0, alone.clone() as Arc<dyn Scorer>)],
-    );
-    assert!(pick(&scheduler).await.prefix_unavailable);
-    assert_eq!(alone.heard().len(), 1);
 }
 
 #[tokio::test]

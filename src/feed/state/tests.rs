@@ -89,10 +89,6 @@ impl KvEventSink for Tee<'_> {
         self.0.lost(replica);
         self.1.lost(replica);
     }
-    fn synced(&self, replica: &str) {
-        self.0.synced(replica);
-        self.1.synced(replica);
-    }
 }
 
 fn configured() -> NodeMap {
@@ -264,23 +260,6 @@ fn snapshots_and_deltas_reach_the_index_and_are_acknowledged() {
     ));
     assert_eq!(f.rec.hashes("r1"), [4].into());
     assert_eq!(f.st.metrics.out_of_order.get(), 1);
-}
-
-#[test]
-fn an_empty_snapshot_tells_the_index_it_is_fed_without_registering_the_replica() {
-    let mut st = state(Duration::from_secs(30));
-    let stream = st.open();
-    let index = KvIndex::new(IndexConfig::default());
-    let mut apply = |id, body| {
-        st.apply(&index, stream, msg(id, body))
-            .unwrap_or_else(|e| panic!("{e}"));
-    };
-    apply(1, hello("n1", &[("e1", "r1"), ("e2", "r2")]));
-    assert!(!index.fed(), "a Hello alone says nothing of the caches");
-    apply(2, snapshot("e1", 0, 0, &[]));
-    assert!(index.fed());
-    // The replica enters the index with its first block, as before.
-    assert_eq!(index.slot("r1"), None);
 }
 
 #[test]
