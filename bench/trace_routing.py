@@ -21,7 +21,8 @@ replica held adds `cache_footprint`'s view: its decision, then per candidate (in
 replica order) `footprint:placements:score`, the footprint in blocks, the prompts placed there
 lately and the score it gave. A load override (of affinity or of a placement) adds the
 decision's scores (with `--scores`, every line shown does): the scorers that counted, then per
-candidate its weighted mean and each scorer's score, `/`-separated.
+candidate its weighted mean and each scorer's score, `/`-separated. Candidates are the
+replicas the filters left: a saturated replica is missing from both lists.
 """
 
 import argparse
