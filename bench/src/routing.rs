@@ -170,6 +170,9 @@ pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct PolicyReport {
     pub policy: String,
+    /// Which of the policy's runs (from 1) when it ran more than once (`--runs`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run: Option<usize>,
     /// Successful requests sent within the measured window.
     pub requests: usize,
     pub errors: usize,
@@ -196,9 +199,13 @@ pub fn markdown_table(reports: &[PolicyReport]) -> String {
          |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in reports {
+        let policy = match r.run {
+            Some(run) => format!("{} (run {run})", r.policy),
+            None => r.policy.clone(),
+        };
         out.push_str(&format!(
             "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} |\n",
-            r.policy,
+            policy,
             r.requests,
             r.errors,
             r.hit_rate
@@ -209,6 +216,52 @@ pub fn markdown_table(reports: &[PolicyReport]) -> String {
             r.throughput_rps,
             us(r.router_cpu_us),
             us(r.envoy_cpu_us),
+        ));
+    }
+    out
+}
+
+/// Each policy's hit rate over its runs, as a Markdown table in the order the policies first
+/// ran: every run's, then the mean and the range. One 30-s run of a policy can differ from the
+/// next by points (where the first tenants land decides much), so a comparison needs them all.
+pub fn hit_rate_summary(reports: &[PolicyReport]) -> String {
+    let mut policies: Vec<(&str, Vec<f64>)> = Vec::new();
+    for report in reports {
+        let index = match policies.iter().position(|(p, _)| *p == report.policy) {
+            Some(index) => index,
+            None => {
+                policies.push((&report.policy, Vec::new()));
+                policies.len() - 1
+            }
+        };
+        if let Some(hit_rate) = report.hit_rate {
+            policies[index].1.push(hit_rate * 100.0);
+        }
+    }
+    let mut out = String::from(
+        "| policy | hit rate per run | mean | lowest | highest |\n|---|---|---:|---:|---:|\n",
+    );
+    for (policy, rates) in policies {
+        let runs: Vec<String> = rates.iter().map(|r| format!("{r:.1}")).collect();
+        let (mean, low, high) = if rates.is_empty() {
+            ("–".to_owned(), "–".to_owned(), "–".to_owned())
+        } else {
+            let mean = rates.iter().sum::<f64>() / rates.len() as f64;
+            let low = rates.iter().copied().fold(f64::INFINITY, f64::min);
+            let high = rates.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            (
+                format!("{mean:.2} %"),
+                format!("{low:.1} %"),
+                format!("{high:.1} %"),
+            )
+        };
+        out.push_str(&format!(
+            "| {policy} | {} | {mean} | {low} | {high} |\n",
+            if runs.is_empty() {
+                "–".to_owned()
+            } else {
+                runs.join(", ")
+            }
         ));
     }
     out
@@ -283,6 +336,39 @@ mod tests {
         assert_eq!(
             lines[3],
             "| llmgw_precise | 501 | 2 | – | – | – | – | 0.0 | 813 | – |"
+        );
+    }
+
+    #[test]
+    fn runs_are_named_in_the_table_and_summed_up_per_policy_in_first_run_order() {
+        let run = |policy: &str, run: usize, hit_rate: Option<f64>| PolicyReport {
+            policy: policy.into(),
+            run: Some(run),
+            hit_rate,
+            ..PolicyReport::default()
+        };
+        let reports = [
+            run("llmgw_precise", 1, Some(0.824)),
+            run("approx_prefix", 1, Some(0.83)),
+            run("round_robin", 1, None),
+            run("llmgw_precise", 2, Some(0.801)),
+            run("approx_prefix", 2, Some(0.816)),
+            run("llmgw_precise", 3, Some(0.846)),
+        ];
+        assert!(
+            markdown_table(&reports)
+                .lines()
+                .any(|l| l.starts_with("| llmgw_precise (run 2) | 0 |"))
+        );
+        let summary = hit_rate_summary(&reports);
+        let lines: Vec<&str> = summary.lines().collect();
+        assert_eq!(
+            lines[2..],
+            [
+                "| llmgw_precise | 82.4, 80.1, 84.6 | 82.37 % | 80.1 % | 84.6 % |",
+                "| approx_prefix | 83.0, 81.6 | 82.30 % | 81.6 % | 83.0 % |",
+                "| round_robin | – | – | – | – |",
+            ]
         );
     }
 }

@@ -62,3 +62,76 @@ fn a_replica_restarted_mid_run_is_measured_for_every_policy() {
         "{stdout}"
     );
 }
+
+#[test]
+fn policies_take_turns_over_several_runs_and_each_is_summed_up() {
+    let out = repo_root()
+        .join("target")
+        .join(format!("bench-routing-runs-test-{}", std::process::id()));
+    let json = out.join("report.json");
+    let mut command = Command::new(bin_path("llmgw-bench-routing"));
+    command
+        .args([
+            "--policies",
+            "round_robin,pinned",
+            "--runs",
+            "2",
+            "--no-ceiling",
+        ])
+        .args(["--replicas", "2", "--tenants", "2", "--rate", "6"])
+        .args(["--seconds", "4", "--warmup-seconds", "1"])
+        .arg("--out-dir")
+        .arg(&out);
+    let (stdout, report) = llmgw_bench::run_bench(command, &json);
+    let files: Vec<bool> = [
+        "run-1/requests-round_robin.csv",
+        "run-2/requests-pinned.csv",
+    ]
+    .iter()
+    .map(|f| out.join(f).is_file())
+    .collect();
+    let _ = std::fs::remove_dir_all(&out);
+    assert_eq!(
+        files,
+        [true, true],
+        "each run's requests in its own directory"
+    );
+    let rows = report.as_array().expect("one row per run of each policy");
+    let order: Vec<(&str, u64)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["policy"].as_str().unwrap_or("?"),
+                r["run"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    assert_eq!(
+        order,
+        [
+            ("round_robin", 1),
+            ("pinned", 1),
+            ("round_robin", 2),
+            ("pinned", 2)
+        ],
+        "{report}"
+    );
+    assert!(
+        stdout.contains("Hit rate over 2 runs of each policy, taking turns:"),
+        "{stdout}"
+    );
+    // Each policy's line of the summary lists both runs' hit rates.
+    for policy in ["round_robin", "pinned"] {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("| {policy} | ")) && l.ends_with(" % |"))
+            .unwrap_or_else(|| panic!("no summary line for {policy}:\n{stdout}"));
+        assert_eq!(
+            line.split(" | ")
+                .nth(1)
+                .map(|runs| runs.split(", ").count()),
+            Some(2),
+            "{line}"
+        );
+    }
+}

@@ -44,7 +44,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use llmgw_bench::routing::{
-    Policy, PolicyReport, markdown_table, offered_rate, percentile, rate_in_window,
+    Policy, PolicyReport, hit_rate_summary, markdown_table, offered_rate, percentile,
+    rate_in_window,
 };
 use llmgw_integration::agent::AgentCommand;
 use llmgw_integration::envoy::{EnvoyCommand, plain_envoy_config};
@@ -159,6 +160,11 @@ struct Args {
     /// Where the report, the TTFT samples and Envoy configs go.
     #[arg(long, default_value = "target/bench-routing")]
     out_dir: PathBuf,
+    /// Runs of each policy, the policies taking turns run by run; the report then sums up each
+    /// policy's hit rate over its runs, and each run's requests, router logs and Envoy configs
+    /// go to `run-N/` under --out-dir.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    runs: u16,
     /// Skip the hit-rate ceiling run (one more replica with an unbounded cache) at the end.
     #[arg(long)]
     no_ceiling: bool,
@@ -367,56 +373,71 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     // In run order, for the plot's legend.
     let mut ttfts: Vec<serde_json::Value> = Vec::new();
     let mut notes = Vec::new();
-    for &policy in &args.policies {
-        if matches!(policy, Policy::VllmRouter(_)) && !vllm_router.exists() {
-            let note = format!(
-                "{policy}: skipped, {} not found (pip install vllm-router)",
-                vllm_router.display()
-            );
-            println!("{note}");
-            notes.push(note);
-            continue;
-        }
-        workload::reset_prefix_caches(&http, &sims).await;
-        println!("\n== {policy}: {} ==", policy.setup());
-        let stack = match start_stack(policy, &args, &sims, &vllm_router, &http).await {
-            Ok(stack) => stack,
-            Err(error) => {
-                let note = format!("{policy}: did not start: {error:#}");
+    let several = args.runs > 1;
+    for run in 1..=usize::from(args.runs) {
+        let run_dir = if several {
+            args.out_dir.join(format!("run-{run}"))
+        } else {
+            args.out_dir.clone()
+        };
+        std::fs::create_dir_all(&run_dir)
+            .with_context(|| format!("create {}", run_dir.display()))?;
+        for &policy in &args.policies {
+            // How notes and headings name this run of the policy.
+            let label = if several {
+                format!("{policy} (run {run})")
+            } else {
+                policy.to_string()
+            };
+            if matches!(policy, Policy::VllmRouter(_)) && !vllm_router.exists() {
+                let note = format!(
+                    "{label}: skipped, {} not found (pip install vllm-router)",
+                    vllm_router.display()
+                );
                 println!("{note}");
                 notes.push(note);
                 continue;
             }
-        };
-        let Measured {
-            report,
-            ttft_ms: samples,
-            extra,
-            requests,
-        } = measure_policy(
-            policy,
-            &stack,
-            &args,
-            rate,
-            &mut sims,
-            args.restart(),
-            &http,
-        )
-        .await
-        .with_context(|| format!("measuring {policy}"))?;
-        write(
-            &args.out_dir.join(format!("requests-{policy}.csv")),
-            &requests,
-        )?;
-        println!("{}", markdown_table(std::slice::from_ref(&report)));
-        if let Some(extra) = extra {
-            println!("{extra}");
-            notes.push(format!("{policy}: {extra}"));
+            workload::reset_prefix_caches(&http, &sims).await;
+            println!("\n== {label}: {} ==", policy.setup());
+            let stack = match start_stack(policy, &args, &run_dir, &sims, &vllm_router, &http).await
+            {
+                Ok(stack) => stack,
+                Err(error) => {
+                    let note = format!("{label}: did not start: {error:#}");
+                    println!("{note}");
+                    notes.push(note);
+                    continue;
+                }
+            };
+            let Measured {
+                mut report,
+                ttft_ms: samples,
+                extra,
+                requests,
+            } = measure_policy(
+                policy,
+                &stack,
+                &args,
+                rate,
+                &mut sims,
+                args.restart(),
+                &http,
+            )
+            .await
+            .with_context(|| format!("measuring {label}"))?;
+            write(&run_dir.join(format!("requests-{policy}.csv")), &requests)?;
+            report.run = several.then_some(run);
+            println!("{}", markdown_table(std::slice::from_ref(&report)));
+            if let Some(extra) = extra {
+                println!("{extra}");
+                notes.push(format!("{label}: {extra}"));
+            }
+            ttfts.push(serde_json::json!({"policy": label, "ttft_ms": samples}));
+            reports.push(report);
+            drop(stack);
+            tokio::time::sleep(Duration::from_millis(500)).await;
         }
-        ttfts.push(serde_json::json!({"policy": policy.to_string(), "ttft_ms": samples}));
-        reports.push(report);
-        drop(stack);
-        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 
     let ceiling = if args.no_ceiling {
@@ -440,7 +461,14 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
         line
     };
 
-    let table = markdown_table(&reports);
+    let mut table = markdown_table(&reports);
+    if several {
+        table = format!(
+            "{table}\nHit rate over {} runs of each policy, taking turns:\n\n{}",
+            args.runs,
+            hit_rate_summary(&reports)
+        );
+    }
     let machine_after = machine_state();
     let report = format!(
         "{table}\n{ceiling}{calibration}; {} {}s × {} blocks of {} tokens{}; {} tenants{}{}, {} \
@@ -735,7 +763,15 @@ async fn measure_capacity(
         args.calibrate_concurrency, args.calibrate_seconds
     );
     let vllm_router = PathBuf::new();
-    let stack = start_stack(Policy::RoundRobin, args, sims, &vllm_router, http).await?;
+    let stack = start_stack(
+        Policy::RoundRobin,
+        args,
+        &args.out_dir,
+        sims,
+        &vllm_router,
+        http,
+    )
+    .await?;
     let results = Arc::new(Mutex::new(Results::default()));
     let duration = Duration::from_secs(args.calibrate_seconds);
     let config = WorkloadConfig {
@@ -784,9 +820,11 @@ struct Stack {
     _guards: Vec<ChildGuard>,
 }
 
+/// Starts what `policy` routes through; its Envoy config and router logs go to `dir`.
 async fn start_stack(
     policy: Policy,
     args: &Args,
+    dir: &Path,
     sims: &[SimHandle],
     vllm_router: &Path,
     http: &reqwest::Client,
@@ -802,7 +840,7 @@ async fn start_stack(
             };
             let (listen, admin) = (free_port(), free_port());
             let envoy = start_envoy(
-                &args.out_dir,
+                dir,
                 policy,
                 (listen, admin),
                 plain_envoy_config(lb, listen, admin, &replicas),
@@ -883,7 +921,7 @@ async fn start_stack(
                     .env("RUST_LOG", log_filter());
                 if log_filter_given() {
                     // One file per router, to tell their decisions apart.
-                    let path = args.out_dir.join(format!("router-{policy}-{i}.log"));
+                    let path = dir.join(format!("router-{policy}-{i}.log"));
                     let file = std::fs::File::create(&path)
                         .with_context(|| format!("create {}", path.display()))?;
                     router = router.stderr(file);
@@ -915,7 +953,7 @@ async fn start_stack(
             };
             let (listen, envoy_admin) = (free_port(), free_port());
             let envoy = start_envoy(
-                &args.out_dir,
+                dir,
                 policy,
                 (listen, envoy_admin),
                 envoy_config_for_routers(
@@ -1195,6 +1233,7 @@ async fn measure_policy(
         .fold((0.0, 0.0), |t, s| (t.0 + s.0, t.1 + s.1));
     let report = PolicyReport {
         policy: policy.to_string(),
+        run: None,
         requests: ttft_ms.len(),
         errors: measured.iter().filter(|s| s.status != 200).count() + results.errors.len(),
         hit_rate: (queries > 0.0).then(|| hits / queries),
