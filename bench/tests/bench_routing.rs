@@ -10,17 +10,26 @@
     reason = "a test and bench harness: a panic is a failed run, never a crashed router"
 )]
 
+use std::path::PathBuf;
 use std::process::Command;
 
 use llmgw_integration::{bin_path, repo_root};
 
-#[test]
-fn a_replica_restarted_mid_run_is_measured_for_every_policy() {
+/// A toy-sized run's output directory (under `target/`, named for `test`), its report.json, and
+/// the bench's command writing there, without its flags.
+fn toy_bench(test: &str) -> (PathBuf, PathBuf, Command) {
     let out = repo_root()
         .join("target")
-        .join(format!("bench-routing-test-{}", std::process::id()));
+        .join(format!("bench-routing-{test}-{}", std::process::id()));
     let json = out.join("report.json");
     let mut command = Command::new(bin_path("llmgw-bench-routing"));
+    command.arg("--out-dir").arg(&out);
+    (out, json, command)
+}
+
+#[test]
+fn a_replica_restarted_mid_run_is_measured_for_every_policy() {
+    let (out, json, mut command) = toy_bench("restart");
     command
         .args([
             "--policies",
@@ -29,9 +38,7 @@ fn a_replica_restarted_mid_run_is_measured_for_every_policy() {
         ])
         .args(["--replicas", "2", "--tenants", "2", "--rate", "6"])
         .args(["--seconds", "6", "--warmup-seconds", "1"])
-        .args(["--restart-replica-at", "2", "--restart-downtime-ms", "500"])
-        .arg("--out-dir")
-        .arg(&out);
+        .args(["--restart-replica-at", "2", "--restart-downtime-ms", "500"]);
     let (stdout, report) = llmgw_bench::run_bench(command, &json);
     let _ = std::fs::remove_dir_all(&out);
     assert_eq!(
@@ -65,11 +72,7 @@ fn a_replica_restarted_mid_run_is_measured_for_every_policy() {
 
 #[test]
 fn policies_take_turns_over_several_runs_and_each_is_summed_up() {
-    let out = repo_root()
-        .join("target")
-        .join(format!("bench-routing-runs-test-{}", std::process::id()));
-    let json = out.join("report.json");
-    let mut command = Command::new(bin_path("llmgw-bench-routing"));
+    let (out, json, mut command) = toy_bench("runs");
     command
         .args([
             "--policies",
@@ -79,9 +82,7 @@ fn policies_take_turns_over_several_runs_and_each_is_summed_up() {
             "--no-ceiling",
         ])
         .args(["--replicas", "2", "--tenants", "2", "--rate", "6"])
-        .args(["--seconds", "4", "--warmup-seconds", "1"])
-        .arg("--out-dir")
-        .arg(&out);
+        .args(["--seconds", "4", "--warmup-seconds", "1"]);
     let (stdout, report) = llmgw_bench::run_bench(command, &json);
     let files: Vec<bool> = [
         "run-1/requests-round_robin.csv",
