@@ -22,7 +22,8 @@ replica order) `footprint:placements:score`, the footprint in blocks, the prompt
 lately and the score it gave. A load override (of affinity or of a placement) adds the
 decision's scores (with `--scores`, every line shown does): the scorers that counted, then per
 candidate its weighted mean and each scorer's score, `/`-separated. Candidates are the
-replicas the filters left: a saturated replica is missing from both lists.
+replicas the filters left: a saturated replica is missing from both lists, and every decision
+a filter took a replica out of is shown with `filtered out: FILTER=REPLICA`.
 """
 
 import argparse
@@ -125,7 +126,9 @@ def main():
             fields = decided[2] if decided else {}
             by_index = fields.get("tier") == "index" and fields.get("prefix_outcome") == "hit"
             away = request["replica"] != home
-            if request["turn"] != "0" and not away and (by_index or bypassed(request)):
+            filtered = fields.get("filtered_out")
+            if (request["turn"] != "0" and not away and not filtered
+                    and (by_index or bypassed(request))):
                 continue
             how = "bypassed" if bypassed(request) else "no routed line"
             if decided:
@@ -141,6 +144,13 @@ def main():
                 )
                 if "scores" in fields and (args.scores or overridden):
                     how += f"  {fields['scores']}"
+                if filtered:
+                    replica_of = {a: r for r, a in address.items()}
+                    named = []
+                    for out in filtered.split(","):
+                        name, _, addr = out.partition("=")
+                        named.append(f"{name}={replica_of.get(addr, addr)}")
+                    how += f"  filtered out: {','.join(named)}"
 
             print(
                 f"  {'*' if away else ' '}{float(request['sent_s']):7.2f} s"

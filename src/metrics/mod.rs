@@ -7,6 +7,9 @@
 //!   done for it on the blocking pool; [`crate::cputime`]), so waiting and preemption by other
 //!   work are not counted.
 //! * `llmgw_imbalance_guard_total`, `llmgw_prefix_unavailable_total`.
+//! * `llmgw_filtered_out_total{filter}`: ready replicas a profile filter took out of a routed
+//!   decision's candidates (`saturation` dropping a request's home, say); the route span's
+//!   `filtered_out` field names them.
 //! * Read from the index and tokenizer at scrape time ([`state`]): `llmgw_kv_index_*`,
 //!   `llmgw_tokenize_*`. The scheduler's plugins register their own (`llmgw_kv_decisions_total`,
 //!   `llmgw_prefix_decisions_total`, `llmgw_prefix_tree_nodes`, ...).
@@ -102,6 +105,12 @@ struct OutcomeLabels {
     outcome: &'static str,
 }
 
+/// A profile filter's name (from the configuration: a bounded set).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FilterLabels {
+    filter: String,
+}
+
 /// How the endpoint the proxy reports as having served a request compares with the pick.
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
 pub enum Served {
@@ -148,6 +157,7 @@ pub struct Metrics {
     pick_cpu: Histogram,
     imbalance_guard: Counter,
     prefix_unavailable: Counter,
+    filtered_out: Family<FilterLabels, Counter>,
     /// `llmgw_served_reports` by [`Served`], made at start-up like `decisions`.
     served: [Counter; Served::ALL.len()],
     /// GIE's `inference_objective_*` request metrics.
@@ -199,6 +209,12 @@ impl Metrics {
             "Decisions made on load alone because the prefix scorer failed",
             prefix_unavailable.clone(),
         );
+        let filtered_out = Family::<FilterLabels, Counter>::default();
+        registry.register(
+            "llmgw_filtered_out",
+            "Ready replicas a profile filter took out of a routed decision's candidates",
+            filtered_out.clone(),
+        );
         let served = Family::<ServedLabels, Counter>::default();
         registry.register(
             "llmgw_served_reports",
@@ -224,6 +240,7 @@ impl Metrics {
             pick_cpu,
             imbalance_guard,
             prefix_unavailable,
+            filtered_out,
             served,
             objective,
             pool,
@@ -266,6 +283,15 @@ impl Metrics {
 
     pub fn prefix_unavailable(&self) {
         self.prefix_unavailable.inc();
+    }
+
+    /// A filter took a ready replica out of a routed decision's candidates.
+    pub fn filtered_out(&self, filter: &str) {
+        self.filtered_out
+            .get_or_create(&FilterLabels {
+                filter: filter.to_owned(),
+            })
+            .inc();
     }
 
     /// `llmgw_pool_info{pool_name, pool_namespace} 1`: which InferencePool this router serves;

@@ -163,6 +163,7 @@ impl Router {
             fallbacks: chosen.cloned().collect(),
             imbalance_guard_fired: false,
             prefix_unavailable: false,
+            filtered_out: Vec::new(),
         };
         Ok((decision, Outcome::RoutedTestSelection))
     }
@@ -286,6 +287,7 @@ impl Picker for Router {
             tier_reason = Empty,
             prefix_outcome = Empty,
             placement = Empty,
+            filtered_out = Empty,
             scores = Empty,
             pick = Empty,
             fallbacks = Empty,
@@ -328,6 +330,15 @@ impl Picker for Router {
             }
         };
         self.metrics.record(outcome);
+        if !decision.filtered_out.is_empty() {
+            span.record(
+                "filtered_out",
+                tracing::field::display(decision.filtered_out_trace()),
+            );
+            for out in &decision.filtered_out {
+                self.metrics.filtered_out(&out.filter);
+            }
+        }
         let destination = decision.destination();
         span.record("pick", decision.primary().endpoint());
         span.record("fallbacks", decision.fallbacks.len() as i64);

@@ -754,3 +754,36 @@ async fn flow_control_answers_map_to_statuses_and_a_freed_replica_serves_the_wai
         "{text}"
     );
 }
+
+#[tokio::test]
+async fn a_replica_a_filter_takes_out_is_counted_by_filter() {
+    let pool = pool();
+    let router = router(&pool, false);
+    let full = pool
+        .snapshot()
+        .find("127.0.0.1:8001")
+        .cloned()
+        .expect("replica");
+    full.record_scrape(
+        EngineLoad {
+            waiting: Some(0.0),
+            running: Some(2.0),
+            kv_cache_usage: Some(0.995),
+        },
+        Instant::now(),
+    );
+    let line = "llmgw_filtered_out_total{filter=\"saturation\"}";
+    assert_eq!(
+        sample(&router.metrics, line),
+        None,
+        "nothing counted before a decision"
+    );
+    for expected in [1.0, 2.0] {
+        let routed = router
+            .pick(post("/v1/completions", r#"{"model":"tiny","prompt":"hi"}"#))
+            .await
+            .unwrap();
+        assert_eq!(routed.destination, "127.0.0.1:8002");
+        assert_eq!(sample(&router.metrics, line), Some(expected));
+    }
+}

@@ -128,9 +128,39 @@ pub struct Decision {
     pub imbalance_guard_fired: bool,
     /// Whether an affinity scorer (and its fallback) was asked and none answered.
     pub prefix_unavailable: bool,
+    /// Ready replicas a filter took out of the candidates (empty, with no allocation, when
+    /// none was).
+    pub filtered_out: Vec<FilteredOut>,
+}
+
+/// A replica a filter removed from a decision's candidates: why a request did not go where
+/// its prefix is, when that is the reason.
+#[derive(Debug, Clone)]
+pub struct FilteredOut {
+    /// The filter's name in the profile.
+    pub filter: String,
+    pub replica: Arc<Replica>,
+}
+
+/// The route span's `filtered_out` field ([`Decision::filtered_out_trace`]).
+pub struct FilteredOutTrace<'a>(&'a [FilteredOut]);
+
+impl std::fmt::Display for FilteredOutTrace<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, out) in self.0.iter().enumerate() {
+            let sep = if i == 0 { "" } else { "," };
+            write!(f, "{sep}{}={}", out.filter, out.replica.endpoint())?;
+        }
+        Ok(())
+    }
 }
 
 impl Decision {
+    /// `FILTER=ENDPOINT` per replica a filter took out, comma-separated (empty when none).
+    pub fn filtered_out_trace(&self) -> FilteredOutTrace<'_> {
+        FilteredOutTrace(&self.filtered_out)
+    }
+
     pub fn primary(&self) -> &Arc<Replica> {
         self.in_flight.replica()
     }
@@ -432,7 +462,7 @@ impl Scheduler {
                 .check(&context)
                 .map_err(DecideError::BadRequest)?;
         }
-        let candidates = self.candidates(serving, Some(request), scope)?;
+        let (candidates, filtered_out) = self.candidates(serving, Some(request), scope)?;
 
         // Fields of the router's `route` span are recorded on the current span.
         let route = tracing::Span::current();
@@ -546,6 +576,7 @@ impl Scheduler {
             fallbacks,
             imbalance_guard_fired,
             prefix_unavailable,
+            filtered_out,
         })
     }
 
@@ -553,7 +584,7 @@ impl Scheduler {
     /// completion, such as `GET /v1/models`.
     pub fn decide_any(&self, scope: Scope<'_>) -> Result<Decision, DecideError> {
         let snapshot = self.pool.snapshot();
-        let candidates = self.candidates(snapshot.replicas(), None, scope)?;
+        let (candidates, filtered_out) = self.candidates(snapshot.replicas(), None, scope)?;
         let scores: Vec<f64> = candidates.iter().map(|c| -f64::from(c.in_flight)).collect();
         let order = rank(&scores, &mut rand::rng());
         Ok(Decision {
@@ -565,6 +596,7 @@ impl Scheduler {
                 .collect(),
             imbalance_guard_fired: false,
             prefix_unavailable: false,
+            filtered_out,
         })
     }
 
@@ -599,13 +631,15 @@ impl Scheduler {
         hi - lo >= self.options.imbalance_threshold
     }
 
-    /// The healthy, in-scope replicas among `replicas` that pass the filters.
+    /// The healthy, in-scope replicas among `replicas` that pass the filters, and those the
+    /// filters took out (a preference filter that would leave nobody is ignored, and takes
+    /// nobody out).
     fn candidates(
         &self,
         replicas: &[Arc<Replica>],
         request: Option<&ParsedRequest>,
         scope: Scope<'_>,
-    ) -> Result<Vec<Candidate>, DecideError> {
+    ) -> Result<(Vec<Candidate>, Vec<FilteredOut>), DecideError> {
         let now = Instant::now();
         let staleness = self.pool.metrics_staleness();
         let mut healthy: Vec<&Arc<Replica>> = replicas.iter().filter(|r| r.is_healthy()).collect();
@@ -619,24 +653,42 @@ impl Scheduler {
             }
         }
         let mut candidates: Vec<Candidate> = healthy
-            .into_iter()
+            .iter()
             .map(|replica| Candidate::of(replica, now, staleness))
             .collect();
+        let mut filtered_out: Vec<FilteredOut> = Vec::new();
         for (name, filter) in &self.filters {
             let before =
                 (filter.when_none_pass() == WhenNonePass::KeepAll).then(|| candidates.clone());
+            let count = candidates.len();
             filter.filter(request, &mut candidates);
             if candidates.is_empty() {
                 match (filter.when_none_pass(), before) {
                     (WhenNonePass::KeepAll, Some(before)) => {
                         tracing::debug!(filter = %name, "no candidate passed; filter ignored");
                         candidates = before;
+                        continue;
                     }
                     _ => return Err(DecideError::AllSaturated),
                 }
             }
+            // Rare, so found by search rather than by copying the candidates before each filter.
+            if candidates.len() < count {
+                for replica in &healthy {
+                    let kept = candidates.iter().any(|c| Arc::ptr_eq(&c.replica, replica));
+                    let counted = filtered_out
+                        .iter()
+                        .any(|o| Arc::ptr_eq(&o.replica, replica));
+                    if !kept && !counted {
+                        filtered_out.push(FilteredOut {
+                            filter: name.clone(),
+                            replica: Arc::clone(replica),
+                        });
+                    }
+                }
+            }
         }
-        Ok(candidates)
+        Ok((candidates, filtered_out))
     }
 }
 

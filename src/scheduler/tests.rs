@@ -508,14 +508,60 @@ async fn a_preference_filter_that_removes_everyone_is_ignored() {
         )
     };
     let pool = healthy_pool(3);
+    let named = |d: &Decision| -> Vec<String> {
+        d.filtered_out
+            .iter()
+            .map(|o| format!("{}={}", o.filter, o.replica.endpoint()))
+            .collect()
+    };
     for _ in 0..4 {
-        assert_eq!(pick(&with_filter(&pool)).await.destination(), "127.0.0.1:1");
+        let decision = pick(&with_filter(&pool)).await;
+        assert_eq!(decision.destination(), "127.0.0.1:1");
+        assert_eq!(
+            named(&decision),
+            ["prefer_one=127.0.0.1:2", "prefer_one=127.0.0.1:3"]
+        );
     }
-    // Replica 1 is not ready: the filter would leave nobody, so it is ignored.
+    // Replica 1 is not ready: the filter would leave nobody, so it is ignored and takes
+    // nobody out.
     replica(&pool, 1).set_health(Health::Unhealthy);
     let decision = pick(&with_filter(&pool)).await;
     assert_ne!(decision.primary().endpoint(), "127.0.0.1:1");
     assert_eq!(decision.fallbacks.len(), 1);
+    assert!(decision.filtered_out.is_empty());
+}
+
+#[tokio::test]
+async fn a_saturated_replica_is_named_with_its_filter_once() {
+    let pool = healthy_pool(3);
+    let scheduler = load_only(&pool);
+    let decision = scheduler
+        .decide(&request("m"), &[], Scope::default())
+        .await
+        .expect("routed");
+    assert!(decision.filtered_out.is_empty(), "nobody saturated");
+    drop(decision);
+    let now = Instant::now();
+    replica(&pool, 1).record_scrape(load(0.0, 0.995), now);
+    replica(&pool, 3).record_scrape(load(500.0, 0.1), now);
+    let decision = scheduler
+        .decide(&request("m"), &[], Scope::default())
+        .await
+        .expect("routed");
+    assert_eq!(decision.destination(), "127.0.0.1:2");
+    let out: Vec<(&str, &str)> = decision
+        .filtered_out
+        .iter()
+        .map(|o| (o.filter.as_str(), o.replica.endpoint()))
+        .collect();
+    assert_eq!(
+        out,
+        [("saturation", "127.0.0.1:1"), ("saturation", "127.0.0.1:3")]
+    );
+    assert_eq!(
+        decision.filtered_out_trace().to_string(),
+        "saturation=127.0.0.1:1,saturation=127.0.0.1:3"
+    );
 }
 
 #[test]
