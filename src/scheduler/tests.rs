@@ -535,19 +535,14 @@ async fn a_preference_filter_that_removes_everyone_is_ignored() {
 async fn a_saturated_replica_is_named_with_its_filter_once() {
     let pool = healthy_pool(3);
     let scheduler = load_only(&pool);
-    let decision = scheduler
-        .decide(&request("m"), &[], Scope::default())
-        .await
-        .expect("routed");
-    assert!(decision.filtered_out.is_empty(), "nobody saturated");
-    drop(decision);
+    assert!(
+        pick(&scheduler).await.filtered_out.is_empty(),
+        "nobody saturated"
+    );
     let now = Instant::now();
     replica(&pool, 1).record_scrape(load(0.0, 0.995), now);
     replica(&pool, 3).record_scrape(load(500.0, 0.1), now);
-    let decision = scheduler
-        .decide(&request("m"), &[], Scope::default())
-        .await
-        .expect("routed");
+    let decision = pick(&scheduler).await;
     assert_eq!(decision.destination(), "127.0.0.1:2");
     let out: Vec<(&str, &str)> = decision
         .filtered_out
