@@ -531,8 +531,49 @@ async fn a_preference_filter_that_removes_everyone_is_ignored() {
     assert!(decision.filtered_out.is_empty());
 }
 
+/// A filter that takes one replica out.
+struct Without(&'static str);
+
+impl Filter for Without {
+    fn filter(&self, _: Option<&ParsedRequest>, candidates: &mut Vec<Candidate>) {
+        candidates.retain(|c| c.replica.endpoint() != self.0);
+    }
+
+    fn when_none_pass(&self) -> WhenNonePass {
+        WhenNonePass::KeepAll
+    }
+}
+
 #[tokio::test]
-async fn a_saturated_replica_is_named_with_its_filter_once() {
+async fn each_removed_replica_is_named_once_with_the_filter_that_removed_it() {
+    let filter = |name: &str, endpoint: &'static str| {
+        (
+            name.to_owned(),
+            Arc::new(Without(endpoint)) as Arc<dyn Filter>,
+        )
+    };
+    let pool = healthy_pool(3);
+    let scheduler = Scheduler::with_plugins(
+        Arc::clone(&pool),
+        SchedulerOptions::default(),
+        vec![
+            filter("a", "127.0.0.1:3"),
+            filter("b", "127.0.0.1:2"),
+            // Takes out one already gone: it names nobody.
+            filter("c", "127.0.0.1:3"),
+        ],
+        Vec::new(),
+    );
+    let decision = pick(&scheduler).await;
+    assert_eq!(decision.destination(), "127.0.0.1:1");
+    assert_eq!(
+        decision.filtered_out_trace().to_string(),
+        "a=127.0.0.1:3,b=127.0.0.1:2"
+    );
+}
+
+#[tokio::test]
+async fn saturated_replicas_are_named_with_their_filter() {
     let pool = healthy_pool(3);
     let scheduler = load_only(&pool);
     assert!(
