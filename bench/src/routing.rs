@@ -199,10 +199,7 @@ pub fn markdown_table(reports: &[PolicyReport]) -> String {
          |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in reports {
-        let policy = match r.run {
-            Some(run) => format!("{} (run {run})", r.policy),
-            None => r.policy.clone(),
-        };
+        let policy = run_label(&r.policy, r.run);
         out.push_str(&format!(
             "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} |\n",
             policy,
@@ -219,6 +216,15 @@ pub fn markdown_table(reports: &[PolicyReport]) -> String {
         ));
     }
     out
+}
+
+/// How tables and notes name one run of a policy: `policy (run N)` when it ran more than once
+/// (`--runs`), else the policy alone.
+pub fn run_label(policy: &str, run: Option<usize>) -> String {
+    match run {
+        Some(run) => format!("{policy} (run {run})"),
+        None => policy.to_owned(),
+    }
 }
 
 /// Each policy's hit rate over its runs, as a Markdown table in the order the policies first

@@ -45,7 +45,7 @@ use anyhow::{Context as _, bail};
 use clap::Parser;
 use llmgw_bench::routing::{
     Policy, PolicyReport, hit_rate_summary, markdown_table, offered_rate, percentile,
-    rate_in_window,
+    rate_in_window, run_label,
 };
 use llmgw_integration::agent::AgentCommand;
 use llmgw_integration::envoy::{EnvoyCommand, plain_envoy_config};
@@ -383,12 +383,7 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
         std::fs::create_dir_all(&run_dir)
             .with_context(|| format!("create {}", run_dir.display()))?;
         for &policy in &args.policies {
-            // How notes and headings name this run of the policy.
-            let label = if several {
-                format!("{policy} (run {run})")
-            } else {
-                policy.to_string()
-            };
+            let label = run_label(&policy.to_string(), several.then_some(run));
             if matches!(policy, Policy::VllmRouter(_)) && !vllm_router.exists() {
                 let note = format!(
                     "{label}: skipped, {} not found (pip install vllm-router)",
