@@ -43,12 +43,14 @@ pub struct WorkloadConfig {
     /// Percent (0-100) of conversations that belong to tenant 0, a hot tenant, on top of its
     /// share of the rest: enough of them saturate a replica, and load must outvote affinity.
     pub hot_tenant_percent: u8,
-    /// Conversations' tenants drawn by a hash of the conversation's id (the same in every
-    /// run) rather than in turn. In turn, tenants next to each other in the order run their
+    /// `Some(seed)`: conversations' tenants drawn by a hash of the conversation's id and
+    /// `seed`, rather than in turn. In turn, tenants next to each other in the order run their
     /// conversations at the same moments, and which of them share a cache changes its hit
     /// rate (docs/results/2026-12-05-placement-trace.md); drawn, no tenant has fixed
-    /// neighbours.
-    pub tenants_drawn: bool,
+    /// neighbours. One seed draws the same tenants in every run; another seed draws others,
+    /// so seeds differ in which tenants are heavy and in which order they first arrive, not
+    /// only in when conversations start.
+    pub tenants_drawn: Option<u64>,
 }
 
 impl Default for WorkloadConfig {
@@ -66,7 +68,7 @@ impl Default for WorkloadConfig {
             bypass: Vec::new(),
             bypass_failover: false,
             hot_tenant_percent: 0,
-            tenants_drawn: false,
+            tenants_drawn: None,
         }
     }
 }
@@ -79,13 +81,13 @@ pub fn adapter_name(i: usize) -> String {
 impl WorkloadConfig {
     /// Conversation `id`'s tenant: tenant 0 for `hot_tenant_percent` of them (chosen by a hash
     /// of the id, the same in every run), the others in turn (or drawn by another hash of the
-    /// id with `tenants_drawn`).
+    /// id and the seed with `tenants_drawn`).
     pub fn tenant_of(&self, id: usize) -> usize {
         let tenants = self.tenants.max(1);
         if id_hash(id) % 100 < u64::from(self.hot_tenant_percent) {
             0
-        } else if self.tenants_drawn {
-            (splitmix(id as u64) % tenants as u64) as usize
+        } else if let Some(seed) = self.tenants_drawn {
+            (splitmix(id as u64 ^ splitmix(seed ^ TENANT_STREAM)) % tenants as u64) as usize
         } else {
             id % tenants
         }
@@ -120,8 +122,11 @@ fn splitmix(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Keeps the bypass draw apart from the tenant draw, which hashes the bare id.
+/// Keeps the bypass draw apart from the tenant draw.
 const BYPASS_STREAM: u64 = 0xD6E8_FEB8_6659_FD93;
+
+/// Keeps the tenant draw's seed apart from the arrivals', which start from the bare seed.
+const TENANT_STREAM: u64 = 0x2545_F491_4F6C_DD1D;
 
 /// A multiplicative hash of a conversation id, the same in every run: consecutive ids step
 /// through `% 100` evenly (the hot tenant's share), but its parity repeats over long runs.
@@ -721,17 +726,27 @@ vllm:external_prefix_cache_hits_total{engine=\"0\",model_name=\"tiny\"} 9.0
 
     #[test]
     fn drawn_tenants_come_in_no_fixed_order_and_each_gets_its_share() {
-        let drawn = WorkloadConfig {
+        let drawn_by = |seed| WorkloadConfig {
             tenants: 12,
-            tenants_drawn: true,
+            tenants_drawn: Some(seed),
             ..WorkloadConfig::default()
         };
+        let drawn = drawn_by(1);
         let first: Vec<usize> = (0..24).map(|id| drawn.tenant_of(id)).collect();
         let in_turn: Vec<usize> = (0..24).map(|id| id % 12).collect();
         assert_ne!(first, in_turn);
         assert_eq!(
             first,
-            (0..24).map(|id| drawn.tenant_of(id)).collect::<Vec<_>>()
+            (0..24)
+                .map(|id| drawn_by(1).tenant_of(id))
+                .collect::<Vec<_>>()
+        );
+        // Another seed draws other tenants, not the same ones at other instants.
+        assert_ne!(
+            first,
+            (0..24)
+                .map(|id| drawn_by(2).tenant_of(id))
+                .collect::<Vec<_>>()
         );
         let mut counts = [0usize; 12];
         for id in 0..12_000 {

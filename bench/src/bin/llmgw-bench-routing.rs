@@ -196,9 +196,10 @@ struct Args {
     /// affinity (see the TTFT p99 and the split over the replicas).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=100))]
     hot_tenant_percent: u8,
-    /// Draw each conversation's tenant by a hash of its id (the same in every run) instead of
-    /// taking the tenants in turn, where neighbours in the order are active together and which
-    /// of them share a cache changes the hit rate.
+    /// Draw each conversation's tenant by a hash of its id and `--seed` (the same in every run
+    /// of a seed) instead of taking the tenants in turn, where neighbours in the order are
+    /// active together and which of them share a cache changes the hit rate. Each seed draws
+    /// its own tenants: which are heavy, and in which order they first come.
     #[arg(long)]
     tenants_drawn: bool,
     /// Seconds into each policy's run (after the warm-up, 0: never) at which replica 0 is
@@ -672,7 +673,10 @@ fn scenario(args: &Args) -> String {
         ));
     }
     if args.tenants_drawn {
-        parts.push("tenants drawn by a hash of each conversation's id, not in turn".to_owned());
+        parts.push(
+            "tenants drawn by a hash of each conversation's id and the seed, not in turn"
+                .to_owned(),
+        );
     }
     if args.hot_tenant_percent > 0 {
         parts.push(format!(
@@ -1159,7 +1163,7 @@ async fn measure_policy(
         bypass_failover: policy == Policy::PinnedFailover,
         bypass: sims.iter().map(|s| format!("http://{}", s.addr)).collect(),
         hot_tenant_percent: args.hot_tenant_percent,
-        tenants_drawn: args.tenants_drawn,
+        tenants_drawn: args.tenants_drawn.then_some(args.seed),
         ..WorkloadConfig::default()
     };
     let started = Instant::now();
