@@ -1,0 +1,298 @@
+#!/usr/bin/env python3
+"""A model of bench-routing's chat workload on the simulator's caches, to screen placement rules
+in seconds instead of bench runs.
+
+The simulator's prefix cache is an LRU over 16-token blocks, and bench-routing's prompts are a
+tenant's system prompt followed by its conversation so far. So a replay of the requests in order,
+each touching its prompt's blocks in one LRU per replica, gives about the hit rate the sims
+count: over 123 measured runs, 0.45 points under on average with tenants drawn (sd 0.5) and 1.3
+over with tenants in turn (sd 0.8), never more than 1.9 apart
+(docs/results/2026-12-06-tenant-draws.md). The offset is about constant within a workload, so
+the model ranks placements better than it matches hit rates. It leaves out the blocks running
+requests pin, the sims' timing, load, and the routers' load scorers and splits.
+
+    python3 bench/placement_model.py check OUT_DIR...
+        replays each run's requests-POLICY.csv (the replicas it records) beside the hit rate
+        the run measured (report.json)
+    python3 bench/placement_model.py rules [--seeds 8] [--in-turn]
+        places each tenant on its first request by each rule below, for 12 tenants drawn (or
+        in turn) at 20 req/s on four caches of 160 blocks, over seeds 1..N
+    python3 bench/placement_model.py optimum --seed S [--in-turn]
+        the best fixed tenant -> replica assignment a local search finds, knowing every request
+        in advance: what placement could reach with hindsight
+
+The workload is rebuilt here from the bench's own definitions (integration/src/workload.rs:
+SplitMix64 arrivals, tenants in turn or drawn by a hash of the conversation's id and the seed,
+five turns); the turns are spaced by a fixed reply time. Only `check` reads a run.
+"""
+
+import argparse
+import collections
+import csv
+import json
+import math
+import os
+import random
+import sys
+
+# Blocks of a conversation's first prompt (the system prompt and the first question), what
+# each turn adds (question and reply), blocks per cache, seconds between turns.
+FIRST_PROMPT_BLOCKS = 66
+BLOCKS_PER_TURN = 2
+CACHE_BLOCKS = 160
+TURN_GAP_S = 0.085
+WARMUP_S = 5.0
+REPLICAS = 4
+
+MASK = (1 << 64) - 1
+TENANT_STREAM = 0x2545F4914F6CDD1D
+
+
+def splitmix(x):
+    z = (x + 0x9E3779B97F4A7C15) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def workload(seed, drawn, tenants=12, rate=20.0, turns=5, seconds=30.0):
+    """The bench's requests: dicts of sent_s, tenant, conversation, turn, in sending order."""
+    state, now, requests = seed, 0.0, []
+    for conversation in range(1 << 20):
+        z = splitmix(state)
+        state = (state + 0x9E3779B97F4A7C15) & MASK
+        uniform = ((z >> 11) + 1) / float(1 << 53)
+        now += -math.log(uniform) / (rate / turns)
+        if now >= seconds:
+            break
+        if drawn:
+            tenant = splitmix(conversation ^ splitmix(seed ^ TENANT_STREAM)) % tenants
+        else:
+            tenant = conversation % tenants
+        for turn in range(turns):
+            requests.append(
+                {"sent_s": now + turn * TURN_GAP_S, "tenant": tenant,
+                 "conversation": conversation, "turn": turn})
+    requests.sort(key=lambda r: r["sent_s"])
+    return requests
+
+
+def decayed(value, at, now, time_constant):
+    return value * math.exp(-(now - at) / time_constant)
+
+
+class Cache:
+    """One replica's LRU, with what llmgw's `cache_footprint` reads of it: blocks held, blocks
+    computed again within 10 s of their eviction (decayed, 10 s), placements (decayed, 300 s)."""
+
+    def __init__(self):
+        self.blocks = collections.OrderedDict()
+        self.evicted_at = {}
+        self.rebuilt, self.rebuilt_at = 0.0, 0.0
+        self.placed, self.placed_at = 0.0, 0.0
+        self.tenants = []
+
+    def touch(self, block, now):
+        """Whether `block` was cached; it is afterwards."""
+        if block in self.blocks:
+            self.blocks.move_to_end(block)
+            return True
+        if now - self.evicted_at.get(block, -1e9) < 10.0:
+            self.rebuilt = decayed(self.rebuilt, self.rebuilt_at, now, 10.0) + 1
+            self.rebuilt_at = now
+        self.blocks[block] = True
+        if len(self.blocks) > CACHE_BLOCKS:
+            old, _ = self.blocks.popitem(last=False)
+            self.evicted_at[old] = now
+        return False
+
+    def footprint(self, now):
+        return len(self.blocks) + decayed(self.rebuilt, self.rebuilt_at, now, 10.0)
+
+    def placements(self, now):
+        return decayed(self.placed, self.placed_at, now, 300.0)
+
+
+def serve(cache, request, now):
+    """Blocks of `request`'s prompt found in `cache`, and blocks asked."""
+    tenant, conversation, turn = request["tenant"], request["conversation"], request["turn"]
+    prompt = [("system", tenant, i) for i in range(FIRST_PROMPT_BLOCKS - 1)]
+    prompt += [("conversation", conversation, i) for i in range(BLOCKS_PER_TURN * turn + 1)]
+    hits = sum(cache.touch(block, now) for block in prompt)
+    for i in range(BLOCKS_PER_TURN * turn + 1, BLOCKS_PER_TURN * (turn + 1) + 1):
+        cache.touch(("conversation", conversation, i), now)  # the reply
+    return hits, len(prompt)
+
+
+def replay(requests, replica_of):
+    """Hit rate (%) of the requests sent after the warm-up, each served where `replica_of`
+    says (a negative replica: not served)."""
+    caches = [Cache() for _ in range(REPLICAS)]
+    hits = asked = 0
+    for request in requests:
+        replica = replica_of(request, caches)
+        if replica < 0:
+            continue
+        h, a = serve(caches[replica], request, request["sent_s"])
+        if request["sent_s"] >= WARMUP_S:
+            hits, asked = hits + h, asked + a
+    return 100.0 * hits / max(asked, 1)
+
+
+def placing(rule, uncounted=3):
+    """A `replica_of` that places each tenant on its first request by `rule(caches, now)` and
+    keeps it there. The first `uncounted` placements are not counted, as llmgw's tree places
+    them before any engine has reported a block."""
+    home = {}
+
+    def replica_of(request, caches):
+        tenant, now = request["tenant"], request["sent_s"]
+        if tenant not in home:
+            home[tenant] = rule(caches, now)
+            cache = caches[home[tenant]]
+            cache.tenants.append(tenant)
+            if len(home) > uncounted:
+                cache.placed, cache.placed_at = cache.placements(now) + 1, now
+        return home[tenant]
+
+    return replica_of
+
+
+def packing(fill=0.9, max_share=1.5, pick=None):
+    """llmgw's `cache_footprint`: the emptiest cache with room for the prompt; once none has,
+    the fullest whose footprint and placements stay within `max_share` times an even share
+    (`pick` chooses among those instead, given the caches, now, footprints and candidates)."""
+
+    def rule(caches, now):
+        footprints = [c.footprint(now) for c in caches]
+        with_room = [i for i, f in enumerate(footprints)
+                     if f + FIRST_PROMPT_BLOCKS <= fill * CACHE_BLOCKS]
+        if with_room:
+            return min(with_room, key=lambda i: footprints[i])
+        limit = max_share * (sum(footprints) + FIRST_PROMPT_BLOCKS) / len(caches)
+        placed = [c.placements(now) for c in caches]
+        placed_limit = max(1.0, max_share * (sum(placed) + 1) / len(caches))
+        within = [i for i in range(len(caches))
+                  if footprints[i] + FIRST_PROMPT_BLOCKS <= limit and placed[i] + 1 <= placed_limit]
+        if not within:
+            return min(range(len(caches)), key=lambda i: footprints[i])
+        if pick:
+            return pick(caches, now, footprints, within)
+        return max(within, key=lambda i: footprints[i])
+
+    return rule
+
+
+def emptiest(caches, now):
+    return min(range(len(caches)), key=lambda i: caches[i].footprint(now))
+
+
+def fewest_tenants(caches, now, footprints, within):
+    return min(within, key=lambda i: (len(caches[i].tenants), -footprints[i]))
+
+
+RULES = {
+    "packing (llmgw's default)": packing(),
+    "packing, share 1.25": packing(max_share=1.25),
+    "packing onto the fewest tenants": packing(pick=fewest_tenants),
+    "emptiest (packing off)": emptiest,
+}
+
+
+def check(directories):
+    for directory in directories:
+        report_path = os.path.join(directory, "report.json")
+        if not os.path.isfile(report_path):
+            print(f"{directory}: no report.json, not a bench-routing output directory",
+                  file=sys.stderr)
+            continue
+        with open(report_path) as f:
+            report = json.load(f)
+        for entry in report:
+            run_dir = directory
+            if os.path.isdir(os.path.join(directory, f"run-{entry.get('run', 1)}")):
+                run_dir = os.path.join(directory, f"run-{entry['run']}")
+            path = os.path.join(run_dir, f"requests-{entry['policy']}.csv")
+            if not os.path.exists(path):
+                continue
+            with open(path) as f:
+                rows = [{"sent_s": float(r["sent_s"]), "tenant": int(r["tenant"]),
+                         "conversation": int(r["conversation"]), "turn": int(r["turn"]),
+                         "replica": int(r["replica"])} for r in csv.DictReader(f)]
+            rows.sort(key=lambda r: r["sent_s"])
+            model = replay(rows, lambda r, _: r["replica"])
+            measured = 100.0 * entry["hit_rate"]
+            print(f"{run_dir}  {entry['policy']:24s} measured {measured:5.1f} %  "
+                  f"model {model:5.1f} %  ({model - measured:+.1f})")
+
+
+def rules(seeds, drawn):
+    print(f"12 tenants {'drawn' if drawn else 'in turn'}, seeds 1-{seeds}: hit rate (%) per seed")
+    for name, rule in RULES.items():
+        results = [replay(workload(s, drawn), placing(rule)) for s in range(1, seeds + 1)]
+        print(f"  {name:34s} mean {sum(results) / len(results):5.2f} | "
+              + " ".join(f"{r:.1f}" for r in results))
+
+
+def optimum(seed, drawn, tenants=12, starts=2):
+    requests = workload(seed, drawn)
+
+    def score(assignment):
+        return replay(requests, lambda r, _: assignment[r["tenant"]])
+
+    rng = random.Random(seed)
+    best = None
+    for _ in range(starts):
+        assignment = [t % REPLICAS for t in range(tenants)]
+        rng.shuffle(assignment)
+        current = score(assignment)
+        improved = True
+        while improved:
+            improved = False
+            moves = [(t, r) for t in range(tenants) for r in range(REPLICAS)]
+            swaps = [(t, u) for t in range(tenants) for u in range(t + 1, tenants)]
+            for t, r in moves:
+                if assignment[t] != r:
+                    trial = assignment[:]
+                    trial[t] = r
+                    s = score(trial)
+                    if s > current + 1e-9:
+                        assignment, current, improved = trial, s, True
+            for t, u in swaps:
+                if assignment[t] != assignment[u]:
+                    trial = assignment[:]
+                    trial[t], trial[u] = trial[u], trial[t]
+                    s = score(trial)
+                    if s > current + 1e-9:
+                        assignment, current, improved = trial, s, True
+        if best is None or current > best[0]:
+            best = (current, assignment)
+    groups = collections.defaultdict(list)
+    for tenant, replica in enumerate(best[1]):
+        groups[replica].append(f"t{tenant}")
+    shape = " | ".join(" ".join(g) for _, g in sorted(groups.items()))
+    print(f"seed {seed}, {'drawn' if drawn else 'in turn'}: {best[0]:.1f} %  ({shape})")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("check", help="replay bench-routing runs beside their measured hit rate")
+    c.add_argument("directories", nargs="+")
+    r = sub.add_parser("rules", help="the placement rules over synthetic seeds")
+    r.add_argument("--seeds", type=int, default=8)
+    r.add_argument("--in-turn", action="store_true")
+    o = sub.add_parser("optimum", help="the best fixed assignment with hindsight")
+    o.add_argument("--seed", type=int, required=True)
+    o.add_argument("--in-turn", action="store_true")
+    args = parser.parse_args()
+    if args.command == "check":
+        check(args.directories)
+    elif args.command == "rules":
+        rules(args.seeds, not args.in_turn)
+    else:
+        optimum(args.seed, not args.in_turn)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
