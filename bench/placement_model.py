@@ -83,7 +83,9 @@ def decayed(value, at, now, time_constant):
 
 class Cache:
     """One replica's LRU, with what llmgw's `cache_footprint` reads of it: blocks held, blocks
-    computed again within 10 s of their eviction (decayed, 10 s), placements (decayed, 300 s)."""
+    computed again within 10 s of their eviction (decayed, 10 s), placements (decayed, 300 s);
+    and, for rules to try, its tenants and how many first turns found their system prompt
+    (decayed, 10 s)."""
 
     def __init__(self):
         self.blocks = collections.OrderedDict()
@@ -91,6 +93,12 @@ class Cache:
         self.rebuilt, self.rebuilt_at = 0.0, 0.0
         self.placed, self.placed_at = 0.0, 0.0
         self.tenants = []
+        self.first_turns, self.first_found, self.first_at = 0.0, 0.0, 0.0
+
+    def first_turns_found(self, now):
+        """First turns lately, and how many of them found their system prompt here."""
+        return (decayed(self.first_turns, self.first_at, now, 10.0),
+                decayed(self.first_found, self.first_at, now, 10.0))
 
     def touch(self, block, now):
         """Whether `block` was cached; it is afterwards."""
@@ -116,6 +124,10 @@ class Cache:
 def serve(cache, request, now):
     """Blocks of `request`'s prompt found in `cache`, and blocks asked."""
     tenant, conversation, turn = request["tenant"], request["conversation"], request["turn"]
+    if turn == 0:
+        turns, found = cache.first_turns_found(now)
+        cache.first_turns, cache.first_at = turns + 1, now
+        cache.first_found = found + (("system", tenant, 0) in cache.blocks)
     prompt = [("system", tenant, i) for i in range(FIRST_PROMPT_BLOCKS - 1)]
     prompt += [("conversation", conversation, i) for i in range(BLOCKS_PER_TURN * turn + 1)]
     hits = sum(cache.touch(block, now) for block in prompt)
@@ -191,10 +203,28 @@ def fewest_tenants(caches, now, footprints, within):
     return min(within, key=lambda i: (len(caches[i].tenants), -footprints[i]))
 
 
+def spread_while_prompts_survive(threshold=0.5, least_first_turns=3.0):
+    """Packing's choice, unless the caches holding three tenants or more show that first
+    turns mostly still find their system prompt there (over `threshold` of at least
+    `least_first_turns` lately): prompts then come back at random, not in a cycle, and a cache
+    with fewer tenants loses less by one more."""
+
+    def pick(caches, now, footprints, within):
+        crowded = [caches[i].first_turns_found(now) for i in range(len(caches))
+                   if len(caches[i].tenants) >= 3]
+        turns, found = sum(t for t, _ in crowded), sum(f for _, f in crowded)
+        if turns >= least_first_turns and found > threshold * turns:
+            return fewest_tenants(caches, now, footprints, within)
+        return max(within, key=lambda i: footprints[i])
+
+    return pick
+
+
 RULES = {
     "packing (llmgw's default)": packing(),
     "packing, share 1.25": packing(max_share=1.25),
     "packing onto the fewest tenants": packing(pick=fewest_tenants),
+    "spreading while prompts survive": packing(pick=spread_while_prompts_survive()),
     "emptiest (packing off)": emptiest,
 }
 
