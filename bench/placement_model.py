@@ -23,7 +23,9 @@ requests pin, the sims' timing, load, and the routers' load scorers and splits.
 
 The workload is rebuilt here from the bench's own definitions (integration/src/workload.rs:
 SplitMix64 arrivals, tenants in turn or drawn by a hash of the conversation's id and the seed,
-five turns); the turns are spaced by a fixed reply time. Only `check` reads a run.
+five turns); the turns are spaced by a fixed reply time. Only `check` reads a run. When the
+bench's workload changes, `workload` here must follow; `check` on a fresh run shows whether
+the model still matches.
 """
 
 import argparse
