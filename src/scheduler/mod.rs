@@ -138,7 +138,7 @@ pub struct Decision {
 #[derive(Debug, Clone)]
 pub struct FilteredOut {
     /// The filter's name in the profile.
-    pub filter: String,
+    pub filter: Arc<str>,
     pub replica: Arc<Replica>,
 }
 
@@ -325,7 +325,9 @@ impl Default for SchedulerOptions {
 pub struct Scheduler {
     pool: Arc<Pool>,
     options: SchedulerOptions,
-    filters: Vec<(String, Arc<dyn Filter>)>,
+    /// Names are shared with each decision's [`FilteredOut`], so naming a removal allocates
+    /// nothing.
+    filters: Vec<(Arc<str>, Arc<dyn Filter>)>,
     scorers: Vec<ScorerEntry>,
     /// The request headers the plugins read.
     request_headers: Vec<String>,
@@ -407,7 +409,10 @@ impl Scheduler {
         Scheduler {
             pool,
             options,
-            filters,
+            filters: filters
+                .into_iter()
+                .map(|(name, filter)| (Arc::from(name), filter))
+                .collect(),
             scorers: scorers.into_iter().filter(|e| e.weight > 0.0).collect(),
             request_headers,
         }
@@ -681,7 +686,7 @@ impl Scheduler {
                         .any(|o| Arc::ptr_eq(&o.replica, replica));
                     if !kept && !counted {
                         filtered_out.push(FilteredOut {
-                            filter: name.clone(),
+                            filter: Arc::clone(name),
                             replica: Arc::clone(replica),
                         });
                     }

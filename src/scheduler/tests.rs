@@ -588,7 +588,7 @@ async fn saturated_replicas_are_named_with_their_filter() {
     let out: Vec<(&str, &str)> = decision
         .filtered_out
         .iter()
-        .map(|o| (o.filter.as_str(), o.replica.endpoint()))
+        .map(|o| (&*o.filter, o.replica.endpoint()))
         .collect();
     assert_eq!(
         out,
