@@ -20,6 +20,10 @@ requests pin, the sims' timing, load, and the routers' load scorers and splits.
     python3 bench/placement_model.py optimum --seed S [--in-turn]
         the best fixed tenant -> replica assignment a local search finds, knowing every request
         in advance: what placement could reach with hindsight
+    python3 bench/placement_model.py assignments --seed S [--in-turn]
+        the hit rates of random fixed assignments (three tenants per cache; two or more)
+    python3 bench/placement_model.py move --seed S [--at 10] [--in-turn]
+        after packing, the one move of one tenant at that second that gains most (hindsight)
 
 The workload is rebuilt here from the bench's own definitions (integration/src/workload.rs:
 SplitMix64 arrivals, tenants in turn or drawn by a hash of the conversation's id and the seed,
@@ -96,6 +100,7 @@ class Cache:
         self.placed, self.placed_at = 0.0, 0.0
         self.tenants = []
         self.first_turns, self.first_found, self.first_at = 0.0, 0.0, 0.0
+        self.asked, self.asked_at = 0.0, 0.0
 
     def first_turns_found(self, now):
         """First turns lately, and how many of them found their system prompt here."""
@@ -133,6 +138,7 @@ def serve(cache, request, now):
     prompt = [("system", tenant, i) for i in range(FIRST_PROMPT_BLOCKS - 1)]
     prompt += [("conversation", conversation, i) for i in range(BLOCKS_PER_TURN * turn + 1)]
     hits = sum(cache.touch(block, now) for block in prompt)
+    cache.asked, cache.asked_at = decayed(cache.asked, cache.asked_at, now, 10.0) + len(prompt), now
     for i in range(BLOCKS_PER_TURN * turn + 1, BLOCKS_PER_TURN * (turn + 1) + 1):
         cache.touch(("conversation", conversation, i), now)  # the reply
     return hits, len(prompt)
@@ -153,14 +159,17 @@ def replay(requests, replica_of):
     return 100.0 * hits / max(asked, 1)
 
 
-def placing(rule, uncounted=3):
+def placing(rule, uncounted=3, move=None):
     """A `replica_of` that places each tenant on its first request by `rule(caches, now)` and
     keeps it there. The first `uncounted` placements are not counted, as llmgw's tree places
-    them before any engine has reported a block."""
+    them before any engine has reported a block. `move` (tenant, replica, seconds) sends a
+    placed tenant elsewhere from then on."""
     home = {}
 
     def replica_of(request, caches):
         tenant, now = request["tenant"], request["sent_s"]
+        if move and tenant == move[0] and now >= move[2] and tenant in home:
+            home[tenant] = move[1]
         if tenant not in home:
             home[tenant] = rule(caches, now)
             cache = caches[home[tenant]]
@@ -223,11 +232,28 @@ def spread_while_prompts_survive(threshold=0.5, least_first_turns=3.0):
     return pick
 
 
+def spread_while_churn_is_low(threshold=0.1, least_asked=3 * FIRST_PROMPT_BLOCKS):
+    """The same switch with what llmgw's index counts instead of first turns: spread while the
+    caches of three tenants or more rebuild under `threshold` of the blocks asked of them
+    lately (once `least_asked` blocks were), pack otherwise."""
+
+    def pick(caches, now, footprints, within):
+        crowded = [c for c in caches if len(c.tenants) >= 3]
+        rebuilt = sum(decayed(c.rebuilt, c.rebuilt_at, now, 10.0) for c in crowded)
+        asked = sum(decayed(c.asked, c.asked_at, now, 10.0) for c in crowded)
+        if asked >= least_asked and rebuilt < threshold * asked:
+            return fewest_tenants(caches, now, footprints, within)
+        return max(within, key=lambda i: footprints[i])
+
+    return pick
+
+
 RULES = {
     "packing (llmgw's default)": packing(),
     "packing, share 1.25": packing(max_share=1.25),
     "packing onto the fewest tenants": packing(pick=fewest_tenants),
     "spreading while prompts survive": packing(pick=spread_while_prompts_survive()),
+    "spreading while churn is low": packing(pick=spread_while_churn_is_low()),
     "emptiest (packing off)": emptiest,
 }
 
@@ -307,6 +333,52 @@ def optimum(seed, drawn, tenants=12, starts=2):
     print(f"seed {seed}, {'drawn' if drawn else 'in turn'}: {best[0]:.1f} %  ({shape})")
 
 
+def assignments(seed, drawn, samples=150, tenants=12):
+    """The hit rates of random fixed assignments: `samples` with three tenants per cache, and
+    `samples` with two or more per cache."""
+    requests = workload(seed, drawn)
+    rng = random.Random(0)
+
+    def rate(assignment):
+        return replay(requests, lambda r, _: assignment[r["tenant"]])
+
+    even = []
+    for _ in range(samples):
+        assignment = [t % REPLICAS for t in range(tenants)]
+        rng.shuffle(assignment)
+        even.append(rate(assignment))
+    uneven = []
+    while len(uneven) < samples:
+        assignment = [rng.randrange(REPLICAS) for _ in range(tenants)]
+        counts = collections.Counter(assignment)
+        if len(counts) == REPLICAS and min(counts.values()) >= 2:
+            uneven.append(rate(assignment))
+    for name, rates in (("3/3/3/3", even), ("two or more per cache", uneven)):
+        print(f"seed {seed}, {name}: min {min(rates):.1f} mean {sum(rates) / len(rates):.1f} "
+              f"max {max(rates):.1f} %")
+    packed = replay(requests, placing(RULES["packing (llmgw's default)"]))
+    print(f"seed {seed}, packing: {packed:.1f} %")
+
+
+def best_move(seed, drawn, at=10.0, tenants=12):
+    """After packing, the one move of one tenant at `at` s that gains most, with hindsight."""
+    requests = workload(seed, drawn)
+    rule = RULES["packing (llmgw's default)"]
+    homes = {}
+
+    def record(request, caches, place=placing(rule)):
+        replica = place(request, caches)
+        homes[request["tenant"]] = replica
+        return replica
+
+    base = replay(requests, record)
+    at_time = dict(homes)
+    best = max((replay(requests, placing(rule, move=(t, r, at))), t, r)
+               for t in range(tenants) for r in range(REPLICAS) if r != at_time.get(t))
+    print(f"seed {seed}, {'drawn' if drawn else 'in turn'}: packing {base:.1f} %, best move at "
+          f"{at:g} s t{best[1]} -> {best[2]}: {best[0]:.1f} %")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -318,11 +390,22 @@ def main():
     o = sub.add_parser("optimum", help="the best fixed assignment with hindsight")
     o.add_argument("--seed", type=int, required=True)
     o.add_argument("--in-turn", action="store_true")
+    a = sub.add_parser("assignments", help="hit rates of random fixed assignments")
+    a.add_argument("--seed", type=int, required=True)
+    a.add_argument("--in-turn", action="store_true")
+    m = sub.add_parser("move", help="the best single move of a tenant, with hindsight")
+    m.add_argument("--seed", type=int, required=True)
+    m.add_argument("--at", type=float, default=10.0)
+    m.add_argument("--in-turn", action="store_true")
     args = parser.parse_args()
     if args.command == "check":
         check(args.directories)
     elif args.command == "rules":
         rules(args.seeds, not args.in_turn)
+    elif args.command == "assignments":
+        assignments(args.seed, not args.in_turn)
+    elif args.command == "move":
+        best_move(args.seed, not args.in_turn, args.at)
     else:
         optimum(args.seed, not args.in_turn)
 
