@@ -108,7 +108,7 @@ struct OutcomeLabels {
 /// A profile filter's name (from the configuration: a bounded set).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct FilterLabels {
-    filter: String,
+    filter: Arc<str>,
 }
 
 /// How the endpoint the proxy reports as having served a request compares with the pick.
@@ -286,10 +286,10 @@ impl Metrics {
     }
 
     /// A filter took a ready replica out of a routed decision's candidates.
-    pub fn filtered_out(&self, filter: &str) {
+    pub fn filtered_out(&self, filter: &Arc<str>) {
         self.filtered_out
             .get_or_create(&FilterLabels {
-                filter: filter.to_owned(),
+                filter: Arc::clone(filter),
             })
             .inc();
     }
