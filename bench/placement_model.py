@@ -24,6 +24,10 @@ requests pin, the sims' timing, load, and the routers' load scorers and splits.
         the hit rates of random fixed assignments (three tenants per cache; two or more)
     python3 bench/placement_model.py move --seed S [--at 10] [--in-turn]
         after packing, the one move of one tenant at that second that gains most (hindsight)
+    python3 bench/placement_model.py shapes [--seeds 12] [--in-turn]
+        fixed assignments built from each tenant's conversation count over the whole run
+        (hindsight of the rates, not of the timing) in three shapes, beside packing, and
+        2/2/4/4 built online: by arrival, then swapped by rates measured as the run goes
 
 The workload is rebuilt here from the bench's own definitions (integration/src/workload.rs:
 SplitMix64 arrivals, tenants in turn or drawn by a hash of the conversation's id and the seed,
@@ -379,6 +383,82 @@ def best_move(seed, drawn, at=10.0, tenants=12):
           f"{at:g} s t{best[1]} -> {best[2]}: {best[0]:.1f} %")
 
 
+SHAPES = {
+    # The eight busiest two to a cache (busiest with the least busy of them), the other four
+    # one to a cache.
+    "3/3/3/3, the busiest paired": lambda order: {
+        t: (i if i < 4 else 7 - i) if i < 8 else i - 8 for i, t in enumerate(order)},
+    # The four busiest two to a cache on two caches, the other eight four to a cache.
+    "2/2/4/4, the busiest alone": lambda order: {
+        t: i // 2 if i < 4 else 2 + i % 2 for i, t in enumerate(order)},
+    # The six busiest two to a cache, the other six on the last cache.
+    "2/2/2/6": lambda order: {t: min(i // 2, 3) for i, t in enumerate(order)},
+}
+
+
+def pairs_then_swaps(margin=2.0, start=6.0, every=2.0):
+    """Online: the first four tenants two to a cache on two caches, the others four to a cache
+    on the other two; then, at a conversation's first turn (at most every `every` s, from
+    `start` s on), the least busy tenant of a pair trades places with the busiest sharing
+    tenant seen on three first turns or more, if that one's first turns per second (measured
+    since its first request, over 3 s at least) are over `margin` times its own."""
+    home, first_seen, first_turns, last_plan = {}, {}, collections.Counter(), [0.0]
+
+    def rate(tenant, now):
+        return first_turns[tenant] / max(now - first_seen[tenant], 3.0)
+
+    def replica_of(request, caches):
+        tenant, now = request["tenant"], request["sent_s"]
+        first_seen.setdefault(tenant, now)
+        if request["turn"] == 0:
+            first_turns[tenant] += 1
+        if tenant not in home:
+            placed = len(home)
+            home[tenant] = placed // 2 if placed < 4 else 2 + placed % 2
+        if request["turn"] == 0 and now >= start and now - last_plan[0] >= every:
+            last_plan[0] = now
+            groups = collections.defaultdict(list)
+            for t, replica in home.items():
+                groups[replica].append(t)
+            paired = [t for ts in groups.values() if len(ts) <= 2 for t in ts]
+            sharing = [t for ts in groups.values() if len(ts) > 2 for t in ts
+                       if first_turns[t] >= 3]
+            if paired and sharing:
+                quiet = min(paired, key=lambda t: rate(t, now))
+                busy = max(sharing, key=lambda t: rate(t, now))
+                if rate(busy, now) > margin * rate(quiet, now):
+                    home[quiet], home[busy] = home[busy], home[quiet]
+        return home[tenant]
+
+    return replica_of
+
+
+def shapes(seeds, drawn, tenants=12):
+    """Assignments that know each tenant's share of the conversations in advance: what
+    placement could gain from measuring tenants' rates, if measuring cost nothing."""
+    print(f"12 tenants {'drawn' if drawn else 'in turn'}, seeds 1-{seeds}: hit rate (%) per seed")
+    results = collections.defaultdict(list)
+    for seed in range(1, seeds + 1):
+        requests = workload(seed, drawn)
+        conversations = collections.Counter(r["tenant"] for r in requests if r["turn"] == 0)
+        order = sorted(range(tenants), key=lambda t: -conversations[t])
+        results["packing (llmgw's default)"].append(
+            replay(requests, placing(RULES["packing (llmgw's default)"])))
+        for name, shape in SHAPES.items():
+            assignment = shape(order)
+            results[name].append(replay(requests, lambda r, _: assignment[r["tenant"]]))
+        results["2/2/4/4 by arrival, no hindsight"].append(
+            replay(requests, pairs_then_swaps(margin=math.inf)))
+        results["the same, swapped by measured rates"].append(
+            replay(requests, pairs_then_swaps()))
+    packed = results["packing (llmgw's default)"]
+    for name, rates in results.items():
+        under = sum(r < p for r, p in zip(rates, packed))
+        print(f"  {name:36s} mean {sum(rates) / len(rates):5.2f} | "
+              + " ".join(f"{r:.1f}" for r in rates)
+              + ("" if rates is packed else f"  (under packing on {under})"))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -397,6 +477,9 @@ def main():
     m.add_argument("--seed", type=int, required=True)
     m.add_argument("--at", type=float, default=10.0)
     m.add_argument("--in-turn", action="store_true")
+    h = sub.add_parser("shapes", help="fixed assignments that know the tenants' rates")
+    h.add_argument("--seeds", type=int, default=12)
+    h.add_argument("--in-turn", action="store_true")
     args = parser.parse_args()
     if args.command == "check":
         check(args.directories)
@@ -404,6 +487,8 @@ def main():
         rules(args.seeds, not args.in_turn)
     elif args.command == "assignments":
         assignments(args.seed, not args.in_turn)
+    elif args.command == "shapes":
+        shapes(args.seeds, not args.in_turn)
     elif args.command == "move":
         best_move(args.seed, not args.in_turn, args.at)
     else:
