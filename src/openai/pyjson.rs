@@ -9,12 +9,17 @@
 //!
 //! A recursive walk over text the caller has checked is JSON, at most [`MAX_DEPTH`] deep.
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
 
 use super::skim;
 
 /// Nesting deeper than this is refused (each level is a stack frame here).
 pub const MAX_DEPTH: usize = 128;
+
+/// Objects up to this many keys find a repeated key by scanning; past it, by a map, so that a
+/// body of many keys costs linear time, not quadratic.
+const SCANNED_KEYS: usize = 16;
 
 /// Why a value cannot be rewritten.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -55,6 +60,9 @@ fn write_value(
             }
             // (key, rendered value), in first-seen order.
             let mut members: Vec<(String, String)> = Vec::new();
+            // The position of `members[..positions.len()]`'s keys, filled once the object
+            // outgrows a scan.
+            let mut positions: HashMap<String, usize> = HashMap::new();
             let mut at = skim::skip_whitespace(bytes, pos + 1);
             if bytes.get(at) == Some(&b'}') {
                 out.push_str("{}");
@@ -67,7 +75,15 @@ fn write_value(
                 at = skim::skip_whitespace(bytes, at + 1); // past ':'
                 let mut value = String::new();
                 at = skim::skip_whitespace(bytes, write_value(raw, at, depth + 1, &mut value)?);
-                match members.iter_mut().find(|(k, _)| *k == key) {
+                let seen = if members.len() <= SCANNED_KEYS {
+                    members.iter().position(|(k, _)| *k == key)
+                } else {
+                    for (i, (k, _)) in members.iter().enumerate().skip(positions.len()) {
+                        positions.insert(k.clone(), i);
+                    }
+                    positions.get(&key).copied()
+                };
+                match seen.and_then(|i| members.get_mut(i)) {
                     Some(existing) => existing.1 = value,
                     None => members.push((key, value)),
                 }
@@ -269,5 +285,24 @@ mod tests {
         assert_eq!(dumps(&deep), Err(PyJsonError::TooDeep));
         let ok = format!("{}{}", "[".repeat(MAX_DEPTH), "]".repeat(MAX_DEPTH));
         assert!(dumps(&ok).is_ok());
+    }
+
+    #[test]
+    fn a_repeated_key_past_the_scan_keeps_its_first_place_and_last_value() {
+        // Keys k0..k39 with values 0..39, then k3, k20 and k39 again (beyond the scanned
+        // keys, so the map finds them): Python keeps each key where it first came.
+        let mut raw: Vec<String> = (0..40).map(|i| format!(r#""k{i}":{i}"#)).collect();
+        raw.extend([r#""k3":"a""#, r#""k20":"b""#, r#""k39":"c""#, r#""new":0"#].map(String::from));
+        let raw = format!("{{{}}}", raw.join(","));
+        let mut python: Vec<String> = (0..40)
+            .map(|i| match i {
+                3 => r#""k3": "a""#.to_owned(),
+                20 => r#""k20": "b""#.to_owned(),
+                39 => r#""k39": "c""#.to_owned(),
+                _ => format!(r#""k{i}": {i}"#),
+            })
+            .collect();
+        python.push(r#""new": 0"#.to_owned());
+        assert_eq!(dumps(&raw), Ok(format!("{{{}}}", python.join(", "))));
     }
 }
