@@ -270,10 +270,24 @@ impl<P: Picker> ExtProcService<P> {
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
 
+/// What a message from Envoy may carry beyond its body (headers, trailers, metadata, framing).
+pub const MESSAGE_HEADROOM_BYTES: usize = 1024 * 1024;
+
+/// The longest message Envoy may send: twice the body limit and the headroom. A BUFFERED body
+/// arrives in one message, up to Envoy's buffer limit (the shipped configurations: twice the
+/// default body limit), and must reach the state machine to be answered with llmgw's 413.
+/// Anything longer ends the stream with `OUT_OF_RANGE` before it is read, rather than having
+/// its length, a number from the wire, reserved.
+pub fn max_message_bytes(max_body_bytes: usize) -> usize {
+    max_body_bytes
+        .saturating_mul(2)
+        .saturating_add(MESSAGE_HEADROOM_BYTES)
+}
+
 /// `envoy.service.ext_proc.v3.ExternalProcessor` as a tonic service. Written out instead of the
 /// `envoy-types` generated server so that requests decode as [`wire::Inbound`] (bodies not
-/// copied); answers are the generated `ProcessingResponse`. No message size limit (the state
-/// machine enforces `max_body_bytes`), no compression.
+/// copied); answers are the generated `ProcessingResponse`. No compression; messages from Envoy
+/// up to [`max_message_bytes`].
 #[derive(Debug)]
 pub struct ExtProcServer<P> {
     inner: Arc<ExtProcService<P>>,
@@ -327,10 +341,12 @@ where
             return Box::pin(async { Ok(Status::unimplemented("").into_http()) });
         }
         let method = ProcessMethod(Arc::clone(&self.inner));
+        let max_message =
+            (self.inner.settings.max_body_bytes).saturating_add(MESSAGE_HEADROOM_BYTES);
         Box::pin(async move {
             let codec = tonic_prost::ProstCodec::<ProcessingResponse, Inbound>::default();
             let mut grpc = tonic::server::Grpc::new(codec)
-                .apply_max_message_size_config(Some(usize::MAX), Some(usize::MAX));
+                .apply_max_message_size_config(Some(max_message), Some(usize::MAX));
             Ok(grpc.streaming(method, request).await)
         })
     }

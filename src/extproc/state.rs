@@ -504,6 +504,16 @@ pub fn drive<P: Picker>(
                 let message = match inbound.message().await {
                     Ok(Some(message)) => message,
                     Ok(None) => return None,
+                    // A message too long or not decodable: said to Envoy and logged.
+                    Err(status)
+                        if matches!(
+                            status.code(),
+                            tonic::Code::OutOfRange | tonic::Code::Internal
+                        ) =>
+                    {
+                        tracing::warn!(%status, "ext_proc message refused");
+                        return Some((Err(status), (inbound, state, queue, true)));
+                    }
                     Err(status) => {
                         tracing::debug!(%status, "ext_proc stream ended by the proxy");
                         return None;

@@ -656,6 +656,64 @@ async fn grpc_stream_keeps_the_hold_until_the_stream_ends() {
     server.abort();
 }
 
+/// Over gRPC, a body over `max_body_bytes` still gets its 413 up to the message limit (twice
+/// the body limit, so a BUFFERED body under the shipped configurations' Envoy buffers), and a
+/// longer message ends the stream before the server reads it.
+#[tokio::test]
+async fn a_message_past_the_limit_ends_the_stream_and_a_body_past_it_gets_413() {
+    let picker = Arc::new(FakePicker::default());
+    let service = ExtProcService::new(Arc::clone(&picker), settings());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service.into_server())
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
+        .max_encoding_message_size(usize::MAX);
+    let max_body = settings().max_body_bytes;
+    for (body_bytes, code) in [
+        (max_body + 1, Ok(413)),
+        (2 * max_body, Ok(413)),
+        (
+            max_message_bytes(max_body) + 1,
+            Err(tonic::Code::OutOfRange),
+        ),
+    ] {
+        let (sender, receiver) = tokio::sync::mpsc::channel(4);
+        let mut answers = client
+            .process(tokio_stream::wrappers::ReceiverStream::new(receiver))
+            .await
+            .unwrap()
+            .into_inner();
+        sender
+            .send(headers_msg(BodySendMode::Buffered, false, &[]))
+            .await
+            .unwrap();
+        assert!(is_headers_answer(
+            &answers.message().await.unwrap().unwrap()
+        ));
+        sender
+            .send(body_msg(&vec![b'a'; body_bytes], true))
+            .await
+            .unwrap();
+        let answer = match answers.message().await {
+            Ok(Some(ProcessingResponse {
+                response: Some(Answer::ImmediateResponse(immediate)),
+                ..
+            })) => Ok(immediate.status.map_or(0, |s| s.code)),
+            Ok(other) => panic!("{body_bytes} bytes: {other:?}"),
+            Err(status) => Err(status.code()),
+        };
+        assert_eq!(answer, code, "{body_bytes} bytes");
+    }
+    assert!(picker.seen.lock().is_empty());
+    server.abort();
+}
+
 /// What Envoy sends, encoded by the generated types (with fields the wire type leaves out), decodes
 /// as [`wire::Inbound`] with the same content, and the body is a slice of the receive buffer.
 #[test]
