@@ -119,6 +119,8 @@ pub enum RefusalReason {
     HashSettings,
     /// It reported more block copies than [`FeedLimits::max_blocks_per_engine`].
     OverBlockCeiling,
+    /// Its replica already has [`crate::kvindex::MAX_COPIES_PER_REPLICA`] engines in the Hello.
+    TooManyEngines,
 }
 
 impl RefusalReason {
@@ -127,6 +129,7 @@ impl RefusalReason {
             RefusalReason::NotConfigured => "not_configured",
             RefusalReason::HashSettings => "hash_settings",
             RefusalReason::OverBlockCeiling => "over_block_ceiling",
+            RefusalReason::TooManyEngines => "engines_per_replica",
         }
     }
 }
@@ -218,6 +221,7 @@ impl FeedMetrics {
             RefusalReason::NotConfigured,
             RefusalReason::HashSettings,
             RefusalReason::OverBlockCeiling,
+            RefusalReason::TooManyEngines,
         ]
         .into_iter()
         .map(|r| {

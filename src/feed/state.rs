@@ -492,6 +492,38 @@ impl FeedState {
                 (e, refusal)
             })
             .collect();
+        // Past the copies the index counts per replica, an engine is refused (first come in the
+        // Hello, first kept).
+        let mut engines_of: HashMap<&str, usize> = HashMap::new();
+        let over_limit: Vec<bool> = judged
+            .iter()
+            .map(|(e, refusal)| {
+                refusal.is_none() && {
+                    let engines = engines_of.entry(e.replica.as_str()).or_default();
+                    *engines += 1;
+                    *engines > crate::kvindex::MAX_COPIES_PER_REPLICA
+                }
+            })
+            .collect();
+        let judged: Vec<(pb::EngineInfo, Option<(RefusalReason, String)>)> = judged
+            .into_iter()
+            .zip(over_limit)
+            .map(|((e, refusal), over)| {
+                let refusal = refusal.or_else(|| {
+                    over.then(|| {
+                        (
+                            RefusalReason::TooManyEngines,
+                            format!(
+                                "replica {:?} has {} engines already, the most the index counts",
+                                e.replica,
+                                crate::kvindex::MAX_COPIES_PER_REPLICA
+                            ),
+                        )
+                    })
+                });
+                (e, refusal)
+            })
+            .collect();
 
         let node = self.nodes.entry(name.clone()).or_default();
         if let Some(old) = node.owner.filter(|old| *old != stream) {

@@ -49,6 +49,11 @@ pub use speculative::SpeculativeBlocks;
 /// Number of shards in the block map.
 pub const SHARDS: usize = 16;
 
+/// The most copies of one block the index counts for one replica in one tier: one per engine
+/// (data-parallel rank) of the replica. A replica with more engines would have a block that
+/// more of them hold dropped when this many remove it, so the feed refuses engines past it.
+pub const MAX_COPIES_PER_REPLICA: usize = shard::MAX_REFS as usize;
+
 /// A wire count as the index's reference count: saturated at the most a holder keeps.
 fn refs_of(copies: u32) -> u8 {
     u8::try_from(copies).map_or(shard::MAX_REFS, |c| c.min(shard::MAX_REFS))

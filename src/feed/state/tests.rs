@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use tokio::time::Instant;
 
 use super::*;
-use crate::kvindex::{IndexConfig, KvIndex};
+use crate::kvindex::{IndexConfig, KvIndex, MAX_COPIES_PER_REPLICA};
 use crate::models::ModelSettings;
 
 type Copies = HashMap<(ExternalHash, Medium), u64>;
@@ -551,6 +551,54 @@ fn an_engine_hashing_differently_from_the_router_is_refused() {
         }
         st.close(s, Instant::now());
     }
+}
+
+#[test]
+fn engines_of_one_replica_past_the_copies_the_index_counts_are_refused() {
+    let mut st = FeedState::new(
+        configured(),
+        HashMap::new(),
+        FeedLimits {
+            max_engines_per_hello: 64,
+            ..limits(1000)
+        },
+        Duration::from_secs(30),
+        FeedMetrics::default(),
+    );
+    let rec = Recorder::default();
+    let s = st.open();
+    let names: Vec<String> = (0..=MAX_COPIES_PER_REPLICA)
+        .map(|i| format!("e{i}"))
+        .collect();
+    let mut engines: Vec<(&str, &str)> = names.iter().map(|e| (e.as_str(), "r1")).collect();
+    engines.push(("other", "r2"));
+    let replies = st
+        .apply(&rec, s, msg(1, hello("n1", &engines)))
+        .unwrap()
+        .replies;
+    let refused: Vec<&pb::Refused> = replies
+        .iter()
+        .filter_map(|m| match &m.body {
+            Some(pb::router_message::Body::Refused(f)) => Some(f),
+            _ => None,
+        })
+        .collect();
+    let last = format!("e{MAX_COPIES_PER_REPLICA}");
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(refused[0].engine, last);
+    assert!(refused[0].reason.contains("engines already"), "{refused:?}");
+    st.apply(&rec, s, msg(2, snapshot(&last, 1, 1, &[9])))
+        .unwrap();
+    st.apply(&rec, s, msg(3, snapshot("e0", 1, 1, &[1])))
+        .unwrap();
+    st.apply(&rec, s, msg(4, snapshot("other", 1, 1, &[2])))
+        .unwrap();
+    assert_eq!(
+        rec.hashes("r1"),
+        [1].into(),
+        "the refused engine's blocks are not taken"
+    );
+    assert_eq!(rec.hashes("r2"), [2].into());
 }
 
 #[test]
