@@ -43,13 +43,20 @@ use crate::scheduler::{PluginResources, ProfileError, Scheduler};
 use crate::tls::{ServingTls, TlsIncoming, TlsRefusals};
 use crate::tokenize::Tokenizer;
 
-/// HTTP/2 flow-control windows of the ext_proc server: a whole large prompt per stream, many
-/// streams per connection.
 /// How often flow control's dispatcher looks again without being woken: about as often as
 /// scrapes and health checks can change a replica's capacity.
 const FLOW_CONTROL_TICK: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// HTTP/2 flow-control windows of the ext_proc server: a whole large prompt per stream, many
+/// streams per connection.
 const GRPC_STREAM_WINDOW: u32 = 16 * 1024 * 1024;
 const GRPC_CONNECTION_WINDOW: u32 = 64 * 1024 * 1024;
+
+/// HTTP/2 pings on a quiet connection, and how long the peer has to answer one before the
+/// connection is closed: a proxy (or agent) whose host vanished without closing its connections
+/// would otherwise keep its streams, and the in-flight counts they hold, for ever.
+pub const GRPC_KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+pub const GRPC_KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// The tonic server settings of the ext_proc listeners (TCP and Unix socket). BUFFERED bodies
 /// arrive as one message: with h2's default 64 KiB stream window a 200 KB prompt would wait for
@@ -59,6 +66,8 @@ pub fn ext_proc_server_settings() -> tonic::transport::Server {
     tonic::transport::Server::builder()
         .initial_stream_window_size(Some(GRPC_STREAM_WINDOW))
         .initial_connection_window_size(Some(GRPC_CONNECTION_WINDOW))
+        .http2_keepalive_interval(Some(GRPC_KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(GRPC_KEEPALIVE_TIMEOUT))
 }
 
 /// The gRPC health service name for the ext_proc service (same as readiness).
@@ -164,6 +173,7 @@ pub async fn serve(
             nodes,
             grace: settings.feed.grace,
             limits: settings.feed.limits,
+            silence: settings.feed.silence,
         },
     )
     .expect_settings(&settings.models)

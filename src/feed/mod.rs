@@ -108,6 +108,10 @@ pub struct FeedConfig {
     pub grace: Duration,
     /// Bounds on what one stream may claim.
     pub limits: FeedLimits,
+    /// How long a stream may send nothing (agents send a heartbeat every few seconds) before
+    /// the router ends it, so that a node whose agent vanished without closing its connection
+    /// goes into its grace period; zero: never.
+    pub silence: Duration,
 }
 
 /// Why an engine's KV events are refused; the label of `llmgw_feed_refused_total`.
@@ -283,8 +287,9 @@ pub struct FeedService {
     state: Arc<Mutex<FeedState>>,
     /// Flipped by [`FeedService::shutdown`]: every open stream then ends with `UNAVAILABLE`.
     stop: Arc<tokio::sync::watch::Sender<bool>>,
-    /// Streams that must end, and why.
-    kick: Arc<tokio::sync::broadcast::Sender<(StreamId, Kick)>>,
+    /// One sender per open stream, to end it and say why: a stream is told even when many
+    /// are at once (a reloaded node map).
+    kicks: Arc<Mutex<HashMap<StreamId, tokio::sync::oneshot::Sender<Kick>>>>,
     /// TLS on the feed port; `None` serves plain text.
     tls: Option<tls::ServerTls>,
     /// The file the token came from, read again for each stream (a rotated Secret).
@@ -307,7 +312,7 @@ impl FeedService {
             config: Arc::new(config),
             state: Arc::new(Mutex::new(state)),
             stop: Arc::new(tokio::sync::watch::channel(false).0),
-            kick: Arc::new(tokio::sync::broadcast::channel(64).0),
+            kicks: Arc::default(),
             tls: None,
             token_file: None,
             metrics,
@@ -393,6 +398,8 @@ impl FeedService {
         let refused = self.metrics.tls_refused.clone();
         let server = tonic::transport::Server::builder()
             .tcp_nodelay(true)
+            .http2_keepalive_interval(Some(crate::app::GRPC_KEEPALIVE_INTERVAL))
+            .http2_keepalive_timeout(Some(crate::app::GRPC_KEEPALIVE_TIMEOUT))
             .add_service(FeedServer::new(self).max_decoding_message_size(MAX_MESSAGE_BYTES))
             .add_optional_service(peering);
         let result = match tls {
@@ -450,9 +457,16 @@ impl FeedService {
         self.metrics.node_map_reloads.inc();
         for stream in kick {
             tracing::info!("a node's replicas changed: asking its agent to resync");
-            let _ = self.kick.send((stream, Kick::NodeMapChanged));
+            self.kick(stream, Kick::NodeMapChanged);
         }
         true
+    }
+
+    /// Ends `stream` (if it is still open) for `why`.
+    fn kick(&self, stream: StreamId, why: Kick) {
+        if let Some(tx) = self.kicks.lock().remove(&stream) {
+            let _ = tx.send(why);
+        }
     }
 
     fn check_token<T>(&self, req: &Request<T>) -> Result<(), Status> {
@@ -494,7 +508,8 @@ impl FeedService {
             Ok(applied) => {
                 if let Some(old) = applied.superseded {
                     let node = state.node_of(stream).unwrap_or_default().to_owned();
-                    let _ = self.kick.send((old, Kick::Superseded(node)));
+                    drop(state);
+                    self.kick(old, Kick::Superseded(node));
                 }
                 Ok(applied.replies)
             }
@@ -541,6 +556,17 @@ async fn stopped(mut rx: tokio::sync::watch::Receiver<bool>) {
     }
 }
 
+/// The next message of `inbound`, or `None` when `silence` (unless zero) passes first.
+async fn next_within(
+    inbound: &mut Streaming<pb::AgentMessage>,
+    silence: Duration,
+) -> Option<Option<Result<pb::AgentMessage, Status>>> {
+    if silence.is_zero() {
+        return Some(inbound.next().await);
+    }
+    tokio::time::timeout(silence, inbound.next()).await.ok()
+}
+
 type RouterStream = Pin<Box<dyn Stream<Item = Result<pb::RouterMessage, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -564,26 +590,38 @@ impl pb::feed_server::Feed for FeedService {
         let (tx, rx) = mpsc::channel::<Result<pb::RouterMessage, Status>>(256);
         let svc = self.clone();
         let stopped = stopped(self.stop.subscribe());
-        let mut kicks = self.kick.subscribe();
         let stream = self.state.lock().open();
+        let (kick_tx, mut kicked) = tokio::sync::oneshot::channel();
+        self.kicks.lock().insert(stream, kick_tx);
+        let silence = self.config.silence;
         tokio::spawn(async move {
             tokio::pin!(stopped);
             svc.metrics.streams.inc();
             loop {
                 let next = tokio::select! {
-                    next = inbound.next() => next,
+                    next = next_within(&mut inbound, silence) => match next {
+                        Some(next) => next,
+                        None => {
+                            let node = svc.state.lock().node_of(stream).map(str::to_owned);
+                            tracing::warn!(
+                                node,
+                                silence = ?silence,
+                                "feed stream silent (not even a heartbeat): ended, the node's grace period starts"
+                            );
+                            let status = Status::deadline_exceeded(format!(
+                                "nothing heard from the agent for {silence:?}"
+                            ));
+                            let _ = tx.send(Err(status)).await;
+                            break;
+                        }
+                    },
                     () = &mut stopped => {
                         let _ = tx.send(Err(Status::unavailable("router shutting down"))).await;
                         break;
                     }
-                    kicked = kicks.recv() => {
-                        // Lagged: a burst of reloads; any kick for this stream is among the
-                        // newest, which the next receive returns.
-                        let Ok((id, why)) = kicked else { continue };
-                        if id != stream {
-                            continue;
-                        }
-                        let status = match why {
+                    why = &mut kicked => {
+                        // The sender is only dropped once sent, or with the service: resync.
+                        let status = match why.unwrap_or(Kick::NodeMapChanged) {
                             Kick::NodeMapChanged => Status::unavailable(
                                 "this node's replicas changed: reconnect and resend snapshots",
                             ),
@@ -650,6 +688,7 @@ impl pb::feed_server::Feed for FeedService {
                     }
                 }
             }
+            svc.kicks.lock().remove(&stream);
             svc.state.lock().close(stream, Instant::now());
             svc.metrics.streams.dec();
         });

@@ -13,6 +13,9 @@ use super::FeedLimits;
 use super::state::DEFAULT_MAX_BLOCKS_PER_ENGINE;
 use crate::tls::TlsPaths;
 
+/// Six of the agents' default heartbeat intervals.
+pub const DEFAULT_SILENCE: Duration = Duration::from_secs(30);
+
 #[derive(Debug, Error)]
 pub enum FeedOptionsError {
     #[error("cannot read the feed token file {path}: {source}")]
@@ -43,6 +46,12 @@ pub struct FeedOptions {
     #[arg(long, env = "LLMGW_FEED_GRACE", value_parser = crate::duration::parse)]
     #[serde(deserialize_with = "crate::duration::optional")]
     pub feed_grace: Option<Duration>,
+    /// How long an agent's stream may send nothing, not even its heartbeat (every 5s by
+    /// default), before the router ends it and the node's grace period starts: an agent whose
+    /// host vanished without closing the connection (default 30s; 0s: never).
+    #[arg(long, env = "LLMGW_FEED_SILENCE", value_parser = crate::duration::parse)]
+    #[serde(deserialize_with = "crate::duration::optional")]
+    pub feed_silence: Option<Duration>,
     /// At start, how long the router waits for the agents of every node its replicas run on to
     /// send their blocks before it reports ready anyway (default 30s; 0s: do not wait). Until
     /// then gRPC readiness is not serving, so a new router takes no traffic with an empty index.
@@ -80,6 +89,8 @@ pub struct FeedSettings {
     pub grace: Duration,
     /// How long readiness waits at start for every node's agent to send its blocks.
     pub sync_timeout: Duration,
+    /// How long a stream may be silent before the router ends it (zero: never).
+    pub silence: Duration,
     /// Bounds on what one agent stream may claim.
     pub limits: FeedLimits,
     /// TLS on the feed port (`None`: plain text).
@@ -119,6 +130,9 @@ impl FeedOptions {
             sync_timeout: (self.feed_sync_timeout)
                 .or(file.feed_sync_timeout)
                 .unwrap_or(Duration::from_secs(30)),
+            silence: (self.feed_silence)
+                .or(file.feed_silence)
+                .unwrap_or(DEFAULT_SILENCE),
             limits: FeedLimits {
                 max_blocks_per_engine: (self.feed_max_blocks_per_engine)
                     .or(file.feed_max_blocks_per_engine)

@@ -12,17 +12,20 @@ use crate::kvindex::{IndexConfig, KvIndex};
 
 /// A feed service on 127.0.0.1:0 in front of a real index, node n1 owning r1.
 async fn serve(token: Option<&str>) -> (SocketAddr, FeedService, Arc<KvIndex>) {
-    let index = Arc::new(KvIndex::new(IndexConfig::default()));
     let nodes = [("n1".to_owned(), ["r1:8000".to_owned()].into())].into();
-    let svc = FeedService::new(
-        Arc::clone(&index) as Arc<dyn KvEventSink>,
-        FeedConfig {
-            token: token.map(str::to_owned),
-            nodes,
-            grace: Duration::from_secs(30),
-            limits: FeedLimits::default(),
-        },
-    );
+    serve_config(FeedConfig {
+        token: token.map(str::to_owned),
+        nodes,
+        grace: Duration::from_secs(30),
+        limits: FeedLimits::default(),
+        silence: Duration::ZERO,
+    })
+    .await
+}
+
+async fn serve_config(config: FeedConfig) -> (SocketAddr, FeedService, Arc<KvIndex>) {
+    let index = Arc::new(KvIndex::new(IndexConfig::default()));
+    let svc = FeedService::new(Arc::clone(&index) as Arc<dyn KvEventSink>, config);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(svc.clone().serve_with_listener(listener));
@@ -249,4 +252,77 @@ async fn a_wrong_token_of_the_right_length_is_refused() {
     }
     let mut agent = Agent::connect(addr, Some("s3cret-token")).await.unwrap();
     agent.send(hello()).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_stream_silent_past_the_limit_is_ended_and_heartbeats_keep_one_open() {
+    let silence = Duration::from_secs(1);
+    let (addr, svc, index) = serve_config(FeedConfig {
+        token: None,
+        nodes: [("n1".to_owned(), ["r1:8000".to_owned()].into())].into(),
+        grace: Duration::from_secs(30),
+        limits: FeedLimits::default(),
+        silence,
+    })
+    .await;
+    let mut agent = Agent::synced(addr, &[1]).await;
+    for _ in 0..8 {
+        tokio::time::sleep(silence / 5).await;
+        let heartbeat = pb::agent_message::Body::Heartbeat(pb::Heartbeat { unix_ms: 0 });
+        agent
+            .send(heartbeat)
+            .await
+            .expect("a stream that beats stays open");
+    }
+    assert!(svc.unsynced_nodes().is_empty());
+    let status = agent.ended().await;
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert_eq!(
+        svc.unsynced_nodes(),
+        ["n1"],
+        "the node lost its stream and waits for its agent"
+    );
+    assert_eq!(held(&index), [1], "its blocks stay for the grace period");
+}
+
+#[tokio::test]
+async fn every_stream_of_a_reloaded_node_map_is_told_to_resync_however_many() {
+    // More nodes than any fixed buffer of kicks would hold.
+    let nodes = 100;
+    let node_map = |replica_of: &dyn Fn(usize) -> String| -> NodeMap {
+        (0..nodes)
+            .map(|n| (format!("n{n}"), [replica_of(n)].into()))
+            .collect()
+    };
+    let (addr, svc, _index) = serve_config(FeedConfig {
+        token: None,
+        nodes: node_map(&|n| format!("r{n}:8000")),
+        grace: Duration::from_secs(30),
+        limits: FeedLimits::default(),
+        silence: Duration::ZERO,
+    })
+    .await;
+    let mut agents = Vec::new();
+    for n in 0..nodes {
+        let mut agent = Agent::connect(addr, None).await.unwrap();
+        let engine = pb::EngineInfo::serving("e1", &format!("r{n}:8000"));
+        agent
+            .send(pb::agent_message::Body::hello(
+                &format!("n{n}"),
+                "test",
+                vec![engine],
+            ))
+            .await
+            .unwrap();
+        agents.push(agent);
+    }
+    assert!(svc.set_nodes(node_map(&|n| format!("r{n}:9000"))));
+    for (n, agent) in agents.into_iter().enumerate() {
+        let status = agent.ended().await;
+        assert_eq!(status.code(), Code::Unavailable, "n{n}: {status:?}");
+        assert!(
+            status.message().contains("replicas changed"),
+            "n{n}: {status:?}"
+        );
+    }
 }
