@@ -49,10 +49,14 @@ pub enum EndpointKind {
 
 impl EndpointKind {
     /// The endpoint for a request path (query string ignored), or `None` for a path that is not a
-    /// completion (`/v1/models`, `/health`, ...), which is routed without parsing its body.
+    /// completion (`/v1/models`, `/health`, ...), which is routed without parsing its body. The
+    /// path is percent-decoded first, as vLLM's server does before it matches its routes: else
+    /// `/v1/%63ompletions` would reach a completion endpoint past parsing, admission and
+    /// model routing.
     pub fn from_path(path: &str) -> Option<EndpointKind> {
         let path = path.split(['?', '#']).next().unwrap_or(path);
-        let path = path.strip_suffix('/').unwrap_or(path);
+        let decoded = percent_encoding::percent_decode_str(path).decode_utf8_lossy();
+        let path = decoded.strip_suffix('/').unwrap_or(&decoded);
         match path {
             "/v1/completions" => Some(EndpointKind::Completions),
             "/v1/chat/completions" => Some(EndpointKind::ChatCompletions),

@@ -27,6 +27,25 @@ fn endpoint_kind_from_path_ignores_query_and_trailing_slash() {
 }
 
 #[test]
+fn a_percent_encoded_path_is_the_endpoint_it_decodes_to() {
+    for (path, kind) in [
+        ("/v1/%63ompletions", Some(EndpointKind::Completions)),
+        (
+            "/v1/chat%2Fcompletions",
+            Some(EndpointKind::ChatCompletions),
+        ),
+        ("/v1/%6D%65ssages?x=%41", Some(EndpointKind::Messages)),
+        ("%2Fv1%2Fresponses%2F", Some(EndpointKind::Responses)),
+        ("/v1/%63ompletion", None),
+        ("/v1/completions%3F", None),
+        ("/v1/%ff%fe", None),
+        ("/v1/%", None),
+    ] {
+        assert_eq!(EndpointKind::from_path(path), kind, "{path}");
+    }
+}
+
+#[test]
 fn text_prompt_with_model_salt_and_stream() {
     let req = completion(
         r#"{"model":"tiny","prompt":"hello \"world\"\n","cache_salt":"s1","stream":true,"max_tokens":5}"#,
