@@ -231,16 +231,27 @@ impl<P: Picker> StreamState<P> {
                 _ => Ok(vec![response::request_body(Default::default(), None)]),
             };
         };
-        if body.len() + chunk.body.len() > self.settings.max_body_bytes {
-            let rejection = Rejection::new(
-                413,
-                "invalid_request_error",
-                format!(
-                    "request body exceeds the limit of {} bytes",
-                    self.settings.max_body_bytes
-                ),
-            )
-            .for_path(&request.path);
+        let too_large = if body.len() + chunk.body.len() > self.settings.max_body_bytes {
+            Some(format!(
+                "request body exceeds the limit of {} bytes",
+                self.settings.max_body_bytes
+            ))
+        } else if *messages >= MAX_BODY_MESSAGES {
+            Some(format!(
+                "request body sent in more than {MAX_BODY_MESSAGES} messages"
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = too_large {
+            tracing::info!(
+                path = request.path,
+                bytes_so_far = body.len() + chunk.body.len(),
+                messages = *messages + 1,
+                "request refused: 413, {why}"
+            );
+            let rejection =
+                Rejection::new(413, "invalid_request_error", why).for_path(&request.path);
             self.picker.rejected_by_protocol(&rejection);
             return Ok(self.reject(rejection));
         }
@@ -353,12 +364,24 @@ impl<P: Picker> StreamState<P> {
     }
 }
 
-/// A request body as it arrives: the chunks are kept as received (slices of the gRPC receive
-/// buffer) and joined once, when the body is complete. A body sent in one message (BUFFERED) is
-/// never copied.
+/// The most messages one request body may come in (empty ones included: each is answered, and
+/// in STREAMED mode with held headers all answers go out at once). Envoy reads a client's body
+/// in pieces of up to 16 KiB or more, so a 16 MiB body comes in about a thousand.
+pub const MAX_BODY_MESSAGES: usize = 1 << 18;
+
+/// Chunks under this size are copied into one buffer as they come instead of kept: a slice
+/// keeps its whole receive buffer alive, so many small ones could hold far more memory than
+/// the body limit counts.
+const KEPT_CHUNK_BYTES: usize = 64 * 1024;
+
+/// A request body as it arrives: the first chunk and large ones are kept as received (slices of
+/// the gRPC receive buffer), other small ones copied together, and all joined once, when the
+/// body is complete. A body sent in one message (BUFFERED) is never copied.
 #[derive(Default)]
 struct BodyChunks {
     chunks: Vec<Bytes>,
+    /// Small chunks since the last kept one, copied.
+    small: BytesMut,
     len: usize,
 }
 
@@ -368,14 +391,28 @@ impl BodyChunks {
     }
 
     fn push(&mut self, chunk: Bytes) {
-        if !chunk.is_empty() {
-            self.len += chunk.len();
-            self.chunks.push(chunk);
+        self.len += chunk.len();
+        if self.chunks.is_empty() && self.small.is_empty() {
+            if !chunk.is_empty() {
+                self.chunks.push(chunk);
+            }
+            return;
         }
+        if chunk.len() < KEPT_CHUNK_BYTES {
+            self.small.extend_from_slice(&chunk);
+            return;
+        }
+        if !self.small.is_empty() {
+            self.chunks.push(self.small.split().freeze());
+        }
+        self.chunks.push(chunk);
     }
 
     /// The whole body: the only chunk as it is, or all chunks copied once into one buffer.
     fn into_bytes(mut self) -> Bytes {
+        if !self.small.is_empty() {
+            self.chunks.push(self.small.split().freeze());
+        }
         match self.chunks.len() {
             0 => Bytes::new(),
             1 => self.chunks.swap_remove(0),
@@ -530,6 +567,42 @@ pub fn drive<P: Picker>(
             }
         },
     )
+}
+
+#[cfg(test)]
+mod body_tests {
+    use bytes::Bytes;
+
+    use super::{BodyChunks, KEPT_CHUNK_BYTES};
+
+    #[test]
+    fn chunks_of_every_size_join_in_order_and_small_ones_are_not_kept_one_by_one() {
+        let large = |byte: u8| Bytes::from(vec![byte; KEPT_CHUNK_BYTES]);
+        let mut body = BodyChunks::default();
+        let mut expected = Vec::new();
+        let mut pieces = vec![Bytes::new(), Bytes::from_static(b"first"), large(b'L')];
+        pieces.extend((0..10_000).map(|i| Bytes::from(vec![b'a' + (i % 26) as u8])));
+        pieces.extend([Bytes::new(), large(b'M'), Bytes::from_static(b"end")]);
+        for piece in pieces {
+            expected.extend_from_slice(&piece);
+            body.push(piece);
+        }
+        assert_eq!(body.len(), expected.len());
+        assert!(
+            body.chunks.len() <= 4,
+            "{} chunks kept: small ones must be copied together",
+            body.chunks.len()
+        );
+        assert_eq!(body.into_bytes(), Bytes::from(expected));
+    }
+
+    #[test]
+    fn a_body_in_one_message_is_not_copied() {
+        let one = Bytes::from_static(b"{\"prompt\": \"hi\"}");
+        let mut body = BodyChunks::default();
+        body.push(one.clone());
+        assert_eq!(body.into_bytes().as_ptr(), one.as_ptr());
+    }
 }
 
 #[cfg(test)]

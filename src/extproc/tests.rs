@@ -457,6 +457,34 @@ async fn oversized_body_gets_413_json() {
 }
 
 #[tokio::test]
+async fn a_body_in_too_many_messages_gets_413_json() {
+    let picker = Arc::new(FakePicker::default());
+    let mut stream = state(&picker);
+    stream
+        .on_message(headers_msg(BodySendMode::Streamed, false, &[]))
+        .await
+        .unwrap();
+    for _ in 0..state::MAX_BODY_MESSAGES {
+        stream.on_message(body_msg(b"", false)).await.unwrap();
+    }
+    let answers = stream.on_message(body_msg(b"x", false)).await.unwrap();
+    let Some(Answer::ImmediateResponse(immediate)) = &answers[0].response else {
+        panic!("expected an immediate response")
+    };
+    assert_eq!(immediate.status.as_ref().unwrap().code, 413);
+    let error: serde_json::Value = serde_json::from_slice(&immediate.body).unwrap();
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("messages"),
+        "{error}"
+    );
+    assert!(stream.finished());
+    assert!(picker.seen.lock().is_empty());
+}
+
+#[tokio::test]
 async fn picker_rejection_becomes_immediate_response() {
     let picker = Arc::new(FakePicker::default());
     let mut stream = state(&picker);
