@@ -66,7 +66,8 @@ impl RequestBodyMode {
 enum Phase {
     AwaitingHeaders,
     CollectingBody {
-        request: RoutingRequest,
+        /// Boxed: the largest part of the phase, only while a body comes.
+        request: Box<RoutingRequest>,
         body: BodyChunks,
         /// Body messages received so far (empty ones included: each is answered).
         messages: usize,
@@ -202,7 +203,7 @@ impl<P: Picker> StreamState<P> {
             return Ok(self.route(request, Answer::Headers).await);
         }
         self.phase = Phase::CollectingBody {
-            request,
+            request: Box::new(request),
             body: BodyChunks::default(),
             messages: 0,
         };
@@ -306,7 +307,7 @@ impl<P: Picker> StreamState<P> {
             RequestBodyMode::ChunkedAhead => Answer::HeadersThenContinue { chunks: messages },
             _ => Answer::Body,
         };
-        self.route(request, answer).await
+        self.route(*request, answer).await
     }
 
     async fn route(&mut self, request: RoutingRequest, answer: Answer) -> Vec<ProcessingResponse> {
