@@ -91,7 +91,7 @@ impl Collector for StateCollector {
             gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
         }
         let stats = self.tokenizer.stats();
-        let counters: [(&str, &str, &AtomicU64); 8] = [
+        let counters: [(&str, &str, &AtomicU64); 9] = [
             (
                 "llmgw_tokenize_cache_hits",
                 "Tokenizations answered from the cache",
@@ -127,6 +127,11 @@ impl Collector for StateCollector {
                 "llmgw_tokenize_local_mismatches",
                 "Comparisons that disagreed (each turns in-process tokenization off for its model and kind)",
                 &stats.local_mismatches,
+            ),
+            (
+                "llmgw_tokenize_shed",
+                "Tokenizations not started because as many as allowed were running (the request fell back to the prefix tree)",
+                &stats.shed,
             ),
         ];
         for (name, help, value) in counters {

@@ -50,6 +50,10 @@ pub struct TokenizerConfig {
     pub call_timeout: Duration,
     /// Bytes of token ids (plus per-entry overhead) the cache may hold.
     pub cache_bytes: usize,
+    /// `/tokenize` calls (each runs on past its request's deadline) and long local
+    /// tokenizations on the blocking pool that may run at once; past it a request falls back
+    /// to the approximate tier at once instead of queueing more work on busy replicas.
+    pub max_in_flight: usize,
 }
 
 impl Default for TokenizerConfig {
@@ -58,6 +62,7 @@ impl Default for TokenizerConfig {
             deadline: Duration::from_millis(50),
             call_timeout: Duration::from_secs(5),
             cache_bytes: 64 << 20,
+            max_in_flight: 256,
         }
     }
 }
@@ -104,6 +109,9 @@ pub enum TokenizeError {
     /// vLLM renders the conversation in a way the router cannot reproduce.
     #[error("the prompt vLLM renders cannot be reproduced: {0}")]
     NotReproducible(&'static str),
+    /// [`TokenizerConfig::max_in_flight`] tokenizations are running already.
+    #[error("{0} tokenizations are running already")]
+    Busy(usize),
 }
 
 impl TokenizeError {
@@ -114,6 +122,7 @@ impl TokenizeError {
             TokenizeError::Timeout(_) => "tokenize_timeout",
             TokenizeError::Call { .. } => "tokenize_error",
             TokenizeError::NotReproducible(_) => "tokenize_not_reproducible",
+            TokenizeError::Busy(_) => "tokenize_busy",
         }
     }
 }
@@ -132,7 +141,13 @@ pub struct TokenizeStats {
     pub local_checks: AtomicU64,
     /// Of those, the ones that disagreed (each turns local tokenization off for its kind).
     pub local_mismatches: AtomicU64,
+    /// Tokenizations (and local answers' checks) not started: too many were running.
+    pub shed: AtomicU64,
 }
+
+/// The longest `/tokenize` answer read: several million tokens, more than any prompt under
+/// the body limit has.
+pub const MAX_ANSWER_BYTES: usize = 64 << 20;
 
 /// Local answers checked against `/tokenize` first, per model and kind …
 pub const LOCAL_CHECKS_FIRST: u64 = 8;
@@ -335,6 +350,8 @@ pub struct Tokenizer {
     stats: Arc<TokenizeStats>,
     /// Models tokenized in process.
     local: HashMap<String, Arc<LocalModel>>,
+    /// Permits for work that outlives its request: `/tokenize` calls and long local jobs.
+    in_flight: Arc<tokio::sync::Semaphore>,
 }
 
 impl Tokenizer {
@@ -349,6 +366,7 @@ impl Tokenizer {
             cache: Arc::new(Mutex::new(TokenCache::new(config.cache_bytes))),
             stats: Arc::new(TokenizeStats::default()),
             local: HashMap::new(),
+            in_flight: Arc::new(tokio::sync::Semaphore::new(config.max_in_flight)),
         }
     }
 
@@ -430,12 +448,14 @@ impl Tokenizer {
             return Err(TokenizeError::NoReplica);
         }
 
+        let permit = self.permit()?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         let client = self.client.clone();
         let cache = Arc::clone(&self.cache);
         let stats = Arc::clone(&self.stats);
         let replicas: Vec<String> = replicas.iter().map(|r| (*r).to_owned()).collect();
         tokio::spawn(async move {
+            let _permit = permit;
             let result = call_first_reachable(&client, &replicas, body, &stats).await;
             if let Ok(tokens) = &result {
                 cache.lock().insert(key, Arc::clone(tokens));
@@ -457,6 +477,16 @@ impl Tokenizer {
 }
 
 impl Tokenizer {
+    /// A permit for work that may outlive its request, or `Busy` (counted) when none is left.
+    fn permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, TokenizeError> {
+        Arc::clone(&self.in_flight)
+            .try_acquire_owned()
+            .map_err(|_| {
+                self.stats.shed.fetch_add(1, Ordering::Relaxed);
+                TokenizeError::Busy(self.config.max_in_flight)
+            })
+    }
+
     /// The local tokenizer of `model` that may answer `request`, if any.
     fn local_for(
         &self,
@@ -532,7 +562,9 @@ impl Tokenizer {
             // Long inputs take milliseconds (a 1 MB prompt, a quarter second): off the
             // runtime's workers, and under the same deadline as a /tokenize call. A late answer
             // still fills the cache.
+            let permit = self.permit()?;
             let timed_job = move || {
+                let _permit = permit;
                 let cpu = ThreadCpu::start();
                 (job(), cpu.elapsed())
             };
@@ -580,9 +612,12 @@ impl Tokenizer {
             Arc::clone(&self.cache),
             Arc::clone(&self.stats),
         );
+        // No permit: no check this time; a later answer is checked instead.
+        let Ok(permit) = self.permit() else { return };
         let (local, model, ours) = (Arc::clone(local), request.model.clone(), Arc::clone(tokens));
         let replicas: Vec<String> = replicas.iter().map(|r| (*r).to_owned()).collect();
         tokio::spawn(async move {
+            let _permit = permit;
             let theirs = match call_first_reachable(&client, &replicas, body, &stats).await {
                 Ok(theirs) => theirs,
                 // No verdict: the replica could not answer (it may reject the request too).
@@ -619,8 +654,10 @@ fn local_seed(model: &str) -> u64 {
     xxhash_rust::xxh3::xxh3_64(model.as_bytes()) ^ 0x6c6f_6361_6c00_0000
 }
 
-/// Tries each replica in order until one answers; connection failures move on, an HTTP error
-/// status from a reachable replica is the answer (the request itself is bad for the model).
+/// Tries each replica in order until one answers; only a replica that cannot be reached is
+/// passed for the next (one that timed out is busy, and the next would get the same body to
+/// work on); an HTTP error status from a reachable replica is the answer (the request itself is
+/// bad for the model).
 async fn call_first_reachable(
     client: &reqwest::Client,
     replicas: &[String],
@@ -642,15 +679,21 @@ async fn call_first_reachable(
         };
         let response = match sent {
             Ok(response) => response,
-            Err(e) => {
+            Err(e) if e.is_connect() => {
                 stats.call_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(%replica, error = %e, "tokenize call failed; trying the next replica");
                 last = error(e.to_string());
                 continue;
             }
+            Err(e) => {
+                stats.call_errors.fetch_add(1, Ordering::Relaxed);
+                return Err(error(e.to_string()));
+            }
         };
         let status = response.status();
-        let bytes = response.bytes().await.map_err(|e| error(e.to_string()));
+        let bytes = read_capped(response, MAX_ANSWER_BYTES)
+            .await
+            .map_err(|e| error(e.to_string()));
         let result = bytes.and_then(|bytes| {
             if !status.is_success() {
                 return Err(error(format!(
@@ -668,4 +711,33 @@ async fn call_first_reachable(
         return result;
     }
     Err(last)
+}
+
+/// Why an answer's body was not read whole.
+#[derive(Debug, thiserror::Error)]
+enum ReadError {
+    #[error("the answer is over {0} bytes")]
+    TooLong(usize),
+    #[error(transparent)]
+    Http(#[from] reqwest::Error),
+}
+
+/// The response's body, up to `max` bytes: a longer one (by its length header or as it comes)
+/// is an error before more of it is read.
+async fn read_capped(
+    mut response: reqwest::Response,
+    max: usize,
+) -> Result<bytes::Bytes, ReadError> {
+    let declared = response.content_length().unwrap_or(0);
+    if declared > max as u64 {
+        return Err(ReadError::TooLong(max));
+    }
+    let mut body = bytes::BytesMut::with_capacity(usize::try_from(declared).unwrap_or(0));
+    while let Some(chunk) = response.chunk().await? {
+        if body.len() + chunk.len() > max {
+            return Err(ReadError::TooLong(max));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body.freeze())
 }

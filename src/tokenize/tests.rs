@@ -199,6 +199,99 @@ async fn past_the_deadline_it_falls_back_and_the_late_answer_fills_the_cache() {
     assert_eq!(t.stats().timeouts.load(Ordering::Relaxed), 1);
 }
 
+#[tokio::test]
+async fn past_the_calls_allowed_in_flight_a_request_falls_back_at_once() {
+    let fake = Fake {
+        delay: Duration::from_millis(500),
+        ..Fake::default()
+    };
+    let addr = serve(fake.clone()).await.to_string();
+    let t = Tokenizer::new(TokenizerConfig {
+        deadline: Duration::from_millis(10),
+        max_in_flight: 2,
+        ..TokenizerConfig::default()
+    });
+    for prompt in ["a", "b"] {
+        let err = t.tokens(&completion(prompt), &[&addr]).await.unwrap_err();
+        assert_eq!(err.reason(), "tokenize_timeout");
+    }
+    let err = t.tokens(&completion("c"), &[&addr]).await.unwrap_err();
+    assert_eq!(err, TokenizeError::Busy(2));
+    assert_eq!(err.reason(), "tokenize_busy");
+    assert_eq!(t.stats().shed.load(Ordering::Relaxed), 1);
+    // Once the two calls have answered, their permits are back.
+    for _ in 0..100 {
+        if t.cache_bytes() > 0 && t.in_flight.available_permits() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(t.in_flight.available_permits(), 2);
+    let slow = Tokenizer::new(TokenizerConfig {
+        deadline: Duration::from_secs(5),
+        ..TokenizerConfig::default()
+    });
+    assert!(slow.tokens(&completion("c"), &[&addr]).await.is_ok());
+}
+
+#[tokio::test]
+async fn a_replica_that_times_out_is_not_followed_by_the_next() {
+    let slow = Fake {
+        delay: Duration::from_secs(3),
+        ..Fake::default()
+    };
+    let next = Fake::default();
+    let (slow_addr, next_addr) = (serve(slow.clone()).await, serve(next.clone()).await);
+    let t = Tokenizer::new(TokenizerConfig {
+        deadline: Duration::from_secs(5),
+        call_timeout: Duration::from_millis(200),
+        ..TokenizerConfig::default()
+    });
+    let err = t
+        .tokens(
+            &completion("x"),
+            &[&slow_addr.to_string(), &next_addr.to_string()],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.reason(), "tokenize_error", "{err}");
+    assert_eq!(slow.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        next.calls.load(Ordering::SeqCst),
+        0,
+        "the next replica is not given the work"
+    );
+}
+
+#[tokio::test]
+async fn an_answer_over_the_cap_is_an_error_not_read() {
+    // An answer that says it is longer than the cap, and one that only turns out to be.
+    async fn huge(declared: bool) -> axum::response::Response {
+        use axum::response::IntoResponse;
+        let bytes = vec![b' '; MAX_ANSWER_BYTES + 1];
+        if declared {
+            bytes.into_response()
+        } else {
+            let chunks = futures::stream::iter(
+                bytes
+                    .chunks(1 << 20)
+                    .map(|c| Ok::<_, std::io::Error>(bytes::Bytes::copy_from_slice(c)))
+                    .collect::<Vec<_>>(),
+            );
+            axum::body::Body::from_stream(chunks).into_response()
+        }
+    }
+    for declared in [true, false] {
+        let app = axum::Router::new().route("/tokenize", post(move || huge(declared)));
+        let addr = crate::testing::serve_on_loopback(app).await.to_string();
+        let err = tokenizer(10_000)
+            .tokens(&completion("x"), &[&addr])
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("is over"), "{declared}: {err}");
+    }
+}
+
 #[test]
 fn the_cache_stays_within_its_byte_bound() {
     let mut cache = TokenCache::new(1000);
