@@ -35,8 +35,10 @@
 //! One tonic task per stream. All feed state ([`FeedState`]) sits behind one
 //! `parking_lot::Mutex`, held while one message is applied, never across an `.await`. The index
 //! is written through the sink while that lock is held, so two streams never interleave one
-//! replica's changes. A reaper task drops expired nodes; streams are ended from outside (node
-//! map reloads, takeovers) through a broadcast of stream ids.
+//! replica's changes. A message is applied on tokio's blocking pool: a snapshot can hold the
+//! lock for long, and streams waiting for it must not take the runtime's workers, which serve
+//! requests. A reaper task drops expired nodes; streams are ended from outside (node map
+//! reloads, takeovers) through a oneshot channel per stream.
 
 mod options;
 pub mod state;
@@ -674,7 +676,14 @@ impl pb::feed_server::Feed for FeedService {
                     let _ = tx.send(Err(status)).await;
                     break;
                 }
-                match svc.apply(stream, msg) {
+                let applying = svc.clone();
+                let applied = tokio::task::spawn_blocking(move || applying.apply(stream, msg))
+                    .await
+                    .unwrap_or_else(|join| {
+                        tracing::error!(error = %join, "applying a feed message failed");
+                        Err(Status::internal("the router failed to apply the message"))
+                    });
+                match applied {
                     Ok(replies) => {
                         for r in replies {
                             if tx.send(Ok(r)).await.is_err() {

@@ -326,3 +326,39 @@ async fn every_stream_of_a_reloaded_node_map_is_told_to_resync_however_many() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_stream_waiting_for_the_feed_lock_leaves_the_runtime_free() {
+    let (addr, svc, index) = serve(None).await;
+    let mut agent = Agent::connect(addr, None).await.unwrap();
+    agent.send(hello()).await.unwrap();
+    // Another thread holds the feed's lock (as a long snapshot of another stream would) until
+    // told to let go, or for 5 s.
+    let (locked_tx, locked_rx) = std::sync::mpsc::channel();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let state = Arc::clone(&svc.state);
+    let holder = std::thread::spawn(move || {
+        let _held = state.lock();
+        locked_tx.send(()).unwrap();
+        release_rx.recv_timeout(Duration::from_secs(5)).is_ok()
+    });
+    locked_rx.recv().unwrap();
+    agent.next_id += 1;
+    let snapshot =
+        pb::AgentMessage::numbered(agent.next_id, snapshot(vec![pb::Block::copies(5, 1)]));
+    agent.tx.send(snapshot).await.unwrap();
+    // The stream now waits for the lock; this test's task shares the runtime with it.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // (Gone already if the holder gave up waiting.)
+    let _ = release_tx.send(());
+    assert!(
+        holder.join().unwrap(),
+        "the runtime was blocked while the stream waited for the lock"
+    );
+    let ack = tokio::time::timeout(Duration::from_secs(10), agent.rx.message())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(ack.is_some());
+    assert_eq!(held(&index), [5]);
+}
