@@ -36,8 +36,11 @@ pub enum RequestBodyMode {
     None,
     /// BUFFERED: one message with the whole body.
     Buffered,
-    /// STREAMED or BUFFERED_PARTIAL: chunks, each answered.
+    /// STREAMED: chunks, each answered.
     Chunked,
+    /// BUFFERED_PARTIAL: one message, the whole body or as much as the proxy buffers; the rest
+    /// (if any) goes upstream without being shown.
+    Partial,
     /// STREAMED with `send_body_without_waiting_for_header_response`: the chunks follow the
     /// headers at once, so the header answer is held until the body is complete and then
     /// carries the routing, followed by one pass-through answer per chunk. One round trip,
@@ -54,7 +57,8 @@ impl RequestBodyMode {
             Ok(BodySendMode::Streamed) if config.send_body_without_waiting_for_header_response => {
                 RequestBodyMode::ChunkedAhead
             }
-            Ok(BodySendMode::Streamed | BodySendMode::BufferedPartial) => RequestBodyMode::Chunked,
+            Ok(BodySendMode::Streamed) => RequestBodyMode::Chunked,
+            Ok(BodySendMode::BufferedPartial) => RequestBodyMode::Partial,
             Ok(BodySendMode::FullDuplexStreamed | BodySendMode::Grpc) => {
                 RequestBodyMode::FullDuplex
             }
@@ -237,6 +241,9 @@ impl<P: Picker> StreamState<P> {
                 "request body exceeds the limit of {} bytes",
                 self.settings.max_body_bytes
             ))
+        } else if self.request_mode == RequestBodyMode::Partial && !chunk.end_of_stream {
+            // No more of it will be shown, and a request cannot be read from part of its body.
+            Some("request body is over the proxy's buffer limit (BUFFERED_PARTIAL)".to_owned())
         } else if *messages >= MAX_BODY_MESSAGES {
             Some(format!(
                 "request body sent in more than {MAX_BODY_MESSAGES} messages"
@@ -282,6 +289,16 @@ impl<P: Picker> StreamState<P> {
                     answers.push(response::request_trailers());
                 }
                 Ok(answers)
+            }
+            Phase::CollectingBody { ref request, .. } => {
+                // STREAMED: the headers are gone upstream, and a trailers answer cannot name
+                // the destination.
+                tracing::warn!(
+                    path = request.path,
+                    "request body ended with trailers in STREAMED mode: not routed (use \
+                     FULL_DUPLEX_STREAMED or BUFFERED)"
+                );
+                Ok(vec![response::request_trailers()])
             }
             _ => Ok(vec![response::request_trailers()]),
         }

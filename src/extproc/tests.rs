@@ -457,6 +457,36 @@ async fn oversized_body_gets_413_json() {
 }
 
 #[tokio::test]
+async fn buffered_partial_routes_a_whole_body_and_refuses_a_cut_one() {
+    for (end_of_stream, status) in [(true, None), (false, Some(413))] {
+        let picker = Arc::new(FakePicker::default());
+        let mut stream = state(&picker);
+        stream
+            .on_message(headers_msg(BodySendMode::BufferedPartial, false, &[]))
+            .await
+            .unwrap();
+        let answers = stream
+            .on_message(body_msg(b"{\"model\":", end_of_stream))
+            .await
+            .unwrap();
+        match status {
+            None => assert_routed(&answers[0]),
+            Some(code) => {
+                let Some(Answer::ImmediateResponse(immediate)) = &answers[0].response else {
+                    panic!("expected an immediate response, got {answers:?}")
+                };
+                assert_eq!(immediate.status.as_ref().unwrap().code, code);
+                assert!(picker.seen.lock().is_empty());
+            }
+        }
+        assert!(
+            stream.finished() || status.is_none(),
+            "the stream is done with a refused request"
+        );
+    }
+}
+
+#[tokio::test]
 async fn a_body_in_too_many_messages_gets_413_json() {
     let picker = Arc::new(FakePicker::default());
     let mut stream = state(&picker);
