@@ -283,9 +283,18 @@ impl MirrorTask {
             .events
             .get_or_create(&EventLabel {
                 engine: engine.to_owned(),
-                r#type: ev.kind().to_owned(),
+                r#type: event_type_label(ev).to_owned(),
             })
             .inc();
+        if let KvEvent::Unknown { kind } = ev {
+            // The tag is the engine's word, of any length: logged cut short, never a label.
+            tracing::debug!(
+                engine,
+                seq,
+                tag = truncate_chars(kind, MAX_LOGGED_TAG_CHARS),
+                "event of an unknown type, counted as type=\"unknown\""
+            );
+        }
         if let (KvEvent::BlockStored(s), Some(check)) = (ev, &self.check) {
             let verdict = check.check(s);
             match verdict {
@@ -360,6 +369,25 @@ impl MirrorTask {
             batch_span,
         });
     }
+}
+
+/// The most characters of an unknown event's tag a log line carries.
+const MAX_LOGGED_TAG_CHARS: usize = 64;
+
+/// The `type` label of an event's counter: the known types by name, every other tag as
+/// `"unknown"`, so no tag an engine sends can add a series.
+fn event_type_label(ev: &KvEvent) -> &'static str {
+    match ev {
+        KvEvent::BlockStored(_) => "BlockStored",
+        KvEvent::BlockRemoved(_) => "BlockRemoved",
+        KvEvent::AllBlocksCleared(_) => "AllBlocksCleared",
+        KvEvent::Unknown { .. } => "unknown",
+    }
+}
+
+/// `s` cut to its first `max` characters.
+fn truncate_chars(s: &str, max: usize) -> &str {
+    s.char_indices().nth(max).map_or(s, |(end, _)| &s[..end])
 }
 
 async fn sleep_until(deadline: Option<Instant>) {
