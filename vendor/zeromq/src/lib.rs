@@ -208,6 +208,8 @@ pub use crate::req::*;
 pub use crate::router::*;
 pub use crate::sub::*;
 pub use crate::transport::Listener;
+// llmgw patch: the limits on what a peer may send (PATCHES.md).
+pub use crate::codec::{MAX_FRAME_BYTES, MAX_MESSAGE_BYTES, MAX_MESSAGE_FRAMES};
 pub use crate::xpub::*;
 pub use crate::xsub::*;
 

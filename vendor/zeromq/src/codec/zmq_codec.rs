@@ -9,6 +9,16 @@ use bytes::{Buf, Bytes, BytesMut};
 
 use std::convert::TryFrom;
 
+/// The longest frame accepted from a peer (llmgw patch, see PATCHES.md). A longer frame header
+/// is a decode error before anything is reserved for its body.
+pub const MAX_FRAME_BYTES: usize = 64 * 1024 * 1024;
+
+/// The most bytes all frames of one multipart message may carry together (llmgw patch).
+pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
+
+/// The most frames one multipart message may have (llmgw patch).
+pub const MAX_MESSAGE_FRAMES: usize = 1024;
+
 #[derive(Debug, Clone, Copy)]
 struct Frame {
     command: bool,
@@ -32,6 +42,8 @@ pub struct ZmqCodec {
     // This allows to encapsulate its processing inside codec and not expose
     // internal details to higher levels
     buffered_message: Option<ZmqMessage>,
+    // Bytes held in `buffered_message` (llmgw patch).
+    buffered_bytes: usize,
     max_read_chunk_size: usize,
 }
 
@@ -45,6 +57,7 @@ impl ZmqCodec {
             state: DecoderState::Greeting,
             waiting_for: 64, // len of the greeting frame
             buffered_message: None,
+            buffered_bytes: 0,
             max_read_chunk_size: options.read_buffer_max_size,
         }
     }
@@ -109,7 +122,14 @@ impl Decoder for ZmqCodec {
                 }
                 DecoderState::FrameLen(frame) => {
                     let frame_len = if frame.long {
-                        let len = usize::try_from(src.get_u64()).map_err(|_error| {
+                        let len = src.get_u64();
+                        // llmgw patch: bound the length before it sizes any reservation.
+                        if len > MAX_FRAME_BYTES as u64 {
+                            return Err(CodecError::Decode(
+                                "Frame length exceeds MAX_FRAME_BYTES (64 MiB)",
+                            ));
+                        }
+                        let len = usize::try_from(len).map_err(|_error| {
                             CodecError::Decode("Frame length exceeds read buffer capacity")
                         })?;
                         // The reader may prepare a full read chunk at the frame tail.
@@ -123,6 +143,20 @@ impl Decoder for ZmqCodec {
                     } else {
                         usize::from(src.get_u8())
                     };
+                    // llmgw patch: bound what one multipart message accumulates.
+                    if !frame.command {
+                        let parts = self.buffered_message.as_ref().map_or(0, ZmqMessage::len);
+                        if parts >= MAX_MESSAGE_FRAMES {
+                            return Err(CodecError::Decode(
+                                "Multipart message exceeds MAX_MESSAGE_FRAMES (1024) frames",
+                            ));
+                        }
+                        if self.buffered_bytes.saturating_add(frame_len) > MAX_MESSAGE_BYTES {
+                            return Err(CodecError::Decode(
+                                "Multipart message exceeds MAX_MESSAGE_BYTES (64 MiB)",
+                            ));
+                        }
+                    }
                     self.state = DecoderState::Frame(frame);
                     self.waiting_for = frame_len;
                 }
@@ -135,6 +169,7 @@ impl Decoder for ZmqCodec {
                     }
 
                     // process incoming message frame
+                    self.buffered_bytes += data.len();
                     match &mut self.buffered_message {
                         Some(v) => v.push_back(data.freeze()),
                         None => self.buffered_message = Some(ZmqMessage::from(data.freeze())),
@@ -142,6 +177,7 @@ impl Decoder for ZmqCodec {
 
                     if !frame.more {
                         // Quoth the Raven “Nevermore.”
+                        self.buffered_bytes = 0;
                         return Ok(Some(Message::Message(
                             self.buffered_message
                                 .take()
