@@ -50,6 +50,8 @@ pub enum ResetReason {
     Supervisor,
     /// The engine went silent and its `/health` fails.
     Stale,
+    /// The engine reported more block copies than a mirror holds ([`crate::mirror::MAX_COPIES`]).
+    Overflow,
 }
 
 impl ResetReason {
@@ -61,6 +63,7 @@ impl ResetReason {
             ResetReason::Decode => "decode_error",
             ResetReason::Supervisor => "supervisor",
             ResetReason::Stale => "stale",
+            ResetReason::Overflow => "overflow",
         }
     }
 
@@ -328,6 +331,19 @@ impl MirrorTask {
                 .unknown_removals
                 .get_or_create(&Metrics::engine(engine))
                 .inc_by(applied.unknown_removed as u64);
+        }
+        if applied.overflowed {
+            self.metrics
+                .resets
+                .get_or_create(&Metrics::reason(engine, ResetReason::Overflow.as_str()))
+                .inc();
+            // Routers refuse an engine past this ceiling: send them a reset and start over.
+            tracing::error!(
+                engine,
+                seq,
+                max_copies = crate::mirror::MAX_COPIES,
+                "engine reports more block copies than a mirror holds: engine reset"
+            );
         }
         if applied.cleared {
             self.metrics
