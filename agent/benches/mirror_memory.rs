@@ -44,11 +44,12 @@ fn main() {
         let before = LIVE.load(Ordering::Relaxed);
         let mut m = Mirror::new();
         for i in 0..n {
-            m.store(BlockKey {
+            let stored = m.store(BlockKey {
                 hash: ExternalHash(i.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
                 group: GroupIdx(0),
                 tier: Tier::Gpu,
             });
+            assert!(stored, "within the mirror's ceiling");
         }
         let with_pending = LIVE.load(Ordering::Relaxed) - before;
         let delta = m.take_delta();

@@ -115,7 +115,7 @@ impl Metrics {
             Family::new_with_constructor(latency_histogram);
         registry.register(
             "events",
-            "KV events received, by engine and type",
+            "KV events received, by engine and type (unknown types all count as \"unknown\")",
             events.clone(),
         );
         registry.register("batches", "KV event batches applied", batches.clone());

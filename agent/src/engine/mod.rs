@@ -50,6 +50,8 @@ pub enum ResetReason {
     Supervisor,
     /// The engine went silent and its `/health` fails.
     Stale,
+    /// The engine reported more block copies than a mirror holds ([`crate::mirror::MAX_COPIES`]).
+    Overflow,
 }
 
 impl ResetReason {
@@ -61,6 +63,7 @@ impl ResetReason {
             ResetReason::Decode => "decode_error",
             ResetReason::Supervisor => "supervisor",
             ResetReason::Stale => "stale",
+            ResetReason::Overflow => "overflow",
         }
     }
 
@@ -283,9 +286,18 @@ impl MirrorTask {
             .events
             .get_or_create(&EventLabel {
                 engine: engine.to_owned(),
-                r#type: ev.kind().to_owned(),
+                r#type: event_type_label(ev).to_owned(),
             })
             .inc();
+        if let KvEvent::Unknown { kind } = ev {
+            // The tag is the engine's word, of any length: logged cut short, never a label.
+            tracing::debug!(
+                engine,
+                seq,
+                tag = truncate_chars(kind, MAX_LOGGED_TAG_CHARS),
+                "event of an unknown type, counted as type=\"unknown\""
+            );
+        }
         if let (KvEvent::BlockStored(s), Some(check)) = (ev, &self.check) {
             let verdict = check.check(s);
             match verdict {
@@ -319,6 +331,19 @@ impl MirrorTask {
                 .unknown_removals
                 .get_or_create(&Metrics::engine(engine))
                 .inc_by(applied.unknown_removed as u64);
+        }
+        if applied.overflowed {
+            self.metrics
+                .resets
+                .get_or_create(&Metrics::reason(engine, ResetReason::Overflow.as_str()))
+                .inc();
+            // Routers refuse an engine past this ceiling: send them a reset and start over.
+            tracing::error!(
+                engine,
+                seq,
+                max_copies = crate::mirror::MAX_COPIES,
+                "engine reports more block copies than a mirror holds: engine reset"
+            );
         }
         if applied.cleared {
             self.metrics
@@ -360,6 +385,25 @@ impl MirrorTask {
             batch_span,
         });
     }
+}
+
+/// The most characters of an unknown event's tag a log line carries.
+const MAX_LOGGED_TAG_CHARS: usize = 64;
+
+/// The `type` label of an event's counter: the known types by name, every other tag as
+/// `"unknown"`, so no tag an engine sends can add a series.
+fn event_type_label(ev: &KvEvent) -> &'static str {
+    match ev {
+        KvEvent::BlockStored(_) => "BlockStored",
+        KvEvent::BlockRemoved(_) => "BlockRemoved",
+        KvEvent::AllBlocksCleared(_) => "AllBlocksCleared",
+        KvEvent::Unknown { .. } => "unknown",
+    }
+}
+
+/// `s` cut to its first `max` characters.
+fn truncate_chars(s: &str, max: usize) -> &str {
+    s.char_indices().nth(max).map_or(s, |(end, _)| &s[..end])
 }
 
 async fn sleep_until(deadline: Option<Instant>) {

@@ -176,3 +176,63 @@ fn an_untraced_batch_leaves_no_span_on_its_delta() {
     t.flush();
     assert!(rx.try_recv().expect("a delta").batch_span.is_none());
 }
+
+#[test]
+fn unknown_event_types_share_one_series() {
+    let (t, _rx) = task(None);
+    let unknown = |kind: &str| KvEvent::Unknown {
+        kind: kind.to_owned(),
+    };
+    t.handle(batch(
+        0,
+        vec![
+            unknown("FutureEvent"),
+            unknown(&"x".repeat(10_000)),
+            stored(1),
+        ],
+    ));
+    t.handle(batch(1, vec![unknown("AnotherOne")]));
+    let text = t.metrics.encode();
+    let series: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("llmgw_agent_events_total{"))
+        .collect();
+    assert_eq!(series.len(), 2, "{text}");
+    assert!(
+        text.contains(r#"llmgw_agent_events_total{engine="e0",type="unknown"} 3"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"llmgw_agent_events_total{engine="e0",type="BlockStored"} 1"#),
+        "{text}"
+    );
+}
+
+#[test]
+fn logged_tags_are_cut_on_a_character_boundary() {
+    assert_eq!(truncate_chars("short", 64), "short");
+    assert_eq!(truncate_chars("ééé", 2), "éé");
+    assert_eq!(truncate_chars(&"x".repeat(100), 64).len(), 64);
+}
+
+#[test]
+fn an_engine_past_the_mirror_ceiling_is_reset_and_counted() {
+    let (t, mut rx) = task(None);
+    // Copies of one block: the cheapest way past the ceiling.
+    let too_many = usize::try_from(crate::mirror::MAX_COPIES).expect("fits") + 1;
+    let ev = KvEvent::BlockStored(BlockStored {
+        block_hashes: vec![ExternalHash(1); too_many],
+        ..BlockStored::default()
+    });
+    t.handle(batch(0, vec![ev]));
+    t.handle(batch(1, vec![stored(7)]));
+    t.flush();
+    assert_eq!(t.engine.block_set(), HashSet::from([key(7)]));
+    let u = rx.try_recv().expect("a delta");
+    assert!(u.delta.reset && u.delta.stored == [key(7)]);
+    let text = t.metrics.encode();
+    assert!(
+        text.contains(r#"llmgw_agent_resets_total{engine="e0",reason="overflow"} 1"#),
+        "{text}"
+    );
+}

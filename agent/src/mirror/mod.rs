@@ -28,6 +28,12 @@ type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState
 /// Pending-map capacity kept between windows (see [`Mirror::take_delta`]).
 const PENDING_KEEP: usize = 4096;
 
+/// The most block copies (all keys, all tiers) one engine's mirror holds: the router's default
+/// ceiling per engine (`llmgw::feed::state::DEFAULT_MAX_BLOCKS_PER_ENGINE`), past which it
+/// refuses the engine anyway. vLLM's cache is finite: an engine reporting more is broken or
+/// lying, and its mirror is reset rather than grown without bound.
+pub const MAX_COPIES: u64 = 4_000_000;
+
 /// The default coalescing window.
 pub const DEFAULT_WINDOW: Duration = Duration::from_millis(20);
 
@@ -81,12 +87,18 @@ pub struct Applied {
     /// evicted a block stored before the last reset): ignored.
     pub unknown_removed: usize,
     pub cleared: bool,
+    /// A store would have taken the mirror past its ceiling ([`MAX_COPIES`]): the mirror was
+    /// reset and the rest of the event dropped.
+    pub overflowed: bool,
 }
 
 /// One engine's blocks; see the module docs.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Mirror {
     blocks: HashMap<BlockKey, u32>,
+    /// The sum of `blocks`' counts, at most `max_copies`.
+    copies: u64,
+    max_copies: u64,
     /// Net count change per key since the last delta; zero entries are dropped.
     pending: HashMap<BlockKey, i64>,
     pending_reset: bool,
@@ -94,9 +106,33 @@ pub struct Mirror {
     seq: u64,
 }
 
+impl Default for Mirror {
+    fn default() -> Self {
+        Mirror::with_max_copies(MAX_COPIES)
+    }
+}
+
 impl Mirror {
     pub fn new() -> Self {
         Mirror::default()
+    }
+
+    /// A mirror holding at most `max_copies` block copies (tests; the agent uses [`MAX_COPIES`]).
+    pub fn with_max_copies(max_copies: u64) -> Self {
+        Mirror {
+            blocks: HashMap::default(),
+            copies: 0,
+            max_copies,
+            pending: HashMap::default(),
+            pending_reset: false,
+            epoch: 0,
+            seq: 0,
+        }
+    }
+
+    /// Block copies held, over all keys.
+    pub fn copies(&self) -> u64 {
+        self.copies
     }
 
     /// Distinct keys held.
@@ -135,7 +171,11 @@ impl Mirror {
                 let group = group_of(s.group_idx);
                 let tier = Medium::tier(s.medium.as_ref());
                 for &hash in &s.block_hashes {
-                    self.store(BlockKey { hash, group, tier });
+                    if !self.store(BlockKey { hash, group, tier }) {
+                        self.reset();
+                        applied.overflowed = true;
+                        return applied;
+                    }
                     applied.stored += 1;
                 }
             }
@@ -159,10 +199,22 @@ impl Mirror {
         applied
     }
 
-    /// One more copy of `key`.
-    pub fn store(&mut self, key: BlockKey) {
-        *self.blocks.entry(key).or_insert(0) += 1;
+    /// One more copy of `key`; false, with nothing changed, when the mirror already holds its
+    /// ceiling of copies.
+    #[must_use]
+    pub fn store(&mut self, key: BlockKey) -> bool {
+        if self.copies >= self.max_copies {
+            return false;
+        }
+        let count = self.blocks.entry(key).or_insert(0);
+        // Below the ceiling a count cannot reach u32::MAX; checked all the same.
+        let Some(next) = count.checked_add(1) else {
+            return false;
+        };
+        *count = next;
+        self.copies += 1;
         self.bump(key, 1);
+        true
     }
 
     /// One copy fewer of `key`; false (and no change) when none is held.
@@ -177,6 +229,7 @@ impl Mirror {
                 }
             }
         }
+        self.copies = self.copies.saturating_sub(1);
         self.bump(key, -1);
         true
     }
@@ -198,6 +251,7 @@ impl Mirror {
     /// Forgets everything: the next delta starts a new epoch with a reset.
     pub fn reset(&mut self) {
         self.blocks.clear();
+        self.copies = 0;
         self.pending.clear();
         self.pending_reset = true;
         self.epoch += 1;

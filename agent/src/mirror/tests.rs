@@ -71,8 +71,8 @@ fn held(m: &Mirror) -> HashMap<BlockKey, u32> {
 #[test]
 fn copies_are_counted_and_unknown_removals_ignored() {
     let mut m = Mirror::new();
-    m.store(key(1));
-    m.store(key(1));
+    assert!(m.store(key(1)));
+    assert!(m.store(key(1)));
     assert_eq!(m.count(&key(1)), 2);
     assert!(m.remove(key(1)));
     assert_eq!(m.count(&key(1)), 1);
@@ -85,15 +85,15 @@ fn copies_are_counted_and_unknown_removals_ignored() {
 #[test]
 fn a_store_undone_within_the_window_sends_nothing() {
     let mut m = Mirror::new();
-    m.store(key(1));
-    m.store(key(2));
+    assert!(m.store(key(1)));
+    assert!(m.store(key(2)));
     assert!(m.remove(key(1)));
     let d = m.take_delta().expect("key 2 is new");
     assert_eq!(
         (d.stored.as_slice(), d.removed.len()),
         ([key(2)].as_slice(), 0)
     );
-    m.store(key(3));
+    assert!(m.store(key(3)));
     assert!(m.remove(key(3)));
     assert!(!m.has_pending());
     assert_eq!(m.take_delta(), None);
@@ -163,7 +163,7 @@ proptest! {
         for op in ops {
             match op {
                 Op::Store(h) => {
-                    m.store(key(h));
+                    prop_assert!(m.store(key(h)));
                     *model.entry(h).or_insert(0) += 1;
                 }
                 Op::Remove(h) => {
@@ -180,6 +180,7 @@ proptest! {
             }
             let expect: HashMap<BlockKey, u32> = model.iter().map(|(h, n)| (key(*h), *n)).collect();
             prop_assert_eq!(held(&m), expect);
+            prop_assert_eq!(m.copies(), model.values().map(|&n| u64::from(n)).sum::<u64>());
         }
         deltas.extend(m.take_delta());
         for (snap, taken_before) in snapshots {
@@ -192,4 +193,52 @@ proptest! {
             prop_assert_eq!(&c.blocks, &held(&m));
         }
     }
+}
+
+#[test]
+fn a_store_past_the_ceiling_is_refused_and_changes_nothing() {
+    let mut m = Mirror::with_max_copies(3);
+    assert!(m.store(key(1)));
+    assert!(m.store(key(1)));
+    assert!(m.store(key(2)));
+    assert!(!m.store(key(3)));
+    assert!(!m.store(key(1)));
+    assert_eq!(held(&m), HashMap::from([(key(1), 2), (key(2), 1)]));
+    assert_eq!(m.copies(), 3);
+    // A removal frees room again.
+    assert!(m.remove(key(1)));
+    assert!(m.store(key(3)));
+    assert_eq!(m.copies(), 3);
+}
+
+#[test]
+fn an_event_past_the_ceiling_resets_the_mirror() {
+    let mut m = Mirror::with_max_copies(4);
+    let stored = |hashes: std::ops::Range<u64>| {
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: hashes.map(ExternalHash).collect(),
+            ..BlockStored::default()
+        })
+    };
+    let applied = m.apply(&stored(0..3));
+    assert_eq!((applied.stored, applied.overflowed), (3, false));
+    let first = m.take_delta().expect("three stores");
+    let applied = m.apply(&stored(10..13));
+    assert!(applied.overflowed);
+    assert!(m.is_empty() && m.copies() == 0, "reset, not partly applied");
+    let d = m.take_delta().expect("the reset");
+    assert!(d.reset && d.stored.is_empty() && d.epoch == first.epoch + 1);
+    // The mirror keeps working from empty.
+    let applied = m.apply(&stored(20..22));
+    assert_eq!((applied.stored, applied.overflowed), (2, false));
+    assert_eq!(m.copies(), 2);
+}
+
+#[test]
+fn the_ceiling_is_the_routers_per_engine_default() {
+    assert_eq!(
+        MAX_COPIES,
+        llmgw::feed::state::DEFAULT_MAX_BLOCKS_PER_ENGINE
+    );
+    assert_eq!(Mirror::new().max_copies, MAX_COPIES);
 }

@@ -248,6 +248,9 @@ pub struct UplinkConfig {
     pub heartbeat: Duration,
     pub backoff_initial: Duration,
     pub backoff_max: Duration,
+    /// Messages the outbound queue holds beyond a session's opening (its Hello and snapshot
+    /// parts, which it always holds whole): deltas and heartbeats wait for room past this.
+    pub queue: usize,
 }
 
 impl UplinkConfig {
@@ -309,6 +312,7 @@ impl UplinkConfig {
             heartbeat: Duration::from_secs(5),
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_secs(10),
+            queue: 1024,
         }
     }
 }
@@ -625,17 +629,20 @@ async fn stream_session<S: FeedSource + ?Sized, T: Transport>(
     let mut updates = source.subscribe();
     let snapshots = source.snapshot_engines();
     let engines = snapshots.len();
-    let (tx, rx) = mpsc::channel(1024 + engines);
-    let mut out = Outbound { tx, next_id: 0 };
-    out.send(hello_message(source.node(), &snapshots)).await;
+    let mut opening = vec![hello_message(source.node(), &snapshots)];
     // Per engine of the Hello: the instance snapshotted (a removed engine's late delta, or a
     // restarted one's under the same name, is another instance) and the last epoch/seq sent.
     let mut sent_upto: HashMap<Arc<str>, (u64, u64)> = HashMap::new();
     for s in snapshots {
         sent_upto.insert(Arc::clone(&s.engine.0), (s.snapshot.epoch, s.snapshot.seq));
-        for part in snapshot_messages(&s) {
-            out.send(part).await;
-        }
+        opening.extend(snapshot_messages(&s));
+    }
+    // Nothing drains the queue before `open` returns, so it holds the whole opening however
+    // many parts the snapshots take: queueing it never waits.
+    let (tx, rx) = mpsc::channel(opening.len() + config.queue.max(1));
+    let mut out = Outbound { tx, next_id: 0 };
+    for body in opening {
+        out.send(body).await;
     }
 
     let mut inbound = transport

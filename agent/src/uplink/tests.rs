@@ -600,6 +600,36 @@ fn a_large_snapshot_goes_in_parts_below_the_routers_message_limit() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_opening_longer_than_the_queue_is_queued_whole_before_the_stream_opens() {
+    // Three snapshot parts against a queue of one stand in for a node whose snapshots take
+    // more parts than the default queue (1024): before the stream opens nothing drains it.
+    let hashes: Vec<u64> = (0..(2 * SNAPSHOT_PART_BLOCKS as u64 + 5)).collect();
+    let source = FakeSource::new(64, vec![snapshot("a", 1, 3, &hashes)]);
+    let (router, mut streams) = FakeRouter::new(0);
+    let mut config = config();
+    config.queue = 1;
+    let _uplink = start(&source, &router, config);
+    let mut end = tokio::time::timeout(Duration::from_secs(30), streams.recv())
+        .await
+        .expect("the stream opens: queueing the opening did not wait")
+        .expect("a stream");
+    settle().await;
+    assert_eq!(
+        describe_all(&end.received()),
+        [
+            "hello n1",
+            "snapshot a 1/3",
+            "snapshot a 1/3",
+            "snapshot a 1/3"
+        ]
+    );
+    // Past the opening the queue still carries deltas.
+    source.flush(update("a", 1, 4));
+    settle().await;
+    assert_eq!(describe_all(&end.received()), ["delta a 1/4"]);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_changed_engine_set_opens_a_new_stream_at_once_listing_it() {
     let source = FakeSource::new(64, vec![snapshot("a", 1, 3, &[30])]);
     let (router, mut streams) = FakeRouter::new(0);

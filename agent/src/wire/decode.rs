@@ -11,6 +11,27 @@ use super::{
 /// Deepest nesting accepted inside a generic [`Value`] (extra keys are two levels deep).
 const MAX_VALUE_DEPTH: usize = 32;
 
+/// The most memory one vector's up-front reservation may take. A count on the wire is only a
+/// claim: a payload padded to megabytes may declare billions of elements, and reserving
+/// `count × size_of::<T>()` for it (an event is hundreds of bytes) could ask for gigabytes before
+/// the first element fails to decode. Past this budget vectors grow as elements actually arrive.
+pub(super) const RESERVE_BUDGET_BYTES: usize = 64 * 1024;
+
+/// How many `T`s to reserve for a container that declares `declared` elements, each encoded in
+/// at least `min_encoded` bytes, with `remaining` bytes of payload left: never more than the
+/// payload could hold, nor more than [`RESERVE_BUDGET_BYTES`] of memory.
+pub(super) fn reserve_for<T>(declared: usize, remaining: usize, min_encoded: usize) -> usize {
+    let by_input = remaining / min_encoded.max(1);
+    let by_budget = RESERVE_BUDGET_BYTES / std::mem::size_of::<T>().max(1);
+    declared.min(by_input).min(by_budget)
+}
+
+/// A vector for `declared` elements of at least `min_encoded` bytes each, reserved within
+/// [`RESERVE_BUDGET_BYTES`].
+fn vec_for<T>(r: &Reader<'_>, declared: usize, min_encoded: usize) -> Vec<T> {
+    Vec::with_capacity(reserve_for::<T>(declared, r.remaining(), min_encoded))
+}
+
 /// BlockStored's fields in declaration order (= array position after the tag), vLLM 0.9–0.33.
 pub(super) const STORED_FIELDS: [&str; 15] = [
     "block_hashes",
@@ -152,7 +173,7 @@ fn map_batch(r: &mut Reader<'_>) -> Result<EventBatch, WireError> {
 
 fn events(r: &mut Reader<'_>) -> Result<Vec<KvEvent>, WireError> {
     let n = r.array_len()?;
-    let mut out = Vec::with_capacity(n.min(r.remaining()));
+    let mut out = vec_for(r, n, 1);
     for index in 0..n {
         out.push(event(r, index)?);
     }
@@ -347,7 +368,7 @@ fn stored_field(r: &mut Reader<'_>, ev: &mut BlockStored, pos: usize) -> Result<
                 None
             } else {
                 let n = r.array_len()?;
-                let mut keys = Vec::with_capacity(n.min(r.remaining()));
+                let mut keys = vec_for(r, n, 1);
                 for _ in 0..n {
                     keys.push(value(r, 0)?);
                 }
@@ -402,7 +423,7 @@ fn hashes(r: &mut Reader<'_>) -> Result<Vec<ExternalHash>, WireError> {
         return Ok(Vec::new());
     }
     let n = r.array_len()?;
-    let mut out = Vec::with_capacity(n.min(r.remaining()));
+    let mut out = vec_for(r, n, 1);
     for _ in 0..n {
         out.push(hash(r)?);
     }
@@ -414,7 +435,7 @@ fn tokens(r: &mut Reader<'_>) -> Result<Vec<u32>, WireError> {
         return Ok(Vec::new());
     }
     let n = r.array_len()?;
-    let mut out = Vec::with_capacity(n.min(r.remaining()));
+    let mut out = vec_for(r, n, 1);
     for _ in 0..n {
         if let Some(t) = r.small_uint() {
             out.push(t);
@@ -524,7 +545,7 @@ fn value(r: &mut Reader<'_>, depth: usize) -> Result<Value, WireError> {
         }
         Kind::Array => {
             let n = r.array_len()?;
-            let mut items = Vec::with_capacity(n.min(r.remaining()));
+            let mut items = vec_for(r, n, 1);
             for _ in 0..n {
                 items.push(value(r, depth + 1)?);
             }
@@ -532,7 +553,7 @@ fn value(r: &mut Reader<'_>, depth: usize) -> Result<Value, WireError> {
         }
         Kind::Map => {
             let n = r.map_len()?;
-            let mut items = Vec::with_capacity(n.min(r.remaining() / 2));
+            let mut items = vec_for(r, n, 2);
             for _ in 0..n {
                 let k = value(r, depth + 1)?;
                 let v = value(r, depth + 1)?;

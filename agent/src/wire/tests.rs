@@ -424,6 +424,75 @@ fn malformed_payloads_are_errors_naming_the_problem() {
 }
 
 #[test]
+fn declared_counts_reserve_no_more_than_the_memory_budget() {
+    use super::decode::{RESERVE_BUDGET_BYTES, reserve_for};
+    fn bytes_reserved<T>(declared: usize, remaining: usize, min_encoded: usize) -> usize {
+        reserve_for::<T>(declared, remaining, min_encoded) * std::mem::size_of::<T>()
+    }
+    let huge = u32::MAX as usize;
+    let padded = 8 << 20;
+    for reserved in [
+        bytes_reserved::<KvEvent>(huge, padded, 1),
+        bytes_reserved::<ExternalHash>(huge, padded, 1),
+        bytes_reserved::<u32>(huge, padded, 1),
+        bytes_reserved::<Value>(huge, padded, 1),
+        bytes_reserved::<(Value, Value)>(huge, padded, 2),
+    ] {
+        assert!(
+            reserved <= RESERVE_BUDGET_BYTES,
+            "{reserved} bytes reserved"
+        );
+        assert!(reserved > 0);
+    }
+    // Within the budget the count and the payload still bound it.
+    assert_eq!(reserve_for::<u32>(3, padded, 1), 3);
+    assert_eq!(reserve_for::<u32>(huge, 10, 1), 10);
+    assert_eq!(reserve_for::<(Value, Value)>(huge, 10, 2), 5);
+    assert_eq!(reserve_for::<u32>(huge, 0, 1), 0);
+}
+
+/// `[0.0, <events>]` with `events` the raw bytes given.
+fn padded_batch(events: &[u8], pad: u8, total: usize) -> Vec<u8> {
+    let mut p = vec![0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0];
+    p.extend_from_slice(events);
+    p.resize(total, pad);
+    p
+}
+
+#[test]
+fn huge_declared_counts_in_a_padded_payload_are_errors() {
+    let any_count = [0xdd, 0xff, 0xff, 0xff, 0xff];
+    let mut stored_with_hashes = vec![0xdd, 0, 0, 0, 1, 0x92, 0xab];
+    stored_with_hashes.extend_from_slice(b"BlockStored");
+    stored_with_hashes.extend_from_slice(&any_count);
+    let mut extra_keys_map = vec![0x91, 0x99, 0xab];
+    extra_keys_map.extend_from_slice(b"BlockStored");
+    extra_keys_map.extend_from_slice(&[0xc0, 0xc0, 0xc0, 0xc0, 0xc0, 0xc0, 0xc0, 0x91]);
+    extra_keys_map.extend_from_slice(&[0xdf, 0xff, 0xff, 0xff, 0xff]);
+    let cases: [(&str, Vec<u8>, u8); 4] = [
+        // 2^32-1 events, then empty arrays: event 0 has no tag.
+        ("no type tag", any_count.to_vec(), 0x90),
+        // 2^32-1 events, each a nil: event 0 is not an event.
+        ("tagged array or map", any_count.to_vec(), 0xc0),
+        // one BlockStored whose block_hashes declare 2^32-1 hashes, then nils.
+        ("block_hashes", stored_with_hashes, 0xc0),
+        // one BlockStored whose extra key is a map declaring 2^32-1 pairs, then 0xc1s.
+        ("extra_keys", extra_keys_map, 0xc1),
+    ];
+    for (what, events, pad) in cases {
+        let payload = padded_batch(&events, pad, 8 << 20);
+        let started = std::time::Instant::now();
+        let err = decode_batch(&payload).expect_err(what).to_string();
+        assert!(err.contains(what), "{err:?} should mention {what:?}");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "{what}: {err} took {:?}",
+            started.elapsed()
+        );
+    }
+}
+
+#[test]
 fn every_truncation_of_every_fixture_is_an_error() {
     let mut payloads: Vec<Vec<u8>> = fixture_batches().into_iter().map(|b| b.2).collect();
     payloads.extend(capture().frames.into_iter().map(|f| f.payload));
@@ -612,6 +681,26 @@ proptest! {
         // events as the payload has bytes.
         if let Ok(batch) = decoded {
             prop_assert!(batch.events.len() <= p.len());
+        }
+    }
+
+    #[test]
+    fn declared_counts_past_the_payload_never_panic(
+        count in any::<u32>(),
+        marker in prop::sample::select(vec![0xdcu8, 0xdd]),
+        pad in any::<u8>(),
+        len in 0usize..4096,
+    ) {
+        let header = if marker == 0xdc {
+            let c = (count as u16).to_be_bytes();
+            vec![marker, c[0], c[1]]
+        } else {
+            let c = count.to_be_bytes();
+            vec![marker, c[0], c[1], c[2], c[3]]
+        };
+        let payload = padded_batch(&header, pad, 10 + header.len() + len);
+        if let Ok(batch) = decode_batch(&payload) {
+            prop_assert!(batch.events.len() <= payload.len());
         }
     }
 

@@ -220,6 +220,110 @@ async fn a_bound_sub_receives_from_a_connecting_engine() {
     assert_eq!(rig.hashes(), expected_blocks(&frames));
 }
 
+/// A ZMTP 3.0 greeting, NULL mechanism, as a client (RFC 23: signature, version, mechanism,
+/// as-server, filler).
+fn zmtp_greeting() -> Vec<u8> {
+    let mut g = vec![0u8; 64];
+    g[0] = 0xff;
+    g[9] = 0x7f;
+    g[10] = 3;
+    g[12..16].copy_from_slice(b"NULL");
+    g
+}
+
+/// The READY command of a PUB peer.
+fn zmtp_ready_pub() -> Vec<u8> {
+    let mut body = vec![5];
+    body.extend_from_slice(b"READY");
+    body.push(11);
+    body.extend_from_slice(b"Socket-Type");
+    body.extend_from_slice(&3u32.to_be_bytes());
+    body.extend_from_slice(b"PUB");
+    let mut frame = vec![0x04, u8::try_from(body.len()).expect("short command")];
+    frame.extend(body);
+    frame
+}
+
+/// A message frame header declaring `len` bytes (the long form), with the "more" flag if asked.
+fn long_frame_header(len: u64, more: bool) -> Vec<u8> {
+    let mut h = vec![0x02 | u8::from(more)];
+    h.extend_from_slice(&len.to_be_bytes());
+    h
+}
+
+/// Dials the SUB bound at `endpoint` as a raw ZMTP peer claiming to be a PUB, sends `hostile`
+/// after the handshake, and waits (bounded) for the SUB to hang up.
+async fn hostile_peer(endpoint: &str, what: &str, hostile: &[u8]) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let addr = endpoint.strip_prefix("tcp://").expect("a tcp endpoint");
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("dials the SUB");
+    let mut hello = zmtp_greeting();
+    hello.extend(zmtp_ready_pub());
+    stream.write_all(&hello).await.expect("handshake sent");
+    // The SUB may hang up before it has read everything: a failed write is the expected end.
+    let _ = stream.write_all(hostile).await;
+    let hung_up = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut buf = vec![0u8; 4096];
+        while let Ok(n) = stream.read(&mut buf).await
+            && n > 0
+        {}
+    })
+    .await;
+    assert!(hung_up.is_ok(), "the SUB kept a peer that sent {what}");
+}
+
+#[tokio::test]
+async fn a_bound_sub_drops_peers_sending_oversized_frames_and_keeps_receiving() {
+    let frames = frames();
+    let (rig, bound) = rig(EngineEndpoint {
+        endpoint: "tcp://127.0.0.1:0".into(),
+        bind: true,
+        replay: None,
+        topic: String::new(),
+    })
+    .await;
+    let bound = bound.expect("bound endpoint");
+    // Unpatched, zeromq 0.7.0 reserved the declared length up front and aborted the process.
+    hostile_peer(
+        &bound,
+        "a 2^62-byte frame header",
+        &long_frame_header(1 << 62, false),
+    )
+    .await;
+    let just_over = u64::try_from(zeromq::MAX_FRAME_BYTES).expect("fits") + 1;
+    hostile_peer(
+        &bound,
+        "a frame just over the limit",
+        &long_frame_header(just_over, false),
+    )
+    .await;
+    // Empty frames flagged "more", one past the frame limit.
+    let endless: Vec<u8> = [0x01, 0x00].repeat(zeromq::MAX_MESSAGE_FRAMES + 1);
+    hostile_peer(&bound, "endless multipart frames", &endless).await;
+    // Two frames of half the byte limit each (allowed), then one more byte (not).
+    let half = zeromq::MAX_MESSAGE_BYTES / 2;
+    let mut too_big = Vec::with_capacity(2 * (half + 9) + 10);
+    for _ in 0..2 {
+        too_big.extend(long_frame_header(half as u64, true));
+        too_big.resize(too_big.len() + half, 0);
+    }
+    too_big.extend([0x00, 0x01, 0x00]);
+    hostile_peer(&bound, "a multipart message over the byte limit", &too_big).await;
+    // The SUB still takes a real engine's stream.
+    let mut publisher = Publisher::start(&bound, true, None, "kv", ReplyShape::WithTopic, 10)
+        .await
+        .expect("engine connects");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for f in &frames {
+        publisher.publish(f.seq, &f.payload).await.expect("publish");
+    }
+    rig.wait_for("every batch", |r| r.batches() == frames.len() as u64)
+        .await;
+    assert_eq!(rig.hashes(), expected_blocks(&frames));
+}
+
 #[tokio::test]
 async fn the_topic_filter_keeps_other_topics_out() {
     let frames = frames();
