@@ -140,6 +140,7 @@ async fn run(opts: Options) -> anyhow::Result<()> {
             token: None,
             nodes,
             grace: Duration::from_secs(60),
+            silence: llmgw::feed::DEFAULT_SILENCE,
         },
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

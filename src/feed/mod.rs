@@ -74,7 +74,7 @@ use crate::models::ModelSettings;
 use crate::peers::PeeringService;
 use crate::tls;
 
-pub use options::{FeedOptions, FeedOptionsError, FeedSettings};
+pub use options::{DEFAULT_SILENCE, FeedOptions, FeedOptionsError, FeedSettings};
 pub use state::{FeedLimits, FeedState, StreamEnd, StreamId, Violation};
 
 pub use pb::feed_server::FeedServer;

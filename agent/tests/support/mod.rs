@@ -123,6 +123,7 @@ pub fn feed_for(node: &str, replicas: &[&str], token: Option<&str>) -> (Arc<Inde
             token: token.map(str::to_owned),
             nodes,
             grace: Duration::from_secs(60),
+            silence: llmgw::feed::DEFAULT_SILENCE,
         },
     );
     (index, feed)
