@@ -220,6 +220,7 @@ pub struct FileConfig {
     pub replay_timeout_ms: Option<u64>,
     pub token_file: Option<PathBuf>,
     pub stale_after_ms: Option<u64>,
+    pub max_blocks_per_engine: Option<u64>,
     /// PEM CA that signed the routers' feed certificates: connect over TLS.
     pub router_ca: Option<PathBuf>,
     /// PEM client certificate (chain) presented to routers that require mutual TLS.
@@ -308,6 +309,10 @@ pub struct AgentArgs {
     /// 0 disables (default 10000).
     #[arg(long, env = "LLMGW_AGENT_STALE_AFTER_MS")]
     pub stale_after_ms: Option<u64>,
+    /// Most block copies (all tiers) one engine's mirror holds; an engine reporting more is
+    /// reset. Keep it at the routers' --feed-max-blocks-per-engine (default 4000000).
+    #[arg(long, env = "LLMGW_AGENT_MAX_BLOCKS_PER_ENGINE")]
+    pub max_blocks_per_engine: Option<u64>,
     /// The shared token itself (prefer --token-file).
     #[arg(long, env = "LLMGW_AGENT_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
@@ -425,6 +430,8 @@ pub struct AgentConfig {
     pub token_file: Option<PathBuf>,
     /// Silence before a health check; `None` disables staleness.
     pub stale_after: Option<Duration>,
+    /// Most block copies one engine's mirror holds.
+    pub max_blocks_per_engine: u64,
     /// TLS towards the routers (`None`: plain text), checked at start-up.
     pub tls: Option<ClientTlsConfig>,
     /// The files `tls` was built from: read again before each connection (rotated
@@ -563,6 +570,15 @@ impl AgentArgs {
             0 => None,
             ms => Some(Duration::from_millis(ms)),
         };
+        let max_blocks_per_engine = self
+            .max_blocks_per_engine
+            .or(file.max_blocks_per_engine)
+            .unwrap_or(crate::mirror::MAX_COPIES);
+        if max_blocks_per_engine == 0 {
+            return Err(ConfigError::Invalid(
+                "--max-blocks-per-engine must be above 0".into(),
+            ));
+        }
         let tls_files = TlsFiles {
             router_ca: self.router_ca.clone().or(file.router_ca),
             cert: self.tls_cert.clone().or(file.tls_cert),
@@ -576,6 +592,7 @@ impl AgentArgs {
             tls_files: tls.is_some().then_some(tls_files),
             tls,
             stale_after,
+            max_blocks_per_engine,
             token,
             token_file,
             router_services,
@@ -909,6 +926,29 @@ mod tests {
         std::fs::write(&path, "nodes: typo\n").expect("write");
         let err = args.resolve().expect_err("unknown key").to_string();
         assert!(err.contains("nodes"), "{err}");
+    }
+
+    #[test]
+    fn the_mirror_ceiling_comes_from_the_flag_or_the_file_and_is_above_zero() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("agent.yaml");
+        let engines = "engines:\n  - {replica: 'a:1', endpoint: 'tcp://127.0.0.1:5557'}\n";
+        let resolve = |file: &str, flag: Option<u64>| {
+            std::fs::write(&path, format!("node: n\n{file}{engines}")).expect("write");
+            AgentArgs {
+                config: Some(path.clone()),
+                max_blocks_per_engine: flag,
+                ..AgentArgs::default()
+            }
+            .resolve()
+        };
+        let ceiling =
+            |file: &str, flag| resolve(file, flag).expect("resolves").max_blocks_per_engine;
+        assert_eq!(ceiling("", None), crate::mirror::MAX_COPIES);
+        assert_eq!(ceiling("max_blocks_per_engine: 9000000\n", None), 9_000_000);
+        assert_eq!(ceiling("max_blocks_per_engine: 9000000\n", Some(5)), 5);
+        let err = resolve("", Some(0)).expect_err("zero").to_string();
+        assert!(err.contains("--max-blocks-per-engine"), "{err}");
     }
 
     #[test]

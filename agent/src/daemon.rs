@@ -254,9 +254,10 @@ impl Agent {
 
     /// Starts one engine's intake, mirror and health tasks.
     async fn start_engine(&self, ec: EngineConfig) -> Result<RunningEngine, DaemonError> {
-        let engine = Engine::new(
+        let engine = Engine::with_max_copies(
             EngineId(Arc::from(ec.name.as_str())),
             ReplicaId(Arc::from(ec.replica.as_str())),
+            self.config.max_blocks_per_engine,
         );
         let endpoint = EngineEndpoint {
             endpoint: ec.endpoint.clone(),

@@ -59,7 +59,9 @@ pub struct FeedOptions {
     #[serde(deserialize_with = "crate::duration::optional")]
     pub feed_sync_timeout: Option<Duration>,
     /// Most block copies one engine may report over the feed (all tiers); an engine reporting
-    /// more is refused, its blocks dropped (default 4000000, at most 4294967295).
+    /// more is refused, its blocks dropped (default 4000000, at most 4294967295). The agent's
+    /// own ceiling, `llmgw-agent --max-blocks-per-engine` (same default), must be raised with
+    /// it: past it the agent resets the engine's mirror.
     #[arg(long, env = "LLMGW_FEED_MAX_BLOCKS_PER_ENGINE")]
     pub feed_max_blocks_per_engine: Option<u64>,
     /// PEM certificate (chain) of the feed port: serve the feed over TLS (needs --feed-tls-key).

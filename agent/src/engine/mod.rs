@@ -154,10 +154,18 @@ pub struct Engine {
 
 impl Engine {
     pub fn new(id: EngineId, replica: ReplicaId) -> Arc<Self> {
+        Engine::with_max_copies(id, replica, crate::mirror::MAX_COPIES)
+    }
+
+    /// An engine whose mirror holds at most `max_copies` block copies.
+    pub fn with_max_copies(id: EngineId, replica: ReplicaId, max_copies: u64) -> Arc<Self> {
         Arc::new(Engine {
             id,
             replica,
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State {
+                mirror: Mirror::with_max_copies(max_copies),
+                ..State::default()
+            }),
         })
     }
 
