@@ -341,8 +341,7 @@ where
             return Box::pin(async { Ok(Status::unimplemented("").into_http()) });
         }
         let method = ProcessMethod(Arc::clone(&self.inner));
-        let max_message =
-            (self.inner.settings.max_body_bytes).saturating_add(MESSAGE_HEADROOM_BYTES);
+        let max_message = max_message_bytes(self.inner.settings.max_body_bytes);
         Box::pin(async move {
             let codec = tonic_prost::ProstCodec::<ProcessingResponse, Inbound>::default();
             let mut grpc = tonic::server::Grpc::new(codec)

@@ -735,7 +735,8 @@ async fn a_message_past_the_limit_ends_the_stream_and_a_body_past_it_gets_413() 
     let max_body = settings().max_body_bytes;
     for (body_bytes, code) in [
         (max_body + 1, Ok(413)),
-        (2 * max_body, Ok(413)),
+        (max_body + MESSAGE_HEADROOM_BYTES + 1, Ok(413)),
+        (2 * max_body + MESSAGE_HEADROOM_BYTES / 2, Ok(413)),
         (
             max_message_bytes(max_body) + 1,
             Err(tonic::Code::OutOfRange),
