@@ -139,6 +139,13 @@ impl PeerContext {
         self.loads.clear(url);
         self.metrics.set_connected(url, false);
     }
+
+    /// Forgets the peer at `url` for good (it left the peer service): what it reported and its
+    /// metric series, so that routers coming and going do not add series for ever.
+    pub fn remove(&self, url: &str) {
+        self.loads.clear(url);
+        self.metrics.remove(url);
+    }
 }
 
 /// Subscribes to one peer for as long as the router runs.

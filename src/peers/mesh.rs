@@ -59,7 +59,13 @@ impl Subscriptions {
     fn stop(&mut self, addr: &SocketAddr) {
         if let Some((url, task)) = self.running.remove(addr) {
             task.abort();
-            self.context.forget(&url);
+            // Once the task has stopped: an update it was applying on another worker when
+            // aborted would otherwise set the peer's loads again after they were cleared.
+            let context = self.context.clone();
+            tokio::spawn(async move {
+                let _ = task.await;
+                context.remove(&url);
+            });
         }
     }
 }

@@ -133,6 +133,10 @@ pub struct UpdateLabels {
     pub outcome: &'static str,
 }
 
+/// The `kind` and `outcome` labels of `llmgw_peer_updates_total`.
+const UPDATE_KINDS: [&str; 3] = ["pick", "load", "unknown"];
+const UPDATE_OUTCOMES: [&str; 3] = ["applied", "ignored", "refused"];
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PeerLabel {
     pub peer: String,
@@ -176,6 +180,22 @@ impl PeerMetrics {
                 peer: peer.to_owned(),
             })
             .set(i64::from(open));
+    }
+
+    /// Drops every series of `peer`.
+    fn remove(&self, peer: &str) {
+        self.connected.remove(&PeerLabel {
+            peer: peer.to_owned(),
+        });
+        for kind in UPDATE_KINDS {
+            for outcome in UPDATE_OUTCOMES {
+                self.updates.remove(&UpdateLabels {
+                    peer: peer.to_owned(),
+                    kind,
+                    outcome,
+                });
+            }
+        }
     }
 
     fn count(&self, peer: &str, kind: &'static str, outcome: &'static str) {

@@ -596,6 +596,9 @@ async fn a_peer_service_is_followed_as_routers_come_and_go_and_its_own_address_s
     eventually("B's load gone", || peer_in_flight(&pool, 8001) == 1).await;
     assert!(!is_connected(&metrics, &b.url));
     assert!(is_connected(&metrics, &a.url));
+    let b_label = format!("peer=\"{}\"", b.url);
+    eventually("B's series gone", || !text(&metrics).contains(&b_label)).await;
+    assert!(text(&metrics).contains(&format!("peer=\"{}\"", a.url)));
     // An empty answer keeps the peers there are.
     resolver.0.lock().clear();
     tokio::time::sleep(Duration::from_millis(100)).await;
