@@ -672,23 +672,8 @@ async fn response_messages_pass_through_and_echo_in_full_duplex() {
 #[tokio::test]
 async fn grpc_stream_keeps_the_hold_until_the_stream_ends() {
     let picker = Arc::new(FakePicker::default());
-    let service = ExtProcService::new(Arc::clone(&picker), settings());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(service.into_server())
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
-    let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
-        .await
-        .unwrap();
-    let (sender, receiver) = tokio::sync::mpsc::channel(4);
-    let mut answers = client
-        .process(tokio_stream::wrappers::ReceiverStream::new(receiver))
-        .await
-        .unwrap()
-        .into_inner();
+    let (mut client, server) = serve_grpc(&picker).await;
+    let (sender, mut answers) = open_stream(&mut client).await;
     sender
         .send(headers_msg(BodySendMode::Buffered, false, &[]))
         .await
@@ -714,13 +699,16 @@ async fn grpc_stream_keeps_the_hold_until_the_stream_ends() {
     server.abort();
 }
 
-/// Over gRPC, a body over `max_body_bytes` still gets its 413 up to the message limit (twice
-/// the body limit, so a BUFFERED body under the shipped configurations' Envoy buffers), and a
-/// longer message ends the stream before the server reads it.
-#[tokio::test]
-async fn a_message_past_the_limit_ends_the_stream_and_a_body_past_it_gets_413() {
-    let picker = Arc::new(FakePicker::default());
-    let service = ExtProcService::new(Arc::clone(&picker), settings());
+type Client = ExternalProcessorClient<tonic::transport::Channel>;
+
+/// The service with `picker` in a tonic server on 127.0.0.1:0, and a client of it.
+async fn serve_grpc(
+    picker: &Arc<FakePicker>,
+) -> (
+    Client,
+    tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+) {
+    let service = ExtProcService::new(Arc::clone(picker), settings());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let server = tokio::spawn(
@@ -728,10 +716,36 @@ async fn a_message_past_the_limit_ends_the_stream_and_a_body_past_it_gets_413() 
             .add_service(service.into_server())
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
-    let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
+    let client = ExternalProcessorClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    (client, server)
+}
+
+/// One `Process` stream: where to send Envoy's messages, and the answers.
+async fn open_stream(
+    client: &mut Client,
+) -> (
+    tokio::sync::mpsc::Sender<ProcessingRequest>,
+    tonic::Streaming<ProcessingResponse>,
+) {
+    let (sender, receiver) = tokio::sync::mpsc::channel(4);
+    let answers = client
+        .process(tokio_stream::wrappers::ReceiverStream::new(receiver))
         .await
         .unwrap()
-        .max_encoding_message_size(usize::MAX);
+        .into_inner();
+    (sender, answers)
+}
+
+/// Over gRPC, a body over `max_body_bytes` still gets its 413 up to the message limit (twice
+/// the body limit, so a BUFFERED body under the shipped configurations' Envoy buffers), and a
+/// longer message ends the stream before the server reads it.
+#[tokio::test]
+async fn a_message_past_the_limit_ends_the_stream_and_a_body_past_it_gets_413() {
+    let picker = Arc::new(FakePicker::default());
+    let (client, server) = serve_grpc(&picker).await;
+    let mut client = client.max_encoding_message_size(usize::MAX);
     let max_body = settings().max_body_bytes;
     for (body_bytes, code) in [
         (max_body + 1, Ok(413)),
@@ -742,12 +756,7 @@ async fn a_message_past_the_limit_ends_the_stream_and_a_body_past_it_gets_413() 
             Err(tonic::Code::OutOfRange),
         ),
     ] {
-        let (sender, receiver) = tokio::sync::mpsc::channel(4);
-        let mut answers = client
-            .process(tokio_stream::wrappers::ReceiverStream::new(receiver))
-            .await
-            .unwrap()
-            .into_inner();
+        let (sender, mut answers) = open_stream(&mut client).await;
         sender
             .send(headers_msg(BodySendMode::Buffered, false, &[]))
             .await
