@@ -270,6 +270,7 @@ pub async fn serve(
         .register_collector(Box::new(StateCollector {
             index: Arc::clone(&index),
             tokenizer,
+            pool: Arc::clone(&pool),
         }));
     feed.metrics.register(metrics.registry_mut());
     // TLS on ext_proc: the certificate is made or read before anything listens.

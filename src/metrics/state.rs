@@ -1,6 +1,8 @@
 //! Gauges and counters read from the routing state when `/metrics` is read: the KV index's
 //! size (per replica and distinct blocks), each replica's evictions and rebuilt blocks, and the
-//! tokenizer's cache and call counters.
+//! tokenizer's cache and call counters. Per-replica series are those of the pool's replicas
+//! only: the index remembers every replica it has seen, and a fleet whose pods come and go
+//! would otherwise add series for ever.
 //!
 //! Concurrency: encoding takes each structure's own short read locks and atomics; nothing on the
 //! request path waits for it.
@@ -15,6 +17,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 
 use crate::kvindex::KvIndex;
+use crate::pool::Pool;
 use crate::tokenize::Tokenizer;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -26,6 +29,8 @@ struct ReplicaLabels {
 pub struct StateCollector {
     pub index: Arc<KvIndex>,
     pub tokenizer: Arc<Tokenizer>,
+    /// Whose per-replica series are written.
+    pub pool: Arc<Pool>,
 }
 
 impl std::fmt::Debug for StateCollector {
@@ -36,8 +41,12 @@ impl std::fmt::Debug for StateCollector {
 
 impl Collector for StateCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let pool = self.pool.snapshot();
         let per_replica = Family::<ReplicaLabels, Gauge>::default();
         for (replica, blocks) in self.index.replica_block_counts() {
+            if pool.find(&replica).is_none() {
+                continue;
+            }
             per_replica
                 .get_or_create(&ReplicaLabels { replica })
                 .set(i64::try_from(blocks).unwrap_or(i64::MAX));
@@ -51,6 +60,9 @@ impl Collector for StateCollector {
         let evicted = Family::<ReplicaLabels, Counter>::default();
         let rebuilt = Family::<ReplicaLabels, Counter>::default();
         for (replica, churn) in self.index.replica_churn() {
+            if pool.find(&replica).is_none() {
+                continue;
+            }
             evicted
                 .get_or_create(&ReplicaLabels {
                     replica: replica.clone(),
@@ -145,5 +157,59 @@ impl Collector for StateCollector {
             )?)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+    use std::time::Duration;
+
+    use prometheus_client::registry::Registry;
+
+    use super::*;
+    use crate::blockhash::ExternalHash;
+    use crate::kvindex::{IndexConfig, KvEventSink, Medium};
+    use crate::pool::ReplicaSpec;
+    use crate::tokenize::TokenizerConfig;
+
+    #[test]
+    fn per_replica_series_are_the_pools_replicas_only() {
+        let index = Arc::new(KvIndex::new(IndexConfig::default()));
+        let (member, departed) = ("127.0.0.1:8001", "127.0.0.1:8002");
+        for replica in [member, departed] {
+            index.stored(replica, &[ExternalHash(1), ExternalHash(2)], Medium::Gpu);
+            index.removed(replica, &[ExternalHash(2)], Medium::Gpu);
+        }
+        let pool = Arc::new(Pool::new(
+            vec![ReplicaSpec {
+                address: member.parse::<SocketAddr>().expect("address"),
+                models: vec!["m".to_owned()],
+                node: None,
+            }],
+            Duration::from_secs(60),
+        ));
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(StateCollector {
+            index,
+            tokenizer: Arc::new(Tokenizer::new(TokenizerConfig::default())),
+            pool,
+        }));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).expect("encodes");
+        assert!(
+            text.contains(&format!(
+                "llmgw_kv_index_replica_blocks{{replica=\"{member}\"}} 1"
+            )),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "llmgw_kv_index_replica_evicted_blocks_total{{replica=\"{member}\"}} 1"
+            )),
+            "{text}"
+        );
+        assert!(!text.contains(departed), "{text}");
+        assert!(text.contains("llmgw_kv_index_blocks 1"), "{text}");
     }
 }

@@ -145,6 +145,7 @@ fn router(
     registry.register_collector(Box::new(StateCollector {
         index: Arc::clone(&index),
         tokenizer: Arc::clone(&tokenizer),
+        pool: Arc::clone(&pool),
     }));
     let scheduler = Scheduler::build(Arc::clone(&pool), &config, &resources, &mut registry)
         .expect("profile builds");
