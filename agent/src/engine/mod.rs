@@ -50,7 +50,7 @@ pub enum ResetReason {
     Supervisor,
     /// The engine went silent and its `/health` fails.
     Stale,
-    /// The engine reported more block copies than a mirror holds ([`crate::mirror::MAX_COPIES`]).
+    /// The engine reported more block copies than its mirror holds (`--max-blocks-per-engine`).
     Overflow,
 }
 
@@ -349,7 +349,7 @@ impl MirrorTask {
             tracing::error!(
                 engine,
                 seq,
-                max_copies = crate::mirror::MAX_COPIES,
+                max_copies = st.mirror.max_copies(),
                 "engine reports more block copies than a mirror holds: engine reset"
             );
         }

@@ -130,6 +130,11 @@ impl Mirror {
         }
     }
 
+    /// The most block copies this mirror holds.
+    pub fn max_copies(&self) -> u64 {
+        self.max_copies
+    }
+
     /// Block copies held, over all keys.
     pub fn copies(&self) -> u64 {
         self.copies
