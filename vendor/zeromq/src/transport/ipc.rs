@@ -88,7 +88,10 @@ where
 {
     let wildcard: &Path = "*".as_ref();
     if path == wildcard {
-        todo!("Need to implement support for wildcard paths!");
+        // llmgw patch: an error, not a panic, for a wildcard path (unsupported upstream too).
+        return Err(crate::ZmqError::Other(
+            "wildcard ipc paths are not supported",
+        ));
     }
 
     #[cfg(all(feature = "tokio-runtime", target_family = "unix"))]
