@@ -15,6 +15,7 @@ pub mod duration;
 pub mod extproc;
 pub mod feed;
 pub mod flowcontrol;
+pub mod http_body;
 pub mod kvindex;
 pub mod metrics;
 pub mod models;

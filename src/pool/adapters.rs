@@ -74,7 +74,7 @@ pub async fn fetch_model_cards(
     client: &reqwest::Client,
     address: &str,
 ) -> Result<Vec<ModelCard>, String> {
-    let mut response = client
+    let response = client
         .get(format!("http://{address}/v1/models"))
         .send()
         .await
@@ -82,13 +82,12 @@ pub async fn fetch_model_cards(
     if !response.status().is_success() {
         return Err(format!("status {}", response.status()));
     }
-    let mut body = Vec::new();
-    while let Some(chunk) = response.chunk().await.map_err(|e| e.to_string())? {
-        if body.len() + chunk.len() > MAX_MODELS_BODY {
-            return Err(ListingError::TooLarge.to_string());
-        }
-        body.extend_from_slice(&chunk);
-    }
+    let body = crate::http_body::read_capped(response, MAX_MODELS_BODY)
+        .await
+        .map_err(|e| match e {
+            crate::http_body::BodyError::TooLong(_) => ListingError::TooLarge.to_string(),
+            other => other.to_string(),
+        })?;
     model_cards(&body).map_err(|e| e.to_string())
 }
 

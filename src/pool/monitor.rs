@@ -128,6 +128,8 @@ pub enum ProbeError {
     Timeout,
     #[error("unusable /v1/models: {0}")]
     Listing(String),
+    #[error("unreadable answer: {0}")]
+    Body(#[from] crate::http_body::BodyError),
 }
 
 impl ProbeError {
@@ -136,7 +138,8 @@ impl ProbeError {
         match self {
             ProbeError::Timeout => true,
             ProbeError::Request(error) => error.is_timeout(),
-            ProbeError::Status(_) | ProbeError::Listing(_) => false,
+            ProbeError::Body(crate::http_body::BodyError::Http(error)) => error.is_timeout(),
+            ProbeError::Status(_) | ProbeError::Listing(_) | ProbeError::Body(_) => false,
         }
     }
 }
@@ -146,6 +149,10 @@ impl ProbeError {
 /// check late while it serves; one late answer must not take it, or, when every replica is that
 /// busy, the whole pool out of service. A refused connection or a non-2xx answer counts at once.
 pub const SLOW_PROBES_TO_UNHEALTHY: u32 = 3;
+
+/// At most this much of a `/metrics` answer is read (vLLM's is tens of KB, more with many
+/// adapters or histograms).
+pub const MAX_METRICS_BODY: usize = 16 << 20;
 
 /// Probes over plain HTTP with a shared connection pool.
 #[derive(Debug, Clone)]
@@ -181,7 +188,9 @@ impl Prober for HttpProber {
     }
 
     async fn metrics(&self, replica: &Replica) -> Result<String, ProbeError> {
-        Ok(self.get(replica, "/metrics").await?.text().await?)
+        let response = self.get(replica, "/metrics").await?;
+        let body = crate::http_body::read_capped(response, MAX_METRICS_BODY).await?;
+        Ok(String::from_utf8_lossy(&body).into_owned())
     }
 
     async fn models(&self, replica: &Replica) -> Result<Vec<ModelCard>, ProbeError> {

@@ -345,3 +345,42 @@ async fn adapter_listings_follow_the_replica_and_survive_a_failed_ask() {
     assert_eq!(path(&replica).as_deref(), Some("/adapters/two"));
     task.abort();
 }
+
+/// A replica's `/metrics` is read up to [`MAX_METRICS_BODY`]: a longer answer is an error, by
+/// its length header or as it streams, and a normal one is read whole.
+#[tokio::test]
+async fn a_metrics_answer_over_the_cap_is_an_error_not_read() {
+    use super::monitor::{HttpProber, MAX_METRICS_BODY};
+    use axum::response::IntoResponse;
+
+    async fn answer(kind: &'static str) -> axum::response::Response {
+        let text = "vllm:num_requests_waiting 3\n";
+        match kind {
+            "small" => text.into_response(),
+            "declared" => vec![b'#'; MAX_METRICS_BODY + 1].into_response(),
+            _ => {
+                let chunks = (0..=MAX_METRICS_BODY >> 20)
+                    .map(|_| Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b'#'; 1 << 20])));
+                axum::body::Body::from_stream(futures::stream::iter(chunks)).into_response()
+            }
+        }
+    }
+    let prober = HttpProber::new(Duration::from_secs(10)).expect("prober");
+    for kind in ["small", "declared", "streamed"] {
+        let app = axum::Router::new().route("/metrics", axum::routing::get(move || answer(kind)));
+        let addr = crate::testing::serve_on_loopback(app).await;
+        let replica = Replica::new(ReplicaSpec {
+            address: addr,
+            models: vec!["m".to_owned()],
+            node: None,
+        });
+        let result = prober.metrics(&replica).await;
+        match kind {
+            "small" => assert_eq!(result.expect("read"), "vllm:num_requests_waiting 3\n"),
+            _ => {
+                let err = result.expect_err(kind);
+                assert!(err.to_string().contains("is over"), "{kind}: {err}");
+            }
+        }
+    }
+}

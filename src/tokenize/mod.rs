@@ -691,7 +691,7 @@ async fn call_first_reachable(
             }
         };
         let status = response.status();
-        let bytes = read_capped(response, MAX_ANSWER_BYTES)
+        let bytes = crate::http_body::read_capped(response, MAX_ANSWER_BYTES)
             .await
             .map_err(|e| error(e.to_string()));
         let result = bytes.and_then(|bytes| {
@@ -711,33 +711,4 @@ async fn call_first_reachable(
         return result;
     }
     Err(last)
-}
-
-/// Why an answer's body was not read whole.
-#[derive(Debug, thiserror::Error)]
-enum ReadError {
-    #[error("the answer is over {0} bytes")]
-    TooLong(usize),
-    #[error(transparent)]
-    Http(#[from] reqwest::Error),
-}
-
-/// The response's body, up to `max` bytes: a longer one (by its length header or as it comes)
-/// is an error before more of it is read.
-async fn read_capped(
-    mut response: reqwest::Response,
-    max: usize,
-) -> Result<bytes::Bytes, ReadError> {
-    let declared = response.content_length().unwrap_or(0);
-    if declared > max as u64 {
-        return Err(ReadError::TooLong(max));
-    }
-    let mut body = bytes::BytesMut::with_capacity(usize::try_from(declared).unwrap_or(0));
-    while let Some(chunk) = response.chunk().await? {
-        if body.len() + chunk.len() > max {
-            return Err(ReadError::TooLong(max));
-        }
-        body.extend_from_slice(&chunk);
-    }
-    Ok(body.freeze())
 }
