@@ -471,7 +471,9 @@ impl FeedState {
     ) -> Result<(), StreamEnd> {
         self.check_hello(&hello)?;
         let name = hello.node;
-        // Judge every engine before changing anything.
+        // Judge every engine before changing anything. Past the copies the index counts per
+        // replica, an engine is refused (first come in the Hello, first kept).
+        let mut engines_of: HashMap<String, usize> = HashMap::new();
         let judged: Vec<(pb::EngineInfo, Option<(RefusalReason, String)>)> = hello
             .engines
             .into_iter()
@@ -488,29 +490,11 @@ impl FeedState {
                 } else {
                     self.settings_mismatch(&e)
                         .map(|why| (RefusalReason::HashSettings, why))
-                };
-                (e, refusal)
-            })
-            .collect();
-        // Past the copies the index counts per replica, an engine is refused (first come in the
-        // Hello, first kept).
-        let mut engines_of: HashMap<&str, usize> = HashMap::new();
-        let over_limit: Vec<bool> = judged
-            .iter()
-            .map(|(e, refusal)| {
-                refusal.is_none() && {
-                    let engines = engines_of.entry(e.replica.as_str()).or_default();
-                    *engines += 1;
-                    *engines > crate::kvindex::MAX_COPIES_PER_REPLICA
                 }
-            })
-            .collect();
-        let judged: Vec<(pb::EngineInfo, Option<(RefusalReason, String)>)> = judged
-            .into_iter()
-            .zip(over_limit)
-            .map(|((e, refusal), over)| {
-                let refusal = refusal.or_else(|| {
-                    over.then(|| {
+                .or_else(|| {
+                    let engines = engines_of.entry(e.replica.clone()).or_default();
+                    *engines += 1;
+                    (*engines > crate::kvindex::MAX_COPIES_PER_REPLICA).then(|| {
                         (
                             RefusalReason::TooManyEngines,
                             format!(
