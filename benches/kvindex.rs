@@ -1,6 +1,8 @@
 //! KV index: apply throughput (block events/s), prefix lookup latency for a 512-block prompt over
 //! 64 replicas, lookup latency and memory at 4, 64 and 256 replicas of 8,000 blocks each (the
-//! shape `make bench-scale` fills a real router with), and memory per (block, replica) entry.
+//! shape `make bench-scale` fills a real router with), memory per (block, replica) entry, and
+//! what lookups see while the feed applies an agent's restated snapshot of a million blocks
+//! (a reconnect): how long it takes and how many lookups found the replica short of its blocks.
 //!
 //! `cargo bench -p llmgw --bench kvindex`. Memory is printed once, measured by counting the bytes
 //! the global allocator holds before and after filling the index, at several sizes.
@@ -17,7 +19,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use llmgw::blockhash::ExternalHash;
+use llmgw::feed::{FeedLimits, FeedState, NodeMap, StreamId};
 use llmgw::kvindex::{IndexConfig, KvEventSink, KvIndex, Medium, PrefixMatch};
+use llmgw_feed_proto::v1 as pb;
 
 struct Counting;
 
@@ -216,11 +220,109 @@ fn report_memory(_: &mut Criterion) {
     }
 }
 
+/// One node's agent reconnecting: a new stream, its Hello and its engine's snapshot.
+fn reconnect(
+    feed: &mut FeedState,
+    index: &KvIndex,
+    node: usize,
+    snapshot: &pb::Snapshot,
+    id: &mut u64,
+) -> StreamId {
+    let stream = feed.open();
+    let engines = vec![pb::EngineInfo::serving(&format!("e{node}"), &replica(node))];
+    let hello = pb::agent_message::Body::hello(&format!("n{node}"), "bench", engines);
+    for body in [hello, pb::agent_message::Body::Snapshot(snapshot.clone())] {
+        *id += 1;
+        feed.apply(index, stream, pb::AgentMessage::numbered(*id, body))
+            .unwrap();
+    }
+    stream
+}
+
+/// Four nodes of one engine each hold `blocks` blocks; node 0's agent reconnects and restates
+/// the same snapshot three times while another thread looks up a 64-block prompt that replica 0
+/// holds. Prints the time each restatement took to apply, the lookups' worst latencies, and how
+/// many lookups found replica 0 holding less of the prompt than it does (none should).
+fn report_restated_snapshot(_: &mut Criterion) {
+    let full = std::env::args().any(|a| a == "--bench");
+    let blocks = if full { 1_000_000 } else { 10_000 };
+    let nodes = 4;
+    let configured: NodeMap = (0..nodes)
+        .map(|i| (format!("n{i}"), [replica(i)].into()))
+        .collect();
+    let mut feed = FeedState::new(
+        configured,
+        Default::default(),
+        FeedLimits::default(),
+        std::time::Duration::from_secs(30),
+        Default::default(),
+    );
+    let index = KvIndex::new(IndexConfig::default());
+    let snapshots: Vec<pb::Snapshot> = (0..nodes)
+        .map(|i| pb::Snapshot {
+            engine: format!("e{i}"),
+            epoch: 0,
+            seq: 0,
+            blocks: hashes(100 + i as u64, blocks)
+                .into_iter()
+                .map(|h| pb::Block::copies(h.0, 1))
+                .collect(),
+            hash_status: 0,
+            more: false,
+        })
+        .collect();
+    let mut id = 0;
+    let mut stream = reconnect(&mut feed, &index, 0, &snapshots[0], &mut id);
+    for (i, snapshot) in snapshots.iter().enumerate().skip(1) {
+        reconnect(&mut feed, &index, i, snapshot, &mut id);
+    }
+    let prompt: Vec<ExternalHash> = snapshots[0].blocks[..64]
+        .iter()
+        .map(|b| ExternalHash(b.hash))
+        .collect();
+    let candidates: Vec<_> = (0..nodes).map(|i| index.slot(&replica(i))).collect();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let mut applied = Vec::new();
+    let (mut latencies, short) = std::thread::scope(|scope| {
+        let reader = scope.spawn(|| {
+            let mut out: Vec<PrefixMatch> = Vec::with_capacity(nodes);
+            let (mut latencies, mut short) = (Vec::new(), 0usize);
+            while !stop.load(Ordering::Relaxed) {
+                let start = std::time::Instant::now();
+                index.match_prefix(&prompt, &candidates, &mut out);
+                latencies.push(start.elapsed());
+                short += usize::from(out[0].blocks < 64);
+            }
+            (latencies, short)
+        });
+        for _ in 0..3 {
+            feed.close(stream, tokio::time::Instant::now());
+            let start = std::time::Instant::now();
+            stream = reconnect(&mut feed, &index, 0, &snapshots[0], &mut id);
+            applied.push(start.elapsed());
+        }
+        stop.store(true, Ordering::Relaxed);
+        reader.join().unwrap()
+    });
+    latencies.sort_unstable();
+    let quantile = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
+    println!(
+        "feed/restated_snapshot ({blocks} blocks, {nodes} replicas): applied in {applied:?}; \
+         {} lookups meanwhile: p99 {:?}, p99.9 {:?}, max {:?}; {short} found replica 0 short",
+        latencies.len(),
+        quantile(0.99),
+        quantile(0.999),
+        quantile(1.0),
+    );
+    assert_eq!(index.replica_block_count(&replica(0)), blocks as u64);
+}
+
 criterion_group!(
     benches,
     bench_apply,
     bench_lookup,
     bench_lookup_scale,
-    report_memory
+    report_memory,
+    report_restated_snapshot
 );
 criterion_main!(benches);

@@ -36,14 +36,37 @@ pub trait KvEventSink: Send + Sync {
     fn stored_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium);
     /// `copies` fewer references to each block.
     fn removed_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium);
-    /// Forget everything the replica held (before a snapshot restates it, or when its reports
-    /// are refused or their source is gone).
+    /// Forget everything the replica held (vLLM's `AllBlocksCleared`, for a sink fed straight
+    /// from one engine's events).
     fn cleared(&self, replica: &str);
     /// The replica's engine lost everything it held (an engine restart, a cache reset, a gap
     /// in its events): like [`cleared`](Self::cleared), but an index may remember what was
     /// there, the prompts whose home the replica was.
     fn lost(&self, replica: &str) {
         self.cleared(replica);
+    }
+
+    /// `copies` fewer references to each block, though no engine evicted them: a report that a
+    /// newer one replaces, or one withdrawn with its engine (refused, gone). Unlike
+    /// [`removed_copies`](Self::removed_copies), an index counts no eviction.
+    fn withdrawn_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium) {
+        self.removed_copies(replica, blocks, medium);
+    }
+    /// One of the replica's engines lost `blocks` at once (an engine restart, a cache reset, a
+    /// gap in its events): one reference fewer to each, as
+    /// [`withdrawn_copies`](Self::withdrawn_copies), and an index may remember them as the home
+    /// of their prompts. Other engines of the replica keep what they hold.
+    fn lost_blocks(&self, replica: &str, blocks: &[(ExternalHash, Medium)]) {
+        for medium in [Medium::Gpu, Medium::Offloaded] {
+            let tier: Vec<(ExternalHash, u32)> = blocks
+                .iter()
+                .filter(|(_, m)| *m == medium)
+                .map(|&(hash, _)| (hash, 1))
+                .collect();
+            if !tier.is_empty() {
+                self.withdrawn_copies(replica, &tier, medium);
+            }
+        }
     }
 
     /// One more reference to each block.

@@ -10,7 +10,10 @@
 //! Copy counts stay here, exact, per engine. The index hears one reference per engine that
 //! holds a block on a tier (stored when the engine's count leaves zero, removed when it returns
 //! there), so its small saturating reference counters (15 per tier) stay exact however many
-//! copies an engine reports, up to 15 data-parallel engines on one replica.
+//! copies an engine reports, up to 15 data-parallel engines on one replica. The index is only
+//! ever told differences: a snapshot that restates an engine's blocks withdraws what it no
+//! longer lists and stores what is new, and an engine that goes takes its own references with
+//! it, so lookups never see a replica emptied and refilled.
 //!
 //! # Ownership
 //! One stream owns a node at a time. A Hello for a node that another live stream owns takes
@@ -288,6 +291,34 @@ fn by_medium(
 
 const MEDIA: [Medium; 2] = [Medium::Gpu, Medium::Offloaded];
 
+/// Most blocks in one call to the index: a call holds the replica's book lock, which lookups of
+/// its churn and homes take too, so a large change goes in slices they can pass between.
+const SINK_SLICE: usize = 4096;
+
+/// Tells the index that one engine of `replica` went from holding `old` to holding `new`: one
+/// reference withdrawn for each block only `old` has, one stored for each only `new` has.
+/// Nothing else is touched, so a report restated whole (a reconnecting agent's snapshot) leaves
+/// what lookups see in the index as it was, instead of emptying the replica and filling it again.
+fn replace(sink: &dyn KvEventSink, replica: &str, old: &Blocks, new: &Blocks) {
+    let gone = by_medium(old.keys().filter(|k| !new.contains_key(k)).map(|k| (*k, 1)));
+    for (medium, blocks) in MEDIA.iter().zip(&gone) {
+        for slice in blocks.chunks(SINK_SLICE) {
+            sink.withdrawn_copies(replica, slice, *medium);
+        }
+    }
+    let came = by_medium(new.keys().filter(|k| !old.contains_key(k)).map(|k| (*k, 1)));
+    for (medium, blocks) in MEDIA.iter().zip(&came) {
+        for slice in blocks.chunks(SINK_SLICE) {
+            sink.stored_copies(replica, slice, *medium);
+        }
+    }
+}
+
+/// Withdraws from the index everything one engine reported (its engine refused or gone).
+fn withdraw(sink: &dyn KvEventSink, view: &EngineView) {
+    replace(sink, &view.replica, &view.blocks, &Blocks::new());
+}
+
 impl FeedState {
     pub fn new(
         configured: NodeMap,
@@ -521,10 +552,9 @@ impl FeedState {
                 session.superseded = true;
             }
             applied.superseded = Some(old);
-            let dropped: Vec<EngineView> = node.engines.drain().map(|(_, v)| v).collect();
             node.refused.clear();
-            for view in dropped {
-                self.rebuild(sink, &view.replica);
+            for (_, view) in node.engines.drain() {
+                withdraw(sink, &view);
             }
         }
         let node = self.nodes.entry(name.clone()).or_default();
@@ -549,10 +579,9 @@ impl FeedState {
             .filter(|(engine, view)| listed.get(engine.as_str()) != Some(&view.replica.as_str()))
             .map(|(engine, _)| engine.clone())
             .collect();
-        let mut rebuild = Vec::new();
         for engine in stale {
             if let Some(view) = node.engines.remove(&engine) {
-                rebuild.push(view.replica);
+                withdraw(sink, &view);
             }
         }
         for view in node.engines.values_mut() {
@@ -581,9 +610,6 @@ impl FeedState {
                         .or_insert_with(|| EngineView::new(e.replica));
                 }
             }
-        }
-        for replica in rebuild {
-            self.rebuild(sink, &replica);
         }
         Ok(())
     }
@@ -681,11 +707,10 @@ impl FeedState {
         }
         view.epoch = pending.epoch;
         view.seq = pending.seq;
-        view.blocks = pending.blocks;
+        let old = std::mem::replace(&mut view.blocks, pending.blocks);
         view.held = pending.held;
         view.synced = true;
-        let replica = view.replica.clone();
-        self.rebuild(sink, &replica);
+        replace(sink, &view.replica, &old, &view.blocks);
         self.metrics.snapshots.inc();
         Ok(())
     }
@@ -769,17 +794,10 @@ impl FeedState {
         view.seq = d.seq;
         let replica = view.replica.clone();
         if d.reset {
-            view.blocks.clear();
+            let lost: Vec<(ExternalHash, Medium)> = view.blocks.drain().map(|(k, _)| k).collect();
             view.held = 0;
-            self.rebuild_after_loss(sink, &replica);
+            sink.lost_blocks(&replica, &lost);
         }
-        let Some(Some(view)) = self
-            .nodes
-            .get_mut(node)
-            .map(|n| n.engines.get_mut(&d.engine))
-        else {
-            return Ok(());
-        };
         // The index hears only an engine starting or ceasing to hold a block (see the module
         // docs), so a stored block already held changes nothing there.
         let mut stored = [Vec::new(), Vec::new()];
@@ -809,13 +827,13 @@ impl FeedState {
             }
         }
         for (medium, blocks) in MEDIA.iter().zip(&stored) {
-            if !blocks.is_empty() {
-                sink.stored_copies(&replica, blocks, *medium);
+            for slice in blocks.chunks(SINK_SLICE) {
+                sink.stored_copies(&replica, slice, *medium);
             }
         }
         for (medium, blocks) in MEDIA.iter().zip(&removed) {
-            if !blocks.is_empty() {
-                sink.removed_copies(&replica, blocks, *medium);
+            for slice in blocks.chunks(SINK_SLICE) {
+                sink.removed_copies(&replica, slice, *medium);
             }
         }
         self.metrics.deltas.inc();
@@ -848,37 +866,10 @@ impl FeedState {
             "refusing an engine's KV events"
         );
         self.metrics.refused(reason);
-        self.rebuild(sink, &view.replica);
+        withdraw(sink, &view);
         applied
             .replies
             .push(refused_reply(engine.to_owned(), view.replica, why));
-    }
-
-    /// Clears `replica` in the index and stores again what every engine reporting it holds.
-    fn rebuild(&self, sink: &dyn KvEventSink, replica: &str) {
-        sink.cleared(replica);
-        self.restore(sink, replica);
-    }
-
-    /// As [`rebuild`](Self::rebuild), after an engine of `replica` lost its cache (a delta
-    /// that resets: a restart, a cache reset, a gap): the index may remember what it held.
-    fn rebuild_after_loss(&self, sink: &dyn KvEventSink, replica: &str) {
-        sink.lost(replica);
-        self.restore(sink, replica);
-    }
-
-    /// Stores in the index what every engine reporting `replica` holds.
-    fn restore(&self, sink: &dyn KvEventSink, replica: &str) {
-        for node in self.nodes.values() {
-            for view in node.engines.values().filter(|v| v.replica == replica) {
-                let blocks = by_medium(view.blocks.keys().map(|k| (*k, 1)));
-                for (medium, blocks) in MEDIA.iter().zip(&blocks) {
-                    if !blocks.is_empty() {
-                        sink.stored_copies(replica, blocks, *medium);
-                    }
-                }
-            }
-        }
     }
 
     /// Drops nodes whose owner has been gone longer than the grace period; returns their names.
@@ -895,10 +886,8 @@ impl FeedState {
             .collect();
         for name in &expired {
             if let Some(node) = self.nodes.remove(name) {
-                let replicas: HashSet<String> =
-                    node.engines.into_values().map(|e| e.replica).collect();
-                for replica in replicas {
-                    self.rebuild(sink, &replica);
+                for view in node.engines.values() {
+                    withdraw(sink, view);
                 }
                 self.metrics.nodes_expired.inc();
             }
@@ -923,7 +912,6 @@ impl FeedState {
             .collect();
         self.configured = nodes;
         let mut kick = Vec::new();
-        let mut cleared = HashSet::new();
         for name in changed {
             let Some(node) = self.nodes.get_mut(&name) else {
                 continue;
@@ -945,13 +933,10 @@ impl FeedState {
                     );
                     self.metrics.refused(RefusalReason::NotConfigured);
                     node.refused.insert(engine);
-                    cleared.insert(view.replica);
+                    withdraw(sink, &view);
                 }
             }
             kick.extend(node.owner);
-        }
-        for replica in &cleared {
-            self.rebuild(sink, replica);
         }
         Some(kick)
     }

@@ -59,6 +59,14 @@ fn refs_of(copies: u32) -> u8 {
     u8::try_from(copies).map_or(shard::MAX_REFS, |c| c.min(shard::MAX_REFS))
 }
 
+/// Why references leave the index: only an engine's own eviction counts as churn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Removal {
+    Evicted,
+    /// A report replaced or withdrawn, or a cache lost whole.
+    Withdrawn,
+}
+
 /// A replica's dense id inside the index (its position in the replica table).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ReplicaSlot(u16);
@@ -450,16 +458,31 @@ impl KvIndex {
         slot: ReplicaSlot,
         blocks: impl Iterator<Item = (ExternalHash, u32)>,
         medium: Medium,
+        why: Removal,
     ) {
         let table = self.replicas.read();
         let mut book = table.books[slot.index()].lock();
+        Self::remove_locked(&self.shards, slot, &mut book, blocks, medium, why);
+    }
+
+    /// [`remove`](Self::remove) with the replica's book already locked.
+    fn remove_locked(
+        shards: &[RwLock<Shard>],
+        slot: ReplicaSlot,
+        book: &mut ReplicaBook,
+        blocks: impl Iterator<Item = (ExternalHash, u32)>,
+        medium: Medium,
+        why: Removal,
+    ) {
         for (hash, copies) in blocks.filter(|&(_, copies)| copies > 0) {
-            if self.shards[Self::shard_of(hash)]
+            if shards[Self::shard_of(hash)]
                 .write()
                 .remove(hash, slot, medium, refs_of(copies))
             {
                 book.blocks = book.blocks.saturating_sub(1);
-                book.evicted(hash);
+                if why == Removal::Evicted {
+                    book.evicted(hash);
+                }
             }
         }
     }
@@ -493,6 +516,45 @@ impl KvIndex {
             }
         }
         self.drop_all(slot, &mut book);
+    }
+
+    /// One engine of the replica in `slot` lost `blocks`: one reference fewer to each, and they
+    /// are remembered as that replica's home (unless there are none: a second loss before the
+    /// engine cached anything keeps the first memory). Only these blocks are touched, so a
+    /// replica's loss costs lookups no scan of the index.
+    fn lose_blocks(&self, slot: ReplicaSlot, blocks: &[(ExternalHash, Medium)]) {
+        let table = self.replicas.read();
+        let mut book = table.books[slot.index()].lock();
+        if !self.config.home_memory.is_zero() && !blocks.is_empty() {
+            let memory = HomeMemory {
+                lost_at: Instant::now(),
+                blocks: blocks
+                    .iter()
+                    .map(|(hash, _)| hash.0)
+                    .take(MAX_HOME_BLOCKS)
+                    .collect(),
+            };
+            if book.home.replace(memory).is_none() {
+                self.homes.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        for medium in [Medium::Gpu, Medium::Offloaded] {
+            let tier = blocks
+                .iter()
+                .filter(|(_, m)| *m == medium)
+                .map(|&(hash, _)| (hash, 1));
+            Self::remove_locked(
+                &self.shards,
+                slot,
+                &mut book,
+                tier,
+                medium,
+                Removal::Withdrawn,
+            );
+        }
+        // The engine recomputes what it held because it lost everything, not because its
+        // cache is too small.
+        book.recent_evictions = None;
     }
 
     /// How many of the prompt's leading blocks the replica in `slot` held when its engine last
@@ -683,7 +745,19 @@ impl KvEventSink for KvIndex {
 
     fn removed_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium) {
         if let Some(slot) = self.slot(replica) {
-            self.remove(slot, blocks.iter().copied(), medium);
+            self.remove(slot, blocks.iter().copied(), medium, Removal::Evicted);
+        }
+    }
+
+    fn withdrawn_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium) {
+        if let Some(slot) = self.slot(replica) {
+            self.remove(slot, blocks.iter().copied(), medium, Removal::Withdrawn);
+        }
+    }
+
+    fn lost_blocks(&self, replica: &str, blocks: &[(ExternalHash, Medium)]) {
+        if let Some(slot) = self.slot(replica) {
+            self.lose_blocks(slot, blocks);
         }
     }
 
@@ -696,7 +770,12 @@ impl KvEventSink for KvIndex {
 
     fn removed(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
         if let Some(slot) = self.slot(replica) {
-            self.remove(slot, hashes.iter().map(|&h| (h, 1)), medium);
+            self.remove(
+                slot,
+                hashes.iter().map(|&h| (h, 1)),
+                medium,
+                Removal::Evicted,
+            );
         }
     }
 

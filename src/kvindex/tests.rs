@@ -575,3 +575,60 @@ fn with_no_home_memory_a_loss_is_a_clear() {
     assert_eq!(index.home_prefix(a, &hashes(&[1, 2]), Instant::now()), 0);
     assert_eq!(index.replica_block_count("a:1"), 0);
 }
+
+#[test]
+fn a_withdrawn_report_leaves_the_index_without_counting_as_evictions() {
+    let index = KvIndex::new(IndexConfig::default());
+    let blocks = |bs: &[u8]| bs.iter().map(|&b| (spread(b), 1)).collect::<Vec<_>>();
+    let slot = |index: &KvIndex| index.slot("a:1").expect("seen");
+    index.stored_copies("a:1", &blocks(&[1, 2, 3]), Medium::Gpu);
+    index.stored_copies("a:1", &blocks(&[1]), Medium::Gpu);
+    index.withdrawn_copies("a:1", &blocks(&[1, 2]), Medium::Gpu);
+    assert_eq!(
+        matches(&index, &[spread(1).0], &["a:1"]),
+        vec![1],
+        "a second reference holds block 1"
+    );
+    assert_eq!(index.replica_block_count("a:1"), 2);
+    assert_eq!(index.churn(slot(&index)), ReplicaChurn::default());
+    assert_eq!(index.recently_evicted(slot(&index), &[spread(2)]), 0);
+    // Stored again, a withdrawn block is no rebuild either.
+    index.stored_copies("a:1", &blocks(&[2]), Medium::Gpu);
+    assert_eq!(index.churn(slot(&index)), ReplicaChurn::default());
+}
+
+#[test]
+fn a_lost_engine_takes_only_its_blocks_and_they_become_the_replica_s_home() {
+    let index = KvIndex::new(IndexConfig::default());
+    // Two engines of one replica: the first holds 1 2 3 (3 offloaded too), the second 1 9.
+    index.stored("a:1", &hashes(&[1, 2, 3]), Medium::Gpu);
+    index.stored("a:1", &hashes(&[3]), Medium::Offloaded);
+    index.stored("a:1", &hashes(&[1, 9]), Medium::Gpu);
+    index.removed("a:1", &hashes(&[9]), Medium::Gpu);
+    let a = index.slot("a:1").expect("seen");
+    assert_eq!(index.recently_evicted(a, &hashes(&[9])), 1);
+
+    let lost = [
+        (h(1), Medium::Gpu),
+        (h(2), Medium::Gpu),
+        (h(3), Medium::Gpu),
+        (h(3), Medium::Offloaded),
+    ];
+    index.lost_blocks("a:1", &lost);
+    assert_eq!(
+        index.replica_blocks("a:1"),
+        hashes(&[1]),
+        "the other engine's copy of 1 stays"
+    );
+    let prompt = hashes(&[1, 2, 3, 4]);
+    assert_eq!(index.home_prefix(a, &prompt, Instant::now()), 3);
+    assert_eq!(index.churn(a).evicted, 1, "a loss is not evictions");
+    assert_eq!(
+        index.recently_evicted(a, &hashes(&[9])),
+        0,
+        "what the replica computes again after a loss is not its cache's pressure"
+    );
+    // A loss of nothing keeps the memory.
+    index.lost_blocks("a:1", &[]);
+    assert_eq!(index.home_prefix(a, &prompt, Instant::now()), 3);
+}

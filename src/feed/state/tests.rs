@@ -15,16 +15,20 @@ use crate::models::ModelSettings;
 type Copies = HashMap<(ExternalHash, Medium), u64>;
 
 /// An index stand-in: exact copies per (replica, hash, tier), panicking on a removal of
-/// copies it does not hold (the sink contract).
+/// copies it does not hold (the sink contract), and on a replica cleared whole (the feed tells
+/// only differences).
 #[derive(Default)]
 struct Recorder {
     held: Mutex<HashMap<String, Copies>>,
     /// Replicas told they lost their cache, in order.
     losses: Mutex<Vec<String>>,
+    /// Blocks in every change told so far, and how many of them were evictions.
+    touched: Mutex<(u64, u64)>,
 }
 
 impl KvEventSink for Recorder {
     fn stored_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium) {
+        self.touched.lock().0 += blocks.len() as u64;
         let mut held = self.held.lock();
         let r = held.entry(replica.to_owned()).or_default();
         for &(h, n) in blocks.iter().filter(|(_, n)| *n > 0) {
@@ -32,6 +36,11 @@ impl KvEventSink for Recorder {
         }
     }
     fn removed_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium) {
+        self.touched.lock().1 += blocks.len() as u64;
+        self.withdrawn_copies(replica, blocks, medium);
+    }
+    fn withdrawn_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium) {
+        self.touched.lock().0 += blocks.len() as u64;
         let mut held = self.held.lock();
         let r = held.entry(replica.to_owned()).or_default();
         for &(h, n) in blocks.iter().filter(|(_, n)| *n > 0) {
@@ -48,11 +57,13 @@ impl KvEventSink for Recorder {
         held.retain(|_, r| !r.is_empty());
     }
     fn cleared(&self, replica: &str) {
-        self.held.lock().remove(replica);
+        panic!("{replica} cleared whole: the feed tells the index differences only");
     }
-    fn lost(&self, replica: &str) {
+    fn lost_blocks(&self, replica: &str, blocks: &[(ExternalHash, Medium)]) {
         self.losses.lock().push(replica.to_owned());
-        self.cleared(replica);
+        for &(hash, medium) in blocks {
+            self.withdrawn_copies(replica, &[(hash, 1)], medium);
+        }
     }
 }
 
@@ -66,6 +77,10 @@ impl Recorder {
     }
     fn copies(&self) -> HashMap<String, Copies> {
         self.held.lock().clone()
+    }
+    /// Blocks touched by changes since the last call, and how many of them were evictions.
+    fn take_touched(&self) -> (u64, u64) {
+        std::mem::take(&mut *self.touched.lock())
     }
 }
 
@@ -81,13 +96,17 @@ impl KvEventSink for Tee<'_> {
         self.0.removed_copies(replica, blocks, medium);
         self.1.removed_copies(replica, blocks, medium);
     }
+    fn withdrawn_copies(&self, replica: &str, blocks: &[(ExternalHash, u32)], medium: Medium) {
+        self.0.withdrawn_copies(replica, blocks, medium);
+        self.1.withdrawn_copies(replica, blocks, medium);
+    }
     fn cleared(&self, replica: &str) {
         self.0.cleared(replica);
         self.1.cleared(replica);
     }
-    fn lost(&self, replica: &str) {
-        self.0.lost(replica);
-        self.1.lost(replica);
+    fn lost_blocks(&self, replica: &str, blocks: &[(ExternalHash, Medium)]) {
+        self.0.lost_blocks(replica, blocks);
+        self.1.lost_blocks(replica, blocks);
     }
 }
 
@@ -674,6 +693,42 @@ fn a_reconnecting_agent_keeps_its_blocks_until_its_new_snapshot_replaces_them() 
     f.ok(snapshot("e1", 0, 0, &[9]));
     assert_eq!(f.rec.hashes("r1"), [9].into());
     assert_eq!(f.st.metrics.takeovers.get(), 0, "the old streams had ended");
+}
+
+#[test]
+fn a_restated_snapshot_tells_the_index_only_what_changed_and_no_eviction() {
+    let mut f = Fixture::new();
+    f.ok(snapshot("e1", 0, 3, &[1, 2, 3]));
+    assert_eq!(f.rec.take_touched(), (3, 0));
+    f.st.close(f.stream, Instant::now());
+    f.stream = f.st.open();
+    f.ok(hello("n1", &[("e1", "r1")]));
+    f.ok(snapshot("e1", 0, 3, &[1, 2, 3]));
+    assert_eq!(
+        f.rec.take_touched(),
+        (0, 0),
+        "the same blocks again: the index is not touched"
+    );
+    f.ok(snapshot_part(
+        "e1",
+        0,
+        9,
+        vec![block(2, 1), block(3, 4)],
+        true,
+    ));
+    f.ok(snapshot_part("e1", 0, 9, vec![block(4, 1)], false));
+    assert_eq!(
+        f.rec.take_touched(),
+        (2, 0),
+        "1 withdrawn and 4 stored; more copies of 3 are the feed's own count"
+    );
+    assert_eq!(f.rec.hashes("r1"), [2, 3, 4].into());
+    // An engine that the next stream's Hello leaves out takes its blocks, still no eviction.
+    f.st.close(f.stream, Instant::now());
+    f.stream = f.st.open();
+    f.ok(hello("n1", &[("e2", "r2")]));
+    assert_eq!(f.rec.take_touched(), (3, 0));
+    assert!(f.rec.hashes("r1").is_empty());
 }
 
 #[test]
