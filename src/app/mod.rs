@@ -192,6 +192,7 @@ pub async fn serve(
     let services = settings.discovery.services.len();
     let sources = {
         let feed = feed.clone();
+        let index = Arc::clone(&index);
         Arc::new(ReplicaSources::new(
             Arc::clone(&pool),
             1 + services + usize::from(settings.pool.is_some()),
@@ -199,6 +200,8 @@ pub async fn serve(
                 if feed.set_nodes(crate::feed::node_map(replicas)) {
                     tracing::info!("agent feed's node map reloaded");
                 }
+                let present = replicas.iter().map(|r| r.address.to_string()).collect();
+                index.pool_changed(&present, tokio::time::Instant::now());
             },
         ))
     };

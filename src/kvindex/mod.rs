@@ -12,7 +12,7 @@
 //! per node) take one shard's write lock per block, briefly. A lookup takes each shard's read
 //! lock at most once, lazily, and holds them only for the length of one prompt's walk. The
 //! replica table is a separate `RwLock` taken for reads on every change and for writes only
-//! when a replica is first seen. Each replica's book (block count, churn, recent evictions, the
+//! when a replica is first seen or the pool changes. Each replica's book (block count, churn, recent evictions, the
 //! home memory of a lost cache) is a `parking_lot::Mutex` that a change holds while it writes
 //! that replica's blocks; lookups of churn or homes take it briefly, and a lookup of homes takes
 //! no lock at all while no replica has lost its cache within `home_memory` (an atomic count).
@@ -221,12 +221,23 @@ struct ReplicaTable {
     by_name: HashMap<String, ReplicaSlot>,
     names: Vec<String>,
     books: Vec<parking_lot::Mutex<ReplicaBook>>,
+    /// Per slot, since when its replica has been out of the pool ([`KvIndex::pool_changed`]);
+    /// `None` while it is in the pool, or when the index was never told.
+    absent_since: Vec<Option<Instant>>,
 }
+
+/// How long a replica must have been out of the pool, holding no block, before a full replica
+/// table gives its slot to a new replica: longer than any state kept per slot lives (speculative
+/// picks for seconds, placements fading with a 300 s time constant, lends for `lend_memory`,
+/// 60 s as measured), so the new replica inherits none of it.
+pub const SLOT_QUARANTINE: Duration = Duration::from_secs(3600);
 
 /// Errors from the index.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum KvIndexError {
-    #[error("the index holds at most {max} replicas")]
+    #[error(
+        "the index holds at most {max} replicas; a departed one's slot is free an hour after it left the pool holding no block"
+    )]
     TooManyReplicas { max: usize },
 }
 
@@ -282,17 +293,78 @@ impl KvIndex {
             return Ok(*slot);
         }
         // The last u16 value marks shared blocks inside a shard.
-        let index = u16::try_from(table.names.len())
+        let Some(index) = u16::try_from(table.names.len())
             .ok()
             .filter(|&i| usize::from(i) < MAX_SLOTS)
-            .ok_or(KvIndexError::TooManyReplicas { max: MAX_SLOTS })?;
+        else {
+            return self.reuse_slot(&mut table, replica, Instant::now());
+        };
         let slot = ReplicaSlot(index);
         table.by_name.insert(replica.to_owned(), slot);
         table.names.push(replica.to_owned());
         table
             .books
             .push(parking_lot::Mutex::new(ReplicaBook::default()));
+        table.absent_since.push(None);
         Ok(slot)
+    }
+
+    /// With every slot taken, gives `replica` the slot of one that left the pool at least
+    /// [`SLOT_QUARANTINE`] ago and holds no block (a long-lived router in a fleet whose replicas
+    /// come and go: each new pod is a new address).
+    fn reuse_slot(
+        &self,
+        table: &mut ReplicaTable,
+        replica: &str,
+        now: Instant,
+    ) -> Result<ReplicaSlot, KvIndexError> {
+        let departed = (0..table.names.len()).find(|&i| {
+            table.absent_since[i]
+                .is_some_and(|since| now.saturating_duration_since(since) >= SLOT_QUARANTINE)
+                && table.books[i].lock().blocks == 0
+        });
+        let Some(index) = departed else {
+            return Err(KvIndexError::TooManyReplicas { max: MAX_SLOTS });
+        };
+        let slot = ReplicaSlot(
+            u16::try_from(index).map_err(|_| KvIndexError::TooManyReplicas { max: MAX_SLOTS })?,
+        );
+        let old = std::mem::replace(&mut table.names[index], replica.to_owned());
+        table.by_name.remove(&old);
+        table.by_name.insert(replica.to_owned(), slot);
+        table.absent_since[index] = None;
+        let book = std::mem::take(&mut *table.books[index].lock());
+        if book.home.is_some() {
+            self.homes.fetch_sub(1, Ordering::Relaxed);
+        }
+        // The count says nothing is left; the scan makes sure no holder of the old replica
+        // could pass for the new one's (once per reuse, rare: the table must be full).
+        self.drop_holders(|h| h.slot() == slot);
+        tracing::info!(
+            departed = %old,
+            %replica,
+            "the KV index is full: a departed replica's slot goes to a new one"
+        );
+        Ok(slot)
+    }
+
+    /// The pool now holds `present` (replica addresses, `host:port`): every other replica the
+    /// index knows is out of it from `now` on (unless it already was), and its slot may be
+    /// given to a new replica once [`SLOT_QUARANTINE`] has passed and it holds no block.
+    pub fn pool_changed(&self, present: &HashSet<String>, now: Instant) {
+        let mut table = self.replicas.write();
+        let ReplicaTable {
+            names,
+            absent_since,
+            ..
+        } = &mut *table;
+        for (name, absent) in names.iter().zip(absent_since.iter_mut()) {
+            if present.contains(name) {
+                *absent = None;
+            } else if absent.is_none() {
+                *absent = Some(now);
+            }
+        }
     }
 
     /// Blocks the index believes `replica` holds.

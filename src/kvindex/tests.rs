@@ -632,3 +632,63 @@ fn a_lost_engine_takes_only_its_blocks_and_they_become_the_replica_s_home() {
     index.lost_blocks("a:1", &[]);
     assert_eq!(index.home_prefix(a, &prompt, Instant::now()), 3);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_full_table_gives_a_long_departed_empty_replica_s_slot_to_a_new_one() {
+    let index = KvIndex::new(IndexConfig::default());
+    let name = |i: usize| format!("10.{}.{}.{}:8000", i >> 16, (i >> 8) & 255, i & 255);
+    for i in 0..shard::MAX_SLOTS {
+        index.slot_or_insert(&name(i)).expect("room");
+    }
+    assert_eq!(
+        index.slot_or_insert("new:1"),
+        Err(KvIndexError::TooManyReplicas {
+            max: shard::MAX_SLOTS
+        })
+    );
+    // Replicas 0 and 1 leave the pool; 1 still holds a block (its agent reports it), and 0
+    // remembers a lost cache and has churned.
+    index.stored(&name(0), &hashes(&[1, 2]), Medium::Gpu);
+    index.removed(&name(0), &hashes(&[2]), Medium::Gpu);
+    index.lost(&name(0));
+    index.stored(&name(1), &hashes(&[1]), Medium::Gpu);
+    let present: HashSet<String> = (2..shard::MAX_SLOTS).map(name).collect();
+    index.pool_changed(&present, Instant::now());
+    tokio::time::advance(SLOT_QUARANTINE - Duration::from_secs(1)).await;
+    assert!(
+        index.slot_or_insert("new:1").is_err(),
+        "still in quarantine"
+    );
+    // Back in the pool and out again: the quarantine starts over.
+    index.pool_changed(
+        &present.iter().cloned().chain([name(0)]).collect(),
+        Instant::now(),
+    );
+    index.pool_changed(&present, Instant::now());
+    tokio::time::advance(Duration::from_secs(2)).await;
+    assert!(
+        index.slot_or_insert("new:1").is_err(),
+        "quarantine restarted"
+    );
+
+    tokio::time::advance(SLOT_QUARANTINE).await;
+    let old = index.slot(&name(0)).expect("known");
+    let new = index.slot_or_insert("new:1").expect("replica 0's slot");
+    assert_eq!(new, old);
+    assert_eq!(
+        index.slot(&name(0)),
+        None,
+        "the departed replica is forgotten"
+    );
+    assert_eq!(index.replica_block_count("new:1"), 0);
+    assert_eq!(index.churn(new), ReplicaChurn::default());
+    assert_eq!(index.home_prefix(new, &hashes(&[1]), Instant::now()), 0);
+    assert_eq!(matches(&index, &[1], &["new:1", &name(1)]), vec![0, 1]);
+    // Replica 1 holds a block: its slot is not given away; nothing else is free.
+    assert!(index.slot_or_insert("new:2").is_err());
+    let one = index.slot(&name(1)).expect("known");
+    index.removed(&name(1), &hashes(&[1]), Medium::Gpu);
+    assert_eq!(index.slot_or_insert("new:2"), Ok(one));
+    index.stored("new:1", &hashes(&[7]), Medium::Gpu);
+    assert_eq!(matches(&index, &[7], &["new:1", "new:2"]), vec![1, 0]);
+}
