@@ -20,7 +20,7 @@ use tokio::time::Instant;
 
 use crate::hashcheck::{HashCheck, Verdict};
 use crate::metrics::{EventLabel, Metrics};
-use crate::mirror::{BlockKey, Delta, Mirror, Snapshot};
+use crate::mirror::{BlockKey, DELTA_PART_CHANGES, Delta, Mirror, Snapshot};
 use crate::wire::{EventBatch, KvEvent};
 
 pub use llmgw_core::ids::ReplicaId;
@@ -362,17 +362,20 @@ impl MirrorTask {
         }
     }
 
-    /// Sends the pending delta, if any.
+    /// Sends the pending changes, if any: one delta, or several of consecutive seqs when the
+    /// window holds more than one message should carry.
     pub fn flush(&self) {
-        let (delta, oldest, batch_span) = {
+        let (deltas, oldest, batch_span) = {
             let mut st = self.engine.state.lock();
             (
-                st.mirror.take_delta(),
+                st.mirror.take_deltas(DELTA_PART_CHANGES),
                 st.oldest_pending_ts.take(),
                 st.oldest_pending_span.take(),
             )
         };
-        let Some(delta) = delta else { return };
+        if deltas.is_empty() {
+            return;
+        }
         if let Some(ts) = oldest {
             let now = SystemTime::now()
                 .duration_since(UNIX_EPOCH)
@@ -385,13 +388,15 @@ impl MirrorTask {
             }
         }
         // No subscriber (no router connected yet) is fine: each uplink starts from a snapshot.
-        let _ = self.updates.send(Update {
-            engine: self.engine.id.clone(),
-            replica: self.engine.replica.clone(),
-            delta: Arc::new(delta),
-            oldest_event_ts: oldest,
-            batch_span,
-        });
+        for delta in deltas {
+            let _ = self.updates.send(Update {
+                engine: self.engine.id.clone(),
+                replica: self.engine.replica.clone(),
+                delta: Arc::new(delta),
+                oldest_event_ts: oldest,
+                batch_span: batch_span.clone(),
+            });
+        }
     }
 }
 

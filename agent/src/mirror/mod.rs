@@ -28,6 +28,12 @@ type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState
 /// Pending-map capacity kept between windows (see [`Mirror::take_delta`]).
 const PENDING_KEEP: usize = 4096;
 
+/// Most changes (keys stored or removed, one per copy) in one delta of
+/// [`Mirror::take_deltas`]: about 1 MiB on the wire, like a snapshot part, well below the
+/// router's message limit. A window with more (a burst of prefills, a replay) goes in several
+/// deltas of consecutive seqs instead of one the router would refuse.
+pub const DELTA_PART_CHANGES: usize = 65_536;
+
 /// The most block copies (all keys, all tiers) one engine's mirror holds: the router's default
 /// ceiling per engine (`llmgw::feed::state::DEFAULT_MAX_BLOCKS_PER_ENGINE`), past which it
 /// refuses the engine anyway. vLLM's cache is finite: an engine reporting more is broken or
@@ -290,6 +296,46 @@ impl Mirror {
             self.pending.shrink_to(PENDING_KEEP);
         }
         Some(delta)
+    }
+
+    /// The pending net changes as deltas of at most `max_changes` changes each, with
+    /// consecutive seqs (empty when there are none). Only the first carries a reset. Each
+    /// key's net change is one sign, so any split applies to the same end state, and a snapshot
+    /// taken after this includes every part.
+    pub fn take_deltas(&mut self, max_changes: usize) -> Vec<Delta> {
+        let Some(whole) = self.take_delta() else {
+            return Vec::new();
+        };
+        let max = max_changes.max(1);
+        if whole.stored.len() + whole.removed.len() <= max {
+            return vec![whole];
+        }
+        let Delta {
+            epoch,
+            seq: first,
+            reset,
+            stored,
+            removed,
+        } = whole;
+        let (mut stored, mut removed) = (stored.into_iter(), removed.into_iter());
+        let mut parts: Vec<Delta> = Vec::new();
+        loop {
+            let part_stored: Vec<BlockKey> = stored.by_ref().take(max).collect();
+            let part_removed: Vec<BlockKey> =
+                removed.by_ref().take(max - part_stored.len()).collect();
+            if part_stored.is_empty() && part_removed.is_empty() {
+                break;
+            }
+            parts.push(Delta {
+                epoch,
+                seq: first + parts.len() as u64,
+                reset: reset && parts.is_empty(),
+                stored: part_stored,
+                removed: part_removed,
+            });
+        }
+        self.seq = first + parts.len() as u64 - 1;
+        parts
     }
 
     /// Everything held, consistent with the deltas taken so far (pending changes excluded:

@@ -137,7 +137,8 @@ enum Op {
     Store(u64),
     Remove(u64),
     Reset,
-    Flush,
+    /// Take the pending changes in deltas of at most this many.
+    Flush(usize),
     Snapshot,
 }
 
@@ -146,7 +147,7 @@ fn arb_op() -> impl Strategy<Value = Op> {
         6 => (0u64..12).prop_map(Op::Store),
         5 => (0u64..12).prop_map(Op::Remove),
         1 => Just(Op::Reset),
-        3 => Just(Op::Flush),
+        3 => prop_oneof![(1usize..4), Just(usize::MAX)].prop_map(Op::Flush),
         1 => Just(Op::Snapshot),
     ]
 }
@@ -175,7 +176,7 @@ proptest! {
                     m.reset();
                     model.clear();
                 }
-                Op::Flush => deltas.extend(m.take_delta()),
+                Op::Flush(max) => deltas.extend(m.take_deltas(max)),
                 Op::Snapshot => snapshots.push((m.snapshot(), deltas.len())),
             }
             let expect: HashMap<BlockKey, u32> = model.iter().map(|(h, n)| (key(*h), *n)).collect();
@@ -241,4 +242,44 @@ fn the_ceiling_is_the_routers_per_engine_default() {
         llmgw::feed::state::DEFAULT_MAX_BLOCKS_PER_ENGINE
     );
     assert_eq!(Mirror::new().max_copies, MAX_COPIES);
+}
+
+#[test]
+fn a_window_past_the_part_size_goes_in_deltas_of_consecutive_seqs_with_one_reset() {
+    let mut m = Mirror::new();
+    for h in 0..4 {
+        assert!(m.store(key(h)));
+    }
+    m.take_delta();
+    m.reset();
+    for h in 10..17 {
+        assert!(m.store(key(h)));
+    }
+    assert!(m.store(key(10)));
+    let parts = m.take_deltas(3);
+    let shape: Vec<(u64, u64, bool, usize)> = parts
+        .iter()
+        .map(|d| (d.epoch, d.seq, d.reset, d.stored.len() + d.removed.len()))
+        .collect();
+    assert_eq!(
+        shape,
+        [(1, 1, true, 3), (1, 2, false, 3), (1, 3, false, 2)],
+        "eight changes (block 10 twice) in parts of three"
+    );
+    let mut c = Consumer::default();
+    c.load(&Snapshot::default());
+    for d in &parts {
+        c.apply(d);
+    }
+    assert_eq!(c.blocks, held(&m));
+    assert_eq!(c.blocks[&key(10)], 2);
+    // The next delta and a snapshot follow the last part.
+    assert_eq!(m.snapshot().seq, 3);
+    assert!(m.remove(key(11)));
+    let next = m.take_deltas(3);
+    assert_eq!(
+        next.iter().map(|d| (d.seq, d.reset)).collect::<Vec<_>>(),
+        [(4, false)]
+    );
+    assert!(m.take_deltas(3).is_empty());
 }

@@ -599,6 +599,50 @@ fn a_large_snapshot_goes_in_parts_below_the_routers_message_limit() {
     );
 }
 
+#[test]
+fn a_large_window_goes_in_deltas_below_the_routers_message_limit_and_applies_whole() {
+    use llmgw::feed::{FeedLimits, FeedState};
+    use llmgw::kvindex::{IndexConfig, KvIndex};
+    use prost::Message as _;
+
+    let mut mirror = crate::mirror::Mirror::new();
+    let blocks = 2 * crate::mirror::DELTA_PART_CHANGES as u64 + 5;
+    for hash in 1..=blocks {
+        assert!(mirror.store(key(hash)));
+    }
+    let parts = mirror.take_deltas(crate::mirror::DELTA_PART_CHANGES);
+    assert_eq!(parts.len(), 3);
+
+    let index = KvIndex::new(IndexConfig::default());
+    let mut feed = FeedState::new(
+        [("n1".to_owned(), ["r1:8000".to_owned()].into())].into(),
+        HashMap::new(),
+        FeedLimits::default(),
+        Duration::from_secs(30),
+        Default::default(),
+    );
+    let stream = feed.open();
+    let opening = [
+        pb::agent_message::Body::hello("n1", "test", vec![pb::EngineInfo::serving("e", "r1:8000")]),
+        pb::agent_message::Body::Snapshot(pb::Snapshot {
+            engine: "e".into(),
+            ..pb::Snapshot::default()
+        }),
+    ];
+    let deltas = parts.iter().map(|d| delta_message("e", d, 0.0));
+    for (id, body) in (1..).zip(opening.into_iter().chain(deltas)) {
+        let message = pb::AgentMessage::numbered(id, body);
+        let wire = message.encoded_len();
+        assert!(
+            wire < llmgw::feed::MAX_MESSAGE_BYTES / 4,
+            "message {id}: {wire} bytes"
+        );
+        feed.apply(&index, stream, message)
+            .unwrap_or_else(|e| panic!("message {id}: {e}"));
+    }
+    assert_eq!(index.replica_block_count("r1:8000"), blocks);
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_opening_longer_than_the_queue_is_queued_whole_before_the_stream_opens() {
     // Three snapshot parts against a queue of one stand in for a node whose snapshots take
