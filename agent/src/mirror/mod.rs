@@ -3,8 +3,9 @@
 //! A [`Mirror`] keeps a reference count per [`BlockKey`] (hash, KV-cache group, tier): vLLM can
 //! hold one hash in several physical blocks, and each copy is stored and evicted on its own.
 //! Changes accumulate in a pending set of per-key net counts; the owner flushes them with
-//! [`Mirror::take_delta`] once its coalescing window (default [`DEFAULT_WINDOW`]) has passed,
-//! so a block stored and evicted inside one window costs the routers nothing.
+//! [`Mirror::take_deltas`] once its coalescing window (default [`DEFAULT_WINDOW`]) has passed,
+//! so a block stored and evicted inside one window costs the routers nothing; a window with
+//! more than [`DELTA_PART_CHANGES`] changes goes in several deltas.
 //!
 //! Every delta carries the mirror's epoch and a sequence number: a reset (engine restart,
 //! cache cleared, unrecoverable gap) starts a new epoch whose first delta says "reset"; a
