@@ -12,10 +12,11 @@
 //! per node) take one shard's write lock per block, briefly. A lookup takes each shard's read
 //! lock at most once, lazily, and holds them only for the length of one prompt's walk. The
 //! replica table is a separate `RwLock` taken for reads on every change and for writes only
-//! when a replica is first seen or the pool changes. Each replica's book (block count, churn, recent evictions, the
-//! home memory of a lost cache) is a `parking_lot::Mutex` that a change holds while it writes
-//! that replica's blocks; lookups of churn or homes take it briefly, and a lookup of homes takes
-//! no lock at all while no replica has lost its cache within `home_memory` (an atomic count).
+//! when a replica is first seen or the pool changes. Each replica's book (block count, churn,
+//! recent evictions, the home memory of a lost cache) is a `parking_lot::Mutex` that a change
+//! holds while it writes that replica's blocks (the feed and a lost cache write in slices of
+//! 4,096); lookups of churn or homes take it briefly, and a lookup of homes takes no lock at all
+//! while no replica has lost its cache within `home_memory` (an atomic count).
 //! Lock order: replica table, then the book, then shards in index order; no lock is held across
 //! an `.await` (there are none here).
 //!
@@ -58,6 +59,9 @@ pub const MAX_COPIES_PER_REPLICA: usize = shard::MAX_REFS as usize;
 fn refs_of(copies: u32) -> u8 {
     u8::try_from(copies).map_or(shard::MAX_REFS, |c| c.min(shard::MAX_REFS))
 }
+
+/// Blocks a lost cache gives back per hold of the replica's book lock.
+const LOSS_SLICE: usize = 4096;
 
 /// Why references leave the index: only an engine's own eviction counts as churn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -595,38 +599,46 @@ impl KvIndex {
     /// engine cached anything keeps the first memory). Only these blocks are touched, so a
     /// replica's loss costs lookups no scan of the index.
     fn lose_blocks(&self, slot: ReplicaSlot, blocks: &[(ExternalHash, Medium)]) {
-        let table = self.replicas.read();
-        let mut book = table.books[slot.index()].lock();
-        if !self.config.home_memory.is_zero() && !blocks.is_empty() {
-            let memory = HomeMemory {
-                lost_at: Instant::now(),
-                blocks: blocks
-                    .iter()
-                    .map(|(hash, _)| hash.0)
-                    .take(MAX_HOME_BLOCKS)
-                    .collect(),
-            };
-            if book.home.replace(memory).is_none() {
-                self.homes.fetch_add(1, Ordering::Relaxed);
+        {
+            let table = self.replicas.read();
+            let mut book = table.books[slot.index()].lock();
+            // The engine recomputes what it held because it lost everything, not because its
+            // cache is too small.
+            book.recent_evictions = None;
+            if !self.config.home_memory.is_zero() && !blocks.is_empty() {
+                let memory = HomeMemory {
+                    lost_at: Instant::now(),
+                    blocks: blocks
+                        .iter()
+                        .map(|(hash, _)| hash.0)
+                        .take(MAX_HOME_BLOCKS)
+                        .collect(),
+                };
+                if book.home.replace(memory).is_none() {
+                    self.homes.fetch_add(1, Ordering::Relaxed);
+                }
             }
         }
-        for medium in [Medium::Gpu, Medium::Offloaded] {
-            let tier = blocks
-                .iter()
-                .filter(|(_, m)| *m == medium)
-                .map(|&(hash, _)| (hash, 1));
-            Self::remove_locked(
-                &self.shards,
-                slot,
-                &mut book,
-                tier,
-                medium,
-                Removal::Withdrawn,
-            );
+        // In slices, each under its own locks, so that lookups of the replica's churn and home
+        // and a new replica's registration pass between them.
+        for slice in blocks.chunks(LOSS_SLICE) {
+            let table = self.replicas.read();
+            let mut book = table.books[slot.index()].lock();
+            for medium in [Medium::Gpu, Medium::Offloaded] {
+                let tier = slice
+                    .iter()
+                    .filter(|(_, m)| *m == medium)
+                    .map(|&(hash, _)| (hash, 1));
+                Self::remove_locked(
+                    &self.shards,
+                    slot,
+                    &mut book,
+                    tier,
+                    medium,
+                    Removal::Withdrawn,
+                );
+            }
         }
-        // The engine recomputes what it held because it lost everything, not because its
-        // cache is too small.
-        book.recent_evictions = None;
     }
 
     /// How many of the prompt's leading blocks the replica in `slot` held when its engine last
