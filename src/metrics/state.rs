@@ -103,7 +103,7 @@ impl Collector for StateCollector {
             gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
         }
         let stats = self.tokenizer.stats();
-        let counters: [(&str, &str, &AtomicU64); 9] = [
+        let counters: [(&str, &str, &AtomicU64); 10] = [
             (
                 "llmgw_tokenize_cache_hits",
                 "Tokenizations answered from the cache",
@@ -144,6 +144,11 @@ impl Collector for StateCollector {
                 "llmgw_tokenize_shed",
                 "Tokenizations not started because as many as allowed were running (the request fell back to the prefix tree)",
                 &stats.shed,
+            ),
+            (
+                "llmgw_tokenize_joined",
+                "Cache misses that waited for a /tokenize call already running for the same body instead of making another",
+                &stats.joined,
             ),
         ];
         for (name, help, value) in counters {

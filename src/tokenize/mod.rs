@@ -17,7 +17,9 @@
 //! `chat_template_kwargs`) always go to `/tokenize`.
 //!
 //! Concurrency: the cache is one `parking_lot::Mutex` held for a map operation; HTTP calls run
-//! in spawned tasks and report back through a oneshot channel. Local tokenization of short
+//! in spawned tasks and report back through a `watch` channel, which every request missing the
+//! cache for the same body while the call runs waits on (one call per body at a time, in a map
+//! behind its own `parking_lot::Mutex`). Local tokenization of short
 //! inputs runs on the caller's task, of long ones on tokio's blocking pool under the same
 //! deadline as a call; its on/off switches and counters are atomics.
 
@@ -143,6 +145,9 @@ pub struct TokenizeStats {
     pub local_mismatches: AtomicU64,
     /// Tokenizations (and local answers' checks) not started: too many were running.
     pub shed: AtomicU64,
+    /// Cache misses that waited for a `/tokenize` call already running for the same body
+    /// instead of making another.
+    pub joined: AtomicU64,
 }
 
 /// The longest `/tokenize` answer read: several million tokens, more than any prompt under
@@ -342,11 +347,32 @@ struct TokenizeResponse {
     tokens: Vec<u32>,
 }
 
+/// What a `/tokenize` call answers, once it has (`None` before).
+type CallAnswer = Option<Result<Tokens, TokenizeError>>;
+
+/// `/tokenize` calls running, by cache key: a miss for a body already being tokenized waits for
+/// that call (a burst of one request, a client's retries) instead of making another.
+type RunningCalls = Arc<Mutex<HashMap<CacheKey, tokio::sync::watch::Receiver<CallAnswer>>>>;
+
+/// Takes a call off [`RunningCalls`] when its task ends, answered or not (a panic included), so
+/// that a later miss never waits on a call nobody will answer.
+struct RunningCall {
+    calls: RunningCalls,
+    key: CacheKey,
+}
+
+impl Drop for RunningCall {
+    fn drop(&mut self) {
+        self.calls.lock().remove(&self.key);
+    }
+}
+
 /// Tokenizes requests through replicas' `/tokenize`, with a cache and a deadline.
 pub struct Tokenizer {
     config: TokenizerConfig,
     client: reqwest::Client,
     cache: Arc<Mutex<TokenCache>>,
+    calls: RunningCalls,
     stats: Arc<TokenizeStats>,
     /// Models tokenized in process.
     local: HashMap<String, Arc<LocalModel>>,
@@ -364,6 +390,7 @@ impl Tokenizer {
                 .build()
                 .unwrap_or_default(),
             cache: Arc::new(Mutex::new(TokenCache::new(config.cache_bytes))),
+            calls: RunningCalls::default(),
             stats: Arc::new(TokenizeStats::default()),
             local: HashMap::new(),
             in_flight: Arc::new(tokio::sync::Semaphore::new(config.max_in_flight)),
@@ -448,8 +475,49 @@ impl Tokenizer {
             return Err(TokenizeError::NoReplica);
         }
 
+        let mut answer = self.call_or_join(key, body, replicas)?;
+        match tokio::time::timeout(self.config.deadline, answer.wait_for(Option::is_some)).await {
+            Ok(Ok(answered)) => answered.clone().unwrap_or_else(|| Err(Self::unanswered())),
+            Ok(Err(_)) => Err(Self::unanswered()),
+            Err(_) => {
+                self.stats.timeouts.fetch_add(1, Ordering::Relaxed);
+                Err(TokenizeError::Timeout(self.config.deadline))
+            }
+        }
+    }
+
+    fn unanswered() -> TokenizeError {
+        TokenizeError::Call {
+            replica: String::new(),
+            reason: "tokenize task ended without an answer".to_owned(),
+        }
+    }
+
+    /// The answer of the `/tokenize` call for `key`: the one running already, else a new one
+    /// (which takes a permit, and fills the cache when it answers, however long after).
+    fn call_or_join(
+        &self,
+        key: CacheKey,
+        body: Vec<u8>,
+        replicas: &[&str],
+    ) -> Result<tokio::sync::watch::Receiver<CallAnswer>, TokenizeError> {
+        let mut calls = self.calls.lock();
+        if let Some(running) = calls.get(&key) {
+            self.stats.joined.fetch_add(1, Ordering::Relaxed);
+            return Ok(running.clone());
+        }
+        // The call for this body may have answered since the caller missed the cache.
+        if let Some(tokens) = self.cache.lock().get(key) {
+            return Ok(tokio::sync::watch::channel(Some(Ok(tokens))).1);
+        }
         let permit = self.permit()?;
-        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        calls.insert(key, rx.clone());
+        drop(calls);
+        let running = RunningCall {
+            calls: Arc::clone(&self.calls),
+            key,
+        };
         let client = self.client.clone();
         let cache = Arc::clone(&self.cache);
         let stats = Arc::clone(&self.stats);
@@ -460,19 +528,12 @@ impl Tokenizer {
             if let Ok(tokens) = &result {
                 cache.lock().insert(key, Arc::clone(tokens));
             }
-            let _ = tx.send(result);
+            // Off the running calls before answering: a miss from now on finds the cache (or,
+            // after a failure, makes a call of its own).
+            drop(running);
+            tx.send_replace(Some(result));
         });
-        match tokio::time::timeout(self.config.deadline, rx).await {
-            Ok(Ok(result)) => result,
-            Ok(Err(_)) => Err(TokenizeError::Call {
-                replica: String::new(),
-                reason: "tokenize task ended without an answer".to_owned(),
-            }),
-            Err(_) => {
-                self.stats.timeouts.fetch_add(1, Ordering::Relaxed);
-                Err(TokenizeError::Timeout(self.config.deadline))
-            }
-        }
+        Ok(rx)
     }
 }
 

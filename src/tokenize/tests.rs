@@ -200,6 +200,48 @@ async fn past_the_deadline_it_falls_back_and_the_late_answer_fills_the_cache() {
 }
 
 #[tokio::test]
+async fn concurrent_misses_for_one_body_share_one_call_and_a_failed_call_is_not_kept() {
+    let fake = Fake {
+        delay: Duration::from_millis(300),
+        ..Fake::default()
+    };
+    let addr = serve(fake.clone()).await.to_string();
+    let replicas = [addr.as_str()];
+    let t = tokenizer(5_000);
+    let same = completion("hello there");
+    let other = completion("something else");
+    let (answers, alone) = tokio::join!(
+        futures::future::join_all((0..5).map(|_| t.tokens(&same, &replicas))),
+        t.tokens(&other, &replicas),
+    );
+    for answer in answers {
+        assert_eq!(&*answer.expect("tokens"), &[11, 1, 2, 3]);
+    }
+    assert_eq!(&*alone.expect("tokens"), &[14, 1, 2, 3]);
+    assert_eq!(fake.calls.load(Ordering::SeqCst), 2, "one call per body");
+    assert_eq!(t.stats().joined.load(Ordering::Relaxed), 4);
+    assert!(t.calls.lock().is_empty(), "answered calls are not kept");
+
+    // A failed call answers everyone who waited with its error, and the next miss calls again.
+    let failing = Fake {
+        delay: Duration::from_millis(300),
+        status: Some(StatusCode::INTERNAL_SERVER_ERROR),
+        ..Fake::default()
+    };
+    let addr = serve(failing.clone()).await.to_string();
+    let replicas = [addr.as_str()];
+    let request = completion("never answered");
+    let answers = futures::future::join_all((0..3).map(|_| t.tokens(&request, &replicas))).await;
+    for answer in answers {
+        assert_eq!(answer.unwrap_err().reason(), "tokenize_error");
+    }
+    assert_eq!(failing.calls.load(Ordering::SeqCst), 1);
+    assert!(t.calls.lock().is_empty());
+    assert!(t.tokens(&request, &replicas).await.is_err());
+    assert_eq!(failing.calls.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
 async fn past_the_calls_allowed_in_flight_a_request_falls_back_at_once() {
     let fake = Fake {
         delay: Duration::from_millis(500),
