@@ -19,9 +19,9 @@
 //! Concurrency: the cache is one `parking_lot::Mutex` held for a map operation; HTTP calls run
 //! in spawned tasks and report back through a `watch` channel, which every request missing the
 //! cache for the same body while the call runs waits on (one call per body at a time, in a map
-//! behind its own `parking_lot::Mutex`). Local tokenization of short
-//! inputs runs on the caller's task, of long ones on tokio's blocking pool under the same
-//! deadline as a call; its on/off switches and counters are atomics.
+//! behind its own `parking_lot::Mutex`, taken before the cache's when both are). Local
+//! tokenization of short inputs runs on the caller's task, of long ones on tokio's blocking
+//! pool under the same deadline as a call; its on/off switches and counters are atomics.
 
 mod chat;
 mod local;
