@@ -39,12 +39,6 @@ pub trait KvEventSink: Send + Sync {
     /// Forget everything the replica held (vLLM's `AllBlocksCleared`, for a sink fed straight
     /// from one engine's events).
     fn cleared(&self, replica: &str);
-    /// The replica's engine lost everything it held (an engine restart, a cache reset, a gap
-    /// in its events): like [`cleared`](Self::cleared), but an index may remember what was
-    /// there, the prompts whose home the replica was.
-    fn lost(&self, replica: &str) {
-        self.cleared(replica);
-    }
 
     /// `copies` fewer references to each block, though no engine evicted them: a report that a
     /// newer one replaces, or one withdrawn with its engine (refused, gone). Unlike

@@ -569,31 +569,6 @@ impl KvIndex {
         self.drop_all(slot, &mut book);
     }
 
-    /// Clears the replica and remembers what it held as the home of those prompts (unless it
-    /// held nothing: a second loss before it cached anything keeps the first memory).
-    fn lose(&self, slot: ReplicaSlot) {
-        let table = self.replicas.read();
-        let mut book = table.books[slot.index()].lock();
-        if !self.config.home_memory.is_zero() && book.blocks > 0 {
-            let mut held = Vec::new();
-            for shard in self.shards.iter() {
-                shard.read().blocks_of(slot, &mut held);
-                if held.len() >= MAX_HOME_BLOCKS {
-                    break;
-                }
-            }
-            held.truncate(MAX_HOME_BLOCKS);
-            let memory = HomeMemory {
-                lost_at: Instant::now(),
-                blocks: held.into_iter().map(|h| h.0).collect(),
-            };
-            if book.home.replace(memory).is_none() {
-                self.homes.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        self.drop_all(slot, &mut book);
-    }
-
     /// One engine of the replica in `slot` lost `blocks`: one reference fewer to each, and they
     /// are remembered as that replica's home (unless there are none: a second loss before the
     /// engine cached anything keeps the first memory). Only these blocks are touched, so a
@@ -866,12 +841,6 @@ impl KvEventSink for KvIndex {
     fn cleared(&self, replica: &str) {
         if let Some(slot) = self.slot(replica) {
             self.clear(slot);
-        }
-    }
-
-    fn lost(&self, replica: &str) {
-        if let Some(slot) = self.slot(replica) {
-            self.lose(slot);
         }
     }
 }

@@ -15,6 +15,11 @@ fn hashes(vs: &[u64]) -> Vec<ExternalHash> {
     vs.iter().copied().map(ExternalHash).collect()
 }
 
+/// `vs` on the GPU tier, as a loss lists them.
+fn gpu(vs: &[u64]) -> Vec<(ExternalHash, Medium)> {
+    vs.iter().map(|&v| (h(v), Medium::Gpu)).collect()
+}
+
 fn matches(index: &KvIndex, prompt: &[u64], replicas: &[&str]) -> Vec<u32> {
     let candidates: Vec<_> = replicas.iter().map(|r| index.slot(r)).collect();
     let mut out = Vec::new();
@@ -199,6 +204,17 @@ struct Model {
 }
 
 impl Model {
+    /// Every reference replica `r` holds, one entry each: what its engine loses in a loss.
+    fn references(&self, r: u8, hash: impl Fn(u8) -> ExternalHash) -> Vec<(ExternalHash, Medium)> {
+        let mut out = Vec::new();
+        for (&(replica, b, gpu), &n) in &self.refs {
+            if replica == r {
+                out.extend(std::iter::repeat_n((hash(b), medium(gpu)), n as usize));
+            }
+        }
+        out
+    }
+
     fn holds(&self, r: u8, b: u8) -> bool {
         self.refs.get(&(r, b, true)).copied().unwrap_or(0) > 0
             || self.refs.get(&(r, b, false)).copied().unwrap_or(0) > 0
@@ -244,7 +260,7 @@ proptest! {
                     model.refs.retain(|k, _| k.0 != r);
                 }
                 Op::Lose(r) => {
-                    index.lost(&name(r));
+                    index.lost_blocks(&name(r), &model.references(r, |b| h(u64::from(b))));
                     let held: std::collections::HashSet<u8> =
                         (0..12u8).filter(|&b| model.holds(r, b)).collect();
                     if !held.is_empty() {
@@ -486,7 +502,7 @@ proptest! {
                 // not evict.
                 Op::Clear(r) | Op::Lose(r) => {
                     if lose {
-                        index.lost(&name(r));
+                        index.lost_blocks(&name(r), &model.references(r, spread));
                     } else {
                         index.cleared(&name(r));
                     }
@@ -532,7 +548,7 @@ fn a_lost_cache_is_remembered_as_home_until_evicted_again_or_forgotten() {
     let now = Instant::now();
     assert_eq!(index.home_prefix(a, &prompt, now), 0, "nothing lost yet");
 
-    index.lost("a:1");
+    index.lost_blocks("a:1", &gpu(&[1, 2, 3]));
     assert_eq!(matches(&index, &[1, 2, 3], &["a:1", "b:1"]), vec![0, 2]);
     assert_eq!(index.replica_block_count("a:1"), 0);
     assert_eq!(index.home_prefix(a, &prompt, Instant::now()), 3);
@@ -550,9 +566,9 @@ fn a_lost_cache_is_remembered_as_home_until_evicted_again_or_forgotten() {
     // A second loss with nothing cached keeps the first memory; after `home_memory` it is gone.
     index.removed("a:1", &hashes(&[1]), Medium::Gpu);
     index.stored("a:1", &hashes(&[9]), Medium::Gpu);
-    index.lost("a:1");
+    index.lost_blocks("a:1", &gpu(&[9]));
     assert_eq!(index.home_prefix(a, &hashes(&[9]), Instant::now()), 1);
-    index.lost("a:1");
+    index.lost_blocks("a:1", &[]);
     assert_eq!(index.home_prefix(a, &hashes(&[9]), Instant::now()), 1);
     let later = Instant::now() + IndexConfig::default().home_memory + Duration::from_secs(1);
     assert_eq!(index.home_prefix(a, &hashes(&[9]), later), 0);
@@ -564,13 +580,13 @@ fn a_lost_cache_is_remembered_as_home_until_evicted_again_or_forgotten() {
 }
 
 #[test]
-fn with_no_home_memory_a_loss_is_a_clear() {
+fn with_no_home_memory_a_loss_remembers_nothing() {
     let index = KvIndex::new(IndexConfig {
         home_memory: Duration::ZERO,
         ..IndexConfig::default()
     });
     index.stored("a:1", &hashes(&[1, 2]), Medium::Gpu);
-    index.lost("a:1");
+    index.lost_blocks("a:1", &gpu(&[1, 2]));
     let a = index.slot("a:1").unwrap();
     assert_eq!(index.home_prefix(a, &hashes(&[1, 2]), Instant::now()), 0);
     assert_eq!(index.replica_block_count("a:1"), 0);
@@ -650,7 +666,7 @@ async fn a_full_table_gives_a_long_departed_empty_replica_s_slot_to_a_new_one() 
     // remembers a lost cache and has churned.
     index.stored(&name(0), &hashes(&[1, 2]), Medium::Gpu);
     index.removed(&name(0), &hashes(&[2]), Medium::Gpu);
-    index.lost(&name(0));
+    index.lost_blocks(&name(0), &gpu(&[1]));
     index.stored(&name(1), &hashes(&[1]), Medium::Gpu);
     let present: HashSet<String> = (2..shard::MAX_SLOTS).map(name).collect();
     index.pool_changed(&present, Instant::now());

@@ -920,7 +920,8 @@ async fn a_prompt_goes_back_to_the_replica_that_lost_it_unless_it_went_on_elsewh
     let blocks = hashes_of(prompt, None);
     // Replica 1 held the prompt and restarted; meanwhile replica 2 computed it.
     f.index.stored(f.endpoint(1), &blocks, Medium::Gpu);
-    f.index.lost(f.endpoint(1));
+    let lost: Vec<_> = blocks.iter().map(|&h| (h, Medium::Gpu)).collect();
+    f.index.lost_blocks(f.endpoint(1), &lost);
     f.index.stored(f.endpoint(2), &blocks, Medium::Gpu);
     // Replica 2 is no better a holder than replica 1 was: the prompt goes home.
     assert_eq!(f.pick(&completion("m", prompt, None)).await, f.endpoint(1));
