@@ -176,6 +176,14 @@ pub const MAX_HOME_BLOCKS: usize = 1 << 16;
 /// Cells of a replica's table of recent evictions.
 pub const RECENT_EVICTIONS: usize = 4096;
 
+/// Blocks in a row not among a replica's recent evictions that end an evicted run
+/// ([`KvIndex::evicted_run`]). A cell keeps its hash through `n` later evictions with
+/// probability about e^(−n/4096): three quarters after 1,000, under half after 3,300 (ten
+/// seconds of a cache that evicts a 66-block prompt five times a second). Ending the run at
+/// the first lost cell cut a replica's claim on such a prompt to a few blocks; eight lost
+/// cells in a row are rare while the cells still hold half their hashes.
+pub const EVICTED_RUN_GAP: usize = 8;
+
 /// The cell of `hash` in a table of recent evictions: its high bits (the low ones choose the
 /// shard).
 fn recent_cell(hash: ExternalHash) -> usize {
@@ -408,11 +416,23 @@ impl KvIndex {
 
     /// How many leading blocks of `hashes` the replica in `slot` evicted recently (and has not
     /// stored since): given the blocks after those it holds, the rest of the prefix it held
-    /// moments ago. Stops at the first block it did not evict, so a prompt that continues
-    /// what the replica holds with new blocks costs one probe.
+    /// moments ago. The run reaches the last such block before [`EVICTED_RUN_GAP`] blocks in a
+    /// row that are not among the recent evictions, and counts the blocks between: the table
+    /// is direct-mapped, so a block evicted moments ago may have lost its cell to a later
+    /// eviction, and since a block's hash chains its whole prefix, an evicted block further on
+    /// means the replica held the ones before it too. A prompt that continues what the
+    /// replica holds with new blocks costs [`EVICTED_RUN_GAP`] probes.
     pub fn evicted_run(&self, slot: ReplicaSlot, hashes: &[ExternalHash]) -> usize {
         self.with_recent_evictions(slot, |evicted| {
-            hashes.iter().take_while(|&&h| evicted(h)).count()
+            let mut run = 0;
+            for (i, &hash) in hashes.iter().enumerate() {
+                if evicted(hash) {
+                    run = i + 1;
+                } else if i - run + 1 >= EVICTED_RUN_GAP {
+                    break;
+                }
+            }
+            run
         })
     }
 

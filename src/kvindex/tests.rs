@@ -191,7 +191,8 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (replica.clone(), blocks.clone(), any::<bool>()).prop_map(|(r, b, g)| Op::Remove(r, b, g)),
         1 => replica.clone().prop_map(Op::Clear),
         1 => replica.prop_map(Op::Lose),
-        3 => blocks.prop_map(Op::Query),
+        // Longer than EVICTED_RUN_GAP, so runs with gaps, and gaps that end them, come up.
+        3 => prop::collection::vec(0u8..12, 0..20).prop_map(Op::Query),
     ]
 }
 
@@ -342,13 +343,21 @@ fn the_evicted_run_is_the_leading_blocks_evicted_and_not_stored_since() {
     let slot = index.slot("a:1").expect("seen");
     // After the two it holds: the three it evicted, then a block it never had.
     assert_eq!(index.evicted_run(slot, &spread(&[3, 4, 5, 6])), 3);
-    // The run stops at the first block not evicted, though later ones were.
-    assert_eq!(index.evicted_run(slot, &spread(&[3, 6, 4, 5])), 1);
-    assert_eq!(index.evicted_run(slot, &spread(&[6, 3, 4])), 0);
+    // A block missing from the table (its cell lost to a later eviction) does not end the
+    // run: it reaches the last evicted block before EVICTED_RUN_GAP missing in a row.
+    assert_eq!(index.evicted_run(slot, &spread(&[3, 6, 4, 5])), 4);
+    assert_eq!(index.evicted_run(slot, &spread(&[6, 3, 4])), 3);
     assert_eq!(index.recently_evicted(slot, &spread(&[6, 3, 4])), 2);
+    let mut gap = vec![3];
+    gap.extend(std::iter::repeat_n(6, EVICTED_RUN_GAP - 1));
+    gap.push(4);
+    assert_eq!(index.evicted_run(slot, &spread(&gap)), EVICTED_RUN_GAP + 1);
+    gap.insert(1, 7);
+    assert_eq!(index.evicted_run(slot, &spread(&gap)), 1);
     // A block stored again is held, no longer evicted.
     index.stored("a:1", &spread(&[3]), Medium::Gpu);
-    assert_eq!(index.evicted_run(slot, &spread(&[3, 4, 5])), 0);
+    assert_eq!(index.evicted_run(slot, &spread(&[3])), 0);
+    assert_eq!(index.recently_evicted(slot, &spread(&[3, 4, 5])), 2);
     assert_eq!(index.evicted_run(slot, &spread(&[4, 5])), 2);
     // Another replica's evictions are its own; an empty prompt has no run.
     index.stored("b:1", &spread(&[4]), Medium::Gpu);
@@ -518,10 +527,17 @@ proptest! {
                         let Some(slot) = index.slot(&name(r)) else { continue };
                         let evicted = churn.get(&r).map(|e| &e.2);
                         let was_evicted = |b: &u8| evicted.is_some_and(|set| set.contains(b));
-                        prop_assert_eq!(
-                            index.evicted_run(slot, &hs),
-                            blocks.iter().take_while(|b| was_evicted(b)).count()
-                        );
+                        // The run reaches the last evicted block before EVICTED_RUN_GAP
+                        // blocks in a row that were not.
+                        let mut run = 0;
+                        for (i, b) in blocks.iter().enumerate() {
+                            if was_evicted(b) {
+                                run = i + 1;
+                            } else if blocks[run..=i].len() == EVICTED_RUN_GAP {
+                                break;
+                            }
+                        }
+                        prop_assert_eq!(index.evicted_run(slot, &hs), run);
                         prop_assert_eq!(
                             index.recently_evicted(slot, &hs),
                             blocks.iter().filter(|b| was_evicted(b)).count()

@@ -122,9 +122,12 @@ struct Parameters {
     /// the replica that held the prompt moments ago keeps its claim on it, so a tenant whose
     /// prompt was evicted in part computes it again where its working set was. Off by default:
     /// after a replica restart it raised the mean hit rate by about a point, but where every
-    /// cache holds less than its tenants need it evens the split, and there an uneven one hits
-    /// more (docs/results/2026-12-04-evicted-claim.md). Weighs the same blocks as
-    /// `rebuild_cost`, the other way: at most one of the two is above 0.
+    /// cache holds less than its tenants need it evened the split, and there an uneven one hits
+    /// more (docs/results/2026-12-04-evicted-claim.md). Part of that evening was claims cut
+    /// short by the eviction table's lost cells ([`KvIndex::evicted_run`] now reads past them);
+    /// whole claims keep the uneven split, but with tenants drawn at random a tenant evicted from two
+    /// caches claims both and load splits it (docs/results/2026-12-07-evicted-runs.md). Weighs
+    /// the same blocks as `rebuild_cost`, the other way: at most one of the two is above 0.
     evicted_hold: f64,
     /// How long a prompt load sent away from the one replica that held it stays that
     /// replica's ([`lends`]); 0, the default, off. Off by default: in the measured restart runs
