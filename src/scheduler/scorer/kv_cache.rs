@@ -29,9 +29,11 @@
 //! prompt's start) that it evicted moments ago counts for `evicted_hold` held blocks (a hair
 //! less, so a replica that still holds the blocks wins a tie). The tenant then computes them
 //! again where the rest of its working set is instead of splitting between two caches. Off by
-//! default: it evens the split where every cache is over-full, and there an uneven split hits
-//! more (docs/results/2026-12-04-evicted-claim.md). `rebuild_cost` weighs the same blocks the
-//! other way (a cost to the churning holder); at most one of the two is on.
+//! default: where every cache is over-full, a tenant evicted from two caches claims both and
+//! load splits it between them (docs/results/2026-12-07-evicted-runs.md; until the evicted run
+//! read past the eviction table's lost cells, claims were a few blocks and evened the split,
+//! docs/results/2026-12-04-evicted-claim.md). `rebuild_cost` weighs the same blocks the other
+//! way (a cost to the churning holder); at most one of the two is on.
 //!
 //! A replica whose engine lost its cache (a restart, a cache reset) is the **home** of the
 //! prompts it held, for as long as the index remembers them ([`KvIndex::home_prefix`],
@@ -124,10 +126,11 @@ struct Parameters {
     /// after a replica restart it raised the mean hit rate by about a point, but where every
     /// cache holds less than its tenants need it evened the split, and there an uneven one hits
     /// more (docs/results/2026-12-04-evicted-claim.md). Part of that evening was claims cut
-    /// short by the eviction table's lost cells ([`KvIndex::evicted_run`] now reads past them);
-    /// whole claims keep the uneven split, but with tenants drawn at random a tenant evicted from two
-    /// caches claims both and load splits it (docs/results/2026-12-07-evicted-runs.md). Weighs
-    /// the same blocks as `rebuild_cost`, the other way: at most one of the two is above 0.
+    /// short by the eviction table's lost cells ([`KvIndex::evicted_run`] now reads past
+    /// them); whole claims keep the uneven split, but with tenants drawn at random a tenant
+    /// evicted from two caches claims both and load splits it
+    /// (docs/results/2026-12-07-evicted-runs.md). Weighs the same blocks as `rebuild_cost`,
+    /// the other way: at most one of the two is above 0.
     evicted_hold: f64,
     /// How long a prompt load sent away from the one replica that held it stays that
     /// replica's ([`lends`]); 0, the default, off. Off by default: in the measured restart runs
