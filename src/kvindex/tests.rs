@@ -527,16 +527,14 @@ proptest! {
                         let Some(slot) = index.slot(&name(r)) else { continue };
                         let evicted = churn.get(&r).map(|e| &e.2);
                         let was_evicted = |b: &u8| evicted.is_some_and(|set| set.contains(b));
-                        // The run reaches the last evicted block before EVICTED_RUN_GAP
-                        // blocks in a row that were not.
-                        let mut run = 0;
-                        for (i, b) in blocks.iter().enumerate() {
-                            if was_evicted(b) {
-                                run = i + 1;
-                            } else if blocks[run..=i].len() == EVICTED_RUN_GAP {
-                                break;
-                            }
-                        }
+                        // The run ends where the first EVICTED_RUN_GAP blocks in a row
+                        // that were not evicted begin, and reaches the last evicted block
+                        // before that.
+                        let end = blocks
+                            .windows(EVICTED_RUN_GAP)
+                            .position(|w| !w.iter().any(&was_evicted))
+                            .unwrap_or(blocks.len());
+                        let run = blocks[..end].iter().rposition(&was_evicted).map_or(0, |p| p + 1);
                         prop_assert_eq!(index.evicted_run(slot, &hs), run);
                         prop_assert_eq!(
                             index.recently_evicted(slot, &hs),
