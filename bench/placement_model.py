@@ -28,6 +28,9 @@ requests pin, the sims' timing, load, and the routers' load scorers and splits.
         fixed assignments built from each tenant's conversation count over the whole run
         (hindsight of the rates, not of the timing) in three shapes, beside packing, and
         2/2/4/4 built online: by arrival, then swapped by rates measured as the run goes
+    python3 bench/placement_model.py restart [--seeds 12]
+        the restart scenario (8 tenants in turn, replica 0 down 12-15 s and back empty) with
+        the down replica's two tenants waiting together on one survivor or on two
 
 The workload is rebuilt here from the bench's own definitions (integration/src/workload.rs:
 SplitMix64 arrivals, tenants in turn or drawn by a hash of the conversation's id and the seed,
@@ -459,6 +462,43 @@ def shapes(seeds, drawn, tenants=12):
               + ("" if rates is packed else f"  (under packing on {under})"))
 
 
+def failover(seed, refuges, tenants=8, down_s=12.0, up_s=15.0):
+    """Hit rate (%) of the restart scenario with tenant t at home on replica t % 4, replica 0
+    down from `down_s` to `up_s` and back empty: a conversation of a tenant whose home is down
+    goes to `refuges[tenant]` and stays there to its end; new conversations go home."""
+    caches = [Cache() for _ in range(REPLICAS)]
+    replica_of_conversation, restarted = {}, False
+    hits = asked = 0
+    for request in workload(seed, False, tenants=tenants):
+        now, tenant = request["sent_s"], request["tenant"]
+        if now >= up_s and not restarted:
+            caches[0], restarted = Cache(), True
+        down = down_s <= now < up_s
+        conversation = request["conversation"]
+        if request["turn"] == 0:
+            replica_of_conversation[conversation] = tenant % REPLICAS
+        if down and replica_of_conversation[conversation] == 0:
+            replica_of_conversation[conversation] = refuges[tenant]
+        h, a = serve(caches[replica_of_conversation[conversation]], request, now)
+        if now >= WARMUP_S:
+            hits, asked = hits + h, asked + a
+    return 100.0 * hits / max(asked, 1)
+
+
+def restart(seeds):
+    """Where the tenants of a replica that goes down wait: both on one survivor (as the bench's
+    `pinned_failover` does) or one on each of two."""
+    print(f"8 tenants in turn, replica 0 (t0, t4) down 12-15 s, seeds 1-{seeds}: hit rate (%)")
+    for name, refuges in [("both on replica 1", {0: 1, 4: 1}),
+                          ("both on replica 2", {0: 2, 4: 2}),
+                          ("on replicas 1 and 2", {0: 1, 4: 2}),
+                          ("on replicas 2 and 3", {0: 2, 4: 3}),
+                          ("on replicas 1 and 3", {0: 1, 4: 3})]:
+        rates = [failover(seed, refuges) for seed in range(1, seeds + 1)]
+        print(f"  {name:20s} mean {sum(rates) / len(rates):5.2f} | "
+              + " ".join(f"{r:.1f}" for r in rates))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -480,6 +520,8 @@ def main():
     h = sub.add_parser("shapes", help="fixed assignments that know the tenants' rates")
     h.add_argument("--seeds", type=int, default=12)
     h.add_argument("--in-turn", action="store_true")
+    f = sub.add_parser("restart", help="a restarted replica's tenants: together or apart")
+    f.add_argument("--seeds", type=int, default=12)
     args = parser.parse_args()
     if args.command == "check":
         check(args.directories)
@@ -489,6 +531,8 @@ def main():
         assignments(args.seed, not args.in_turn)
     elif args.command == "shapes":
         shapes(args.seeds, not args.in_turn)
+    elif args.command == "restart":
+        restart(args.seeds)
     elif args.command == "move":
         best_move(args.seed, not args.in_turn, args.at)
     else:
