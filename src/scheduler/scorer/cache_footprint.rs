@@ -30,17 +30,18 @@
 //! any one cache from taking more than its share.
 //!
 //! It abstains (`no_events`) when no candidate ever reported events: there is nothing to weigh.
+//! The replica chosen without it still counts as a placement (see [`RecentPlacements`]).
 //!
 //! Metrics: `llmgw_cold_placements_total{decision}`: `emptiest` (the emptiest cache with room),
 //! `packed` (no cache had room: the fullest within its share), `load_override` (load chose
 //! another).
 //!
-//! Concurrency: the projections, the rebuild rates and the placement counts are each one
-//! `parking_lot::Mutex` over a vector by index slot, held for a few arithmetic operations per
-//! candidate; the index's counts have their own locks, and each replica's cache size is an
-//! atomic the scrape task writes.
+//! Concurrency: the projections and the rebuild rates are each one `parking_lot::Mutex` over a
+//! vector by index slot, and the placement counts one over a map by endpoint, each held for a
+//! few arithmetic operations per candidate; the index's counts have their own locks, and each
+//! replica's cache size is an atomic the scrape task writes.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -179,7 +180,7 @@ enum Mode {
 ///   cache), the emptiest of those, as without packing;
 /// - once none has, the fullest of those whose footprint with the prompt stays within
 ///   `max_share` times an even share of all the candidates' footprints, and whose placements
-///   (the prompts this scorer sent there lately, [`RecentPlacements`]) stay within `max_share`
+///   (the prompts placed there lately, [`RecentPlacements`]) stay within `max_share`
 ///   times an even share of all placements: the footprint counts what the cache rebuilt
 ///   lately, so the cache that churns most, which loses least by one more prompt. The count
 ///   matters once every cache is full of old blocks: the footprints are then all about a
@@ -199,7 +200,7 @@ struct Packing {
 
 impl Packing {
     /// Each candidate's score, aligned with `footprints` and `sizes` (blocks) and with `placed`
-    /// (the prompts this scorer placed on each lately, [`RecentPlacements`]), for a prompt of
+    /// (the prompts placed on each lately, [`RecentPlacements`]), for a prompt of
     /// `prompt_blocks`.
     fn scores(
         &self,
@@ -372,23 +373,46 @@ pub const PLACEMENT_MEMORY: Duration = Duration::from_secs(300);
 /// How many prompts this scorer, or a peer router's, placed on each replica lately, each
 /// decayed with [`PLACEMENT_MEMORY`] as time constant: the number of tenants whose home a cache
 /// is, which its block count stops telling once every cache is full.
+///
+/// Keyed by endpoint, not index slot: the first prompts are placed before any engine reported
+/// an event, so before their replicas have slots, and a count without them let a cache that
+/// took one of them take a share more later (five tenants of twelve on one of four caches).
 #[derive(Debug, Default)]
 struct RecentPlacements {
-    by_slot: Mutex<Vec<DecayedSum>>,
+    by_replica: Mutex<HashMap<Box<str>, DecayedSum>>,
 }
 
+/// A replica's placements below this are forgotten (after about 23 minutes for one), so
+/// endpoints that left the pool do not stay in the map.
+const FORGOTTEN_PLACEMENTS: f64 = 1e-2;
+
+/// Replicas counted at most: peer routers name the replicas of their placements, and a
+/// misbehaving one must not grow the map without bound (a pool's size is far below it).
+const MAX_COUNTED_REPLICAS: usize = 4096;
+
 impl RecentPlacements {
-    fn record(&self, slot: ReplicaSlot, now: Instant) {
-        slot_entry(&mut self.by_slot.lock(), slot).add(1.0, now, PLACEMENT_MEMORY);
+    fn record(&self, replica: &str, now: Instant) {
+        let mut by_replica = self.by_replica.lock();
+        by_replica.retain(|_, placed| placed.at(now, PLACEMENT_MEMORY) >= FORGOTTEN_PLACEMENTS);
+        if let Some(placed) = by_replica.get_mut(replica) {
+            placed.add(1.0, now, PLACEMENT_MEMORY);
+        } else if by_replica.len() < MAX_COUNTED_REPLICAS {
+            by_replica
+                .entry(replica.into())
+                .or_default()
+                .add(1.0, now, PLACEMENT_MEMORY);
+        } else {
+            tracing::debug!(replica, "placement not counted: too many replicas counted");
+        }
     }
 
-    /// Each slot's placements as of `now` (no slot: none).
-    fn read(&self, slots: &[Option<ReplicaSlot>], now: Instant) -> Vec<f64> {
-        let by_slot = self.by_slot.lock();
-        slots
-            .iter()
-            .map(|slot| {
-                slot.and_then(|s| by_slot.get(s.index()))
+    /// Each replica's placements as of `now`.
+    fn read<'a>(&self, replicas: impl Iterator<Item = &'a str>, now: Instant) -> Vec<f64> {
+        let by_replica = self.by_replica.lock();
+        replicas
+            .map(|replica| {
+                by_replica
+                    .get(replica)
                     .map_or(0.0, |placed| placed.at(now, PLACEMENT_MEMORY))
             })
             .collect()
@@ -432,11 +456,12 @@ impl Scorer for CacheFootprint {
 
     fn score<'a>(&'a self, context: &'a ScoringContext<'a>, candidates: &'a [Candidate]) -> Scoring<'a> {
         let Some(slots) = self.slots(candidates) else {
-            return Scoring::Ready(Answer::Abstain("no_events"));
+            return Scoring::Ready(Answer::Abstain(NO_EVENTS));
         };
         let now = Instant::now();
         let footprints = self.footprints(&slots, now);
-        let placements = self.placements.read(&slots, now);
+        let endpoints = candidates.iter().map(|c| c.replica.endpoint());
+        let placements = self.placements.read(endpoints, now);
         let sizes: Vec<Option<u64>> = candidates
             .iter()
             .map(|c| c.replica.cache_blocks())
@@ -457,23 +482,22 @@ impl Scorer for CacheFootprint {
     }
 
     fn after_pick(&self, context: &ScoringContext<'_>, pick: Pick<'_>, role: Role<'_>) {
+        // A prompt placed before any engine reported events (this scorer was asked but had
+        // nothing to weigh) still made the chosen cache a tenant's home: it counts toward the
+        // share as any placement does.
+        if let Role::NotCounted {
+            abstained: Some(NO_EVENTS),
+            ..
+        } = role
+        {
+            self.placed(context, pick);
+        }
         if let Role::Counted(scores) = role
             && let Some(memo) = scores.memo::<Memo>()
         {
             let scores = &scores.per_candidate;
             let best = scores.iter().copied().fold(0.0, f64::max);
-            let replica = pick.chosen().replica.endpoint();
-            if let Some(slot) = self.index.slot(replica) {
-                self.placements.record(slot, Instant::now());
-            }
-            self.picks.publish(|| PeerPick {
-                model: context.request.model.clone(),
-                replica: replica.to_owned(),
-                hashes: Arc::from([]),
-                new_blocks: 0,
-                tree_chain: Arc::from([]),
-                placed: true,
-            });
+            self.placed(context, pick);
             let decision = match (scores.get(pick.chosen).is_some_and(|&s| s >= best), memo.mode) {
                 (false, _) => "load_override",
                 (true, Mode::Emptiest) => "emptiest",
@@ -499,11 +523,28 @@ impl Scorer for CacheFootprint {
     fn peer_picked(&self, pick: &PeerPick) {
         // A peer's placement counts toward the replica's share as this router's own do, so
         // routers behind one proxy keep one count between them.
-        if pick.placed
-            && let Some(slot) = self.index.slot(&pick.replica)
-        {
-            self.placements.record(slot, Instant::now());
+        if pick.placed {
+            self.placements.record(&pick.replica, Instant::now());
         }
+    }
+}
+
+/// Why the scorer abstains when no candidate ever reported events.
+const NO_EVENTS: &str = "no_events";
+
+impl CacheFootprint {
+    /// Counts a placement on the chosen replica, and tells the peer routers.
+    fn placed(&self, context: &ScoringContext<'_>, pick: Pick<'_>) {
+        let replica = pick.chosen().replica.endpoint();
+        self.placements.record(replica, Instant::now());
+        self.picks.publish(|| PeerPick {
+            model: context.request.model.clone(),
+            replica: replica.to_owned(),
+            hashes: Arc::from([]),
+            new_blocks: 0,
+            tree_chain: Arc::from([]),
+            placed: true,
+        });
     }
 }
 
@@ -776,21 +817,32 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn placements_count_per_replica_and_fade_with_the_memory() {
         let placements = RecentPlacements::default();
-        let (a, b) = slots();
-        let slots = [Some(a), Some(b), None];
+        let replicas = || ["a", "b", "c"].into_iter();
         let t0 = Instant::now();
-        assert_eq!(placements.read(&slots, t0), [0.0, 0.0, 0.0]);
-        placements.record(a, t0);
-        placements.record(a, t0);
-        placements.record(b, t0);
-        assert_eq!(placements.read(&slots, t0), [2.0, 1.0, 0.0]);
+        assert_eq!(placements.read(replicas(), t0), [0.0, 0.0, 0.0]);
+        placements.record("a", t0);
+        placements.record("a", t0);
+        placements.record("b", t0);
+        assert_eq!(placements.read(replicas(), t0), [2.0, 1.0, 0.0]);
         // One memory later a factor e less; a new placement adds a whole one.
         let later = t0 + PLACEMENT_MEMORY;
-        placements.record(b, later);
-        let read = placements.read(&slots, later);
+        placements.record("b", later);
+        let read = placements.read(replicas(), later);
         let e = std::f64::consts::E;
         assert!((read[0] - 2.0 / e).abs() < 1e-9, "{read:?}");
         assert!((read[1] - (1.0 / e + 1.0)).abs() < 1e-9, "{read:?}");
+        // A replica placed on once and never since is forgotten (its endpoint may be gone),
+        // while one placed on lately is kept.
+        let much_later = t0 + PLACEMENT_MEMORY * 6;
+        placements.record("c", much_later);
+        assert_eq!(placements.by_replica.lock().len(), 1);
+        assert_eq!(placements.read(replicas(), much_later)[2], 1.0);
+        // Never more replicas than the bound, whatever peers name.
+        for i in 0..MAX_COUNTED_REPLICAS + 10 {
+            placements.record(&format!("peer-named-{i}"), much_later);
+        }
+        assert_eq!(placements.by_replica.lock().len(), MAX_COUNTED_REPLICAS);
+        assert_eq!(placements.read(replicas(), much_later)[2], 1.0);
     }
 
     #[test]

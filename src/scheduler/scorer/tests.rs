@@ -1146,6 +1146,41 @@ async fn a_peer_routers_placements_count_toward_each_caches_share() {
 }
 
 #[tokio::test]
+async fn a_prompt_placed_before_any_engine_reported_counts_toward_its_caches_share() {
+    let a = fixture(
+        &PLACEMENT.replace("speculative_ttl: 2s", "speculative_ttl: 0s"),
+        2000,
+    )
+    .await;
+    let b = a.peer();
+    let mut from_a = a.picks.subscribe();
+    // No engine has reported an event: `cache_footprint` has nothing to weigh, and the first
+    // tenant's prompt goes where load and the tie-break send it.
+    let home = a.pick(&completion("m", &"aaaa".repeat(4), None)).await;
+    let home_index = a
+        .endpoints
+        .iter()
+        .position(|e| *e == home)
+        .expect("a candidate");
+    // Its placement reaches the peer router too (the prefix tree's text and the placement).
+    assert_eq!(relay(&mut from_a, &b), 2);
+    // Then the engines report: no cache has room for another 4-block prompt, and the first
+    // tenant's home is the fullest.
+    for (i, replica) in a.pool.snapshot().replicas().iter().enumerate() {
+        replica.set_cache_blocks(12);
+        fill(&a, i, if i == home_index { 10 } else { 8 });
+    }
+    // A second tenant there would pass 1.5 even shares of the two placements (2 > 1): it
+    // goes to another cache, on either router, as it would have had the first placement been
+    // weighed.
+    let next = completion("m", &"bbbb".repeat(4), None);
+    assert_ne!(a.pick(&next).await, home);
+    assert_ne!(b.pick(&next).await, home);
+    // A router that heard of no placement packs it onto the fullest.
+    assert_eq!(a.peer().pick(&next).await, home);
+}
+
+#[tokio::test]
 async fn without_peering_a_second_router_misses_the_firsts_pick() {
     let a = fixture(PLACEMENT, 2000).await;
     let b = a.peer();
