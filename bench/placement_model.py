@@ -28,6 +28,10 @@ requests pin, the sims' timing, load, and the routers' load scorers and splits.
         fixed assignments built from each tenant's conversation count over the whole run
         (hindsight of the rates, not of the timing) in three shapes, beside packing, and
         2/2/4/4 built online: by arrival, then swapped by rates measured as the run goes
+    python3 bench/placement_model.py splits RUN_DIR...
+        each policy's split of the tenants in one run (bench-routing's OUT/run-N), replayed
+        fixed on each policy's requests as that run sent them: the split's share of a gap
+        between policies, apart from the timing's
     python3 bench/placement_model.py restart [--seeds 12]
         the restart scenario (8 tenants in turn, replica 0 down 12-15 s and back empty) with
         the down replica's two tenants waiting together on one survivor or on two
@@ -265,6 +269,51 @@ RULES = {
 }
 
 
+def recorded(path):
+    """A run's requests (requests-POLICY.csv) in sending order, with the replica each went to."""
+    with open(path) as f:
+        rows = [{"sent_s": float(r["sent_s"]), "tenant": int(r["tenant"]),
+                 "conversation": int(r["conversation"]), "turn": int(r["turn"]),
+                 "replica": int(r["replica"])} for r in csv.DictReader(f)]
+    rows.sort(key=lambda r: r["sent_s"])
+    return rows
+
+
+def split_of(requests):
+    """Each tenant's replica: the one most of its requests went to."""
+    counts = collections.defaultdict(collections.Counter)
+    for r in requests:
+        counts[r["tenant"]][r["replica"]] += 1
+    return {tenant: c.most_common(1)[0][0] for tenant, c in counts.items()}
+
+
+def splits(run_dirs):
+    """Separates where a run's tenants went from the run's timing: each policy's split (every
+    tenant on the replica most of its requests went to), replayed fixed on the requests as each
+    policy's run sent them. The sims' turns wait for the replies, so a policy whose caches
+    compute more also spaces its turns differently; the diagonal is each policy as it ran,
+    less the requests it sent away from a tenant's replica."""
+    for run_dir in run_dirs:
+        runs = {}
+        for name in sorted(os.listdir(run_dir)):
+            if name.startswith("requests-") and name.endswith(".csv"):
+                runs[name[len("requests-"):-len(".csv")]] = recorded(os.path.join(run_dir, name))
+        if not runs:
+            print(f"{run_dir}: no requests-POLICY.csv, not a bench-routing run directory",
+                  file=sys.stderr)
+            continue
+        print(run_dir)
+        for policy, requests in runs.items():
+            split = split_of(requests)
+            groups = [" ".join(f"t{t}" for t in sorted(split) if split[t] == replica)
+                      for replica in range(REPLICAS)]
+            print(f"  {policy:24s} as routed {replay(requests, lambda r, _: r['replica']):5.2f} %"
+                  f"  split {' | '.join(groups)}")
+            for timing, timed in runs.items():
+                fixed = replay(timed, lambda r, _: split.get(r["tenant"], -1))
+                print(f"    {'fixed, on ' + timing + ' timing':40s} {fixed:5.2f} %")
+
+
 def check(directories):
     for directory in directories:
         report_path = os.path.join(directory, "report.json")
@@ -281,12 +330,7 @@ def check(directories):
             path = os.path.join(run_dir, f"requests-{entry['policy']}.csv")
             if not os.path.exists(path):
                 continue
-            with open(path) as f:
-                rows = [{"sent_s": float(r["sent_s"]), "tenant": int(r["tenant"]),
-                         "conversation": int(r["conversation"]), "turn": int(r["turn"]),
-                         "replica": int(r["replica"])} for r in csv.DictReader(f)]
-            rows.sort(key=lambda r: r["sent_s"])
-            model = replay(rows, lambda r, _: r["replica"])
+            model = replay(recorded(path), lambda r, _: r["replica"])
             measured = 100.0 * entry["hit_rate"]
             print(f"{run_dir}  {entry['policy']:24s} measured {measured:5.1f} %  "
                   f"model {model:5.1f} %  ({model - measured:+.1f})")
@@ -520,11 +564,15 @@ def main():
     h = sub.add_parser("shapes", help="fixed assignments that know the tenants' rates")
     h.add_argument("--seeds", type=int, default=12)
     h.add_argument("--in-turn", action="store_true")
+    s = sub.add_parser("splits", help="each policy's tenant split, replayed on each run's timing")
+    s.add_argument("run_dirs", nargs="+")
     f = sub.add_parser("restart", help="a restarted replica's tenants: together or apart")
     f.add_argument("--seeds", type=int, default=12)
     args = parser.parse_args()
     if args.command == "check":
         check(args.directories)
+    elif args.command == "splits":
+        splits(args.run_dirs)
     elif args.command == "rules":
         rules(args.seeds, not args.in_turn)
     elif args.command == "assignments":
