@@ -34,7 +34,7 @@
 //!
 //! Metrics: `llmgw_cold_placements_total{decision}`: `emptiest` (the emptiest cache with room),
 //! `packed` (no cache had room: the fullest within its share), `load_override` (load chose
-//! another).
+//! another), `no_events` (no candidate had reported events: load and the tie-break chose).
 //!
 //! Concurrency: the projections and the rebuild rates are each one `parking_lot::Mutex` over a
 //! vector by index slot, and the placement counts one over a map by endpoint, each held for a
@@ -132,7 +132,8 @@ impl PlacementMetrics {
         registry.register(
             "llmgw_cold_placements",
             "Placements of prompts no replica held: emptiest (the emptiest cache with room), \
-             packed (no cache had room: the fullest within its share) or load_override",
+             packed (no cache had room: the fullest within its share), load_override, or \
+             no_events (no candidate had reported events)",
             metrics.decisions.clone(),
         );
         metrics
@@ -491,6 +492,7 @@ impl Scorer for CacheFootprint {
         } = role
         {
             self.placed(context, pick);
+            self.count(NO_EVENTS);
         }
         if let Role::Counted(scores) = role
             && let Some(memo) = scores.memo::<Memo>()
@@ -503,10 +505,7 @@ impl Scorer for CacheFootprint {
                 (true, Mode::Emptiest) => "emptiest",
                 (true, Mode::Packed) => "packed",
             };
-            self.metrics
-                .decisions
-                .get_or_create(&DecisionLabels { decision })
-                .inc();
+            self.count(decision);
             let route = tracing::Span::current();
             route.record("tier", "placement");
             route.record(
@@ -533,6 +532,13 @@ impl Scorer for CacheFootprint {
 const NO_EVENTS: &str = "no_events";
 
 impl CacheFootprint {
+    fn count(&self, decision: &'static str) {
+        self.metrics
+            .decisions
+            .get_or_create(&DecisionLabels { decision })
+            .inc();
+    }
+
     /// Counts a placement on the chosen replica, and tells the peer routers.
     fn placed(&self, context: &ScoringContext<'_>, pick: Pick<'_>) {
         let replica = pick.chosen().replica.endpoint();

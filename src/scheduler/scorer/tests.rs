@@ -1162,6 +1162,7 @@ async fn a_prompt_placed_before_any_engine_reported_counts_toward_its_caches_sha
         .iter()
         .position(|e| *e == home)
         .expect("a candidate");
+    assert_eq!(placements(&a, "no_events"), 1.0);
     // Its placement reaches the peer router too (the prefix tree's text and the placement).
     assert_eq!(relay(&mut from_a, &b), 2);
     // Then the engines report: no cache has room for another 4-block prompt, and the first
