@@ -1401,8 +1401,13 @@ async fn decided_by(http: &reqwest::Client, admins: &[SocketAddr]) -> String {
         ("llmgw_cold_placements_total", "placement"),
     ] {
         let counts = llmgw_integration::prom::by_label(&metrics, family, "decision");
-        if !counts.is_empty() {
-            let text: Vec<String> = counts.iter().map(|(k, v)| format!("{k} {v:.0}")).collect();
+        // Families exported at zero from the start (the tree's) say nothing here.
+        let text: Vec<String> = counts
+            .iter()
+            .filter(|(_, v)| **v > 0.0)
+            .map(|(k, v)| format!("{k} {v:.0}"))
+            .collect();
+        if !text.is_empty() {
             parts.push(format!("{tier}: {}", text.join(", ")));
         }
     }

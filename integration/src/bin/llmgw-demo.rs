@@ -280,7 +280,11 @@ async fn print_summary(system: &system::System, results: &Results) {
         ),
     ] {
         let counts = llmgw_integration::prom::by_label(&metrics, family, "decision");
-        let text: Vec<String> = counts.iter().map(|(k, v)| format!("{k} {v:.0}")).collect();
+        let text: Vec<String> = counts
+            .iter()
+            .filter(|(_, v)| **v > 0.0)
+            .map(|(k, v)| format!("{k} {v:.0}"))
+            .collect();
         println!(
             "  {tier}: {}",
             if text.is_empty() {

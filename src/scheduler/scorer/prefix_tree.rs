@@ -79,6 +79,11 @@ struct TreeMetrics {
 impl TreeMetrics {
     fn register(registry: &mut Registry) -> TreeMetrics {
         let metrics = TreeMetrics::default();
+        // Exported at zero from the start: the dashboard's panel and `rate()` need the series
+        // before the tree first decides (with agents, a fleet's first prompts are the index's).
+        for decision in ["hit", "miss", "load_override"] {
+            drop(metrics.decisions.get_or_create(&DecisionLabels { decision }));
+        }
         registry.register(
             "llmgw_prefix_decisions",
             "Decisions of the approximate prefix tree tier: hit, miss, load_override",
