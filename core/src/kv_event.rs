@@ -63,6 +63,11 @@ pub trait KvEventSink: Send + Sync {
         }
     }
 
+    /// The replica's engines report their events (the router holds a full copy of what they
+    /// cache), even while they hold nothing: an index can tell an empty cache from one it
+    /// hears nothing about.
+    fn reporting(&self, _replica: &str) {}
+
     /// One more reference to each block.
     fn stored(&self, replica: &str, hashes: &[ExternalHash], medium: Medium) {
         for &hash in hashes {

@@ -714,6 +714,7 @@ impl FeedState {
         view.held = pending.held;
         view.synced = true;
         replace(sink, &view.replica, &old, &view.blocks);
+        sink.reporting(&view.replica);
         self.metrics.snapshots.inc();
         Ok(())
     }

@@ -863,6 +863,12 @@ impl KvEventSink for KvIndex {
             self.clear(slot);
         }
     }
+
+    fn reporting(&self, replica: &str) {
+        if let Err(err) = self.slot_or_insert(replica) {
+            tracing::error!(%replica, %err, "replica not indexed");
+        }
+    }
 }
 
 /// A candidate set as a bitset: inline up to 64 candidates, on the heap beyond.

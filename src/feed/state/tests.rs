@@ -108,6 +108,9 @@ impl KvEventSink for Tee<'_> {
         self.0.lost_blocks(replica, blocks);
         self.1.lost_blocks(replica, blocks);
     }
+    fn reporting(&self, replica: &str) {
+        self.1.reporting(replica);
+    }
 }
 
 fn configured() -> NodeMap {
@@ -279,6 +282,30 @@ fn snapshots_and_deltas_reach_the_index_and_are_acknowledged() {
     ));
     assert_eq!(f.rec.hashes("r1"), [4].into());
     assert_eq!(f.st.metrics.out_of_order.get(), 1);
+}
+
+#[test]
+fn an_empty_snapshot_makes_its_replica_known_to_the_index_as_empty() {
+    // A freshly started engine caches nothing: its snapshot tells the index that the replica
+    // reports events, so the scorers weigh it as an empty cache rather than abstaining as if
+    // no agent ran.
+    let mut st = state(Duration::from_secs(30));
+    let stream = st.open();
+    let index = KvIndex::new(IndexConfig::default());
+    let mut apply = |id, body| {
+        st.apply(&index, stream, msg(id, body))
+            .unwrap_or_else(|e| panic!("{e}"));
+    };
+    apply(1, hello("n1", &[("e1", "r1"), ("e2", "r2")]));
+    assert_eq!(
+        index.slot("r1"),
+        None,
+        "a Hello alone says nothing of the cache"
+    );
+    apply(2, snapshot("e1", 0, 0, &[]));
+    assert!(index.slot("r1").is_some());
+    assert_eq!(index.replica_block_count("r1"), 0);
+    assert_eq!(index.slot("r2"), None, "its snapshot has not come yet");
 }
 
 #[test]

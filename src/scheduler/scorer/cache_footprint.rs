@@ -29,7 +29,8 @@
 //! ([`RecentPlacements`]: this router's placements and, through peering, its peers') keeps
 //! any one cache from taking more than its share.
 //!
-//! It abstains (`no_events`) when no candidate ever reported events: there is nothing to weigh.
+//! It abstains (`no_events`) when no candidate's engine ever reported (no events, nor an agent's
+//! snapshot, even an empty one: a router without agents): there is nothing to weigh.
 //! The replica chosen without it still counts as a placement (see [`RecentPlacements`]).
 //!
 //! Metrics: `llmgw_cold_placements_total{decision}`: `emptiest` (the emptiest cache with room),

@@ -4,10 +4,11 @@
 //! from [`crate::models`]), ask the index ([`crate::kvindex`]) how many leading blocks each
 //! candidate holds (plus the speculative entries of recent picks), and score the share of the
 //! prompt held. It abstains, with the reason as a metric label, when the model's hash settings
-//! are unknown (`unknown_settings`), no candidate ever reported events (`no_events`), or
-//! tokenization fails or misses its deadline (`tokenize_timeout`, ...): the profile's fallback
-//! (the `prefix_tree` by default) then decides. After each pick the chosen replica is credited
-//! with the prompt's blocks until its engine's events arrive.
+//! are unknown (`unknown_settings`), no candidate's engine ever reported (`no_events`: no
+//! events, nor an agent's snapshot, even an empty one), or tokenization fails or misses its
+//! deadline (`tokenize_timeout`, ...): the profile's fallback (the `prefix_tree` by default)
+//! then decides. After each pick the chosen replica is credited with the prompt's blocks until
+//! its engine's events arrive.
 //!
 //! A LoRA adapter's request is hashed with its base model's settings and the adapter in every
 //! block (`("lora", name, path)`, vLLM ≥ 0.31), the path being where each candidate's
