@@ -2,6 +2,7 @@
 //! its fallback), and `session_affinity`, driven through a scheduler built from YAML with a
 //! fake `/tokenize` whose token ids are the prompt's bytes.
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
@@ -1179,6 +1180,25 @@ async fn a_prompt_placed_before_any_engine_reported_counts_toward_its_caches_sha
     assert_ne!(b.pick(&next).await, home);
     // A router that heard of no placement packs it onto the fullest.
     assert_eq!(a.peer().pick(&next).await, home);
+}
+
+#[tokio::test]
+async fn caches_known_to_be_empty_take_the_first_prompts_one_each() {
+    let f = fixture(PLACEMENT, 2000).await;
+    // The agents' snapshots: every engine reports, none holds a block yet.
+    for (i, replica) in f.pool.snapshot().replicas().iter().enumerate() {
+        replica.set_cache_blocks(100);
+        f.index.reporting(f.endpoint(i));
+    }
+    // Three new prompts are weighed, not left to load: each goes to a cache none of the others
+    // is about to fill.
+    let mut homes = HashSet::new();
+    for tenant in ["aaaa", "bbbb", "cccc"] {
+        homes.insert(f.pick(&completion("m", &tenant.repeat(4), None)).await);
+    }
+    assert_eq!(homes.len(), 3, "{homes:?}");
+    assert_eq!(placements(&f, "emptiest"), 3.0);
+    assert_eq!(placements(&f, "no_events"), 0.0);
 }
 
 #[tokio::test]
