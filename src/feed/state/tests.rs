@@ -109,6 +109,7 @@ impl KvEventSink for Tee<'_> {
         self.1.lost_blocks(replica, blocks);
     }
     fn reporting(&self, replica: &str) {
+        self.0.reporting(replica);
         self.1.reporting(replica);
     }
 }
