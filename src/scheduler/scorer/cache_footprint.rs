@@ -395,10 +395,13 @@ const MAX_COUNTED_REPLICAS: usize = 4096;
 impl RecentPlacements {
     fn record(&self, replica: &str, now: Instant) {
         let mut by_replica = self.by_replica.lock();
-        by_replica.retain(|_, placed| placed.at(now, PLACEMENT_MEMORY) >= FORGOTTEN_PLACEMENTS);
         if let Some(placed) = by_replica.get_mut(replica) {
             placed.add(1.0, now, PLACEMENT_MEMORY);
-        } else if by_replica.len() < MAX_COUNTED_REPLICAS {
+            return;
+        }
+        // Only a new replica grows the map: the faded ones go first.
+        by_replica.retain(|_, placed| placed.at(now, PLACEMENT_MEMORY) >= FORGOTTEN_PLACEMENTS);
+        if by_replica.len() < MAX_COUNTED_REPLICAS {
             by_replica
                 .entry(replica.into())
                 .or_default()

@@ -442,6 +442,24 @@ profile:
     - {type: in_flight, weight: 1}
 ";
 
+/// Every cache of 12 blocks holds 8, `fullest` 10: none has room for a 4-block prompt.
+fn no_room_but_fullest(f: &Fixture, fullest: usize) {
+    for (i, replica) in f.pool.snapshot().replicas().iter().enumerate() {
+        replica.set_cache_blocks(12);
+        fill(f, i, if i == fullest { 10 } else { 8 });
+    }
+}
+
+/// The placement profile without speculative entries (nor projections), so that only the
+/// count of placements tells caches apart.
+async fn counting_placements_only() -> Fixture {
+    fixture(
+        &PLACEMENT.replace("speculative_ttl: 2s", "speculative_ttl: 0s"),
+        2000,
+    )
+    .await
+}
+
 /// `n` blocks of nobody's prompt reported by replica `i`'s engine.
 fn fill(f: &Fixture, i: usize, n: u64) {
     let hashes: Vec<ExternalHash> = (0..n)
@@ -1120,17 +1138,9 @@ async fn a_peer_routers_picks_count_as_this_routers_own() {
 
 #[tokio::test]
 async fn a_peer_routers_placements_count_toward_each_caches_share() {
-    // No speculative entries (nor projections), so that only the count of placements differs.
-    let a = fixture(
-        &PLACEMENT.replace("speculative_ttl: 2s", "speculative_ttl: 0s"),
-        2000,
-    )
-    .await;
+    let a = counting_placements_only().await;
     let (b, c) = (a.peer(), a.peer());
-    for (i, replica) in a.pool.snapshot().replicas().iter().enumerate() {
-        replica.set_cache_blocks(12);
-        fill(&a, i, if i == 0 { 10 } else { 8 });
-    }
+    no_room_but_fullest(&a, 0);
     let mut from_a = a.picks.subscribe();
     // No cache has room for a 4-block prompt: router A packs the first onto the fullest.
     assert_eq!(
@@ -1148,11 +1158,7 @@ async fn a_peer_routers_placements_count_toward_each_caches_share() {
 
 #[tokio::test]
 async fn a_prompt_placed_before_any_engine_reported_counts_toward_its_caches_share() {
-    let a = fixture(
-        &PLACEMENT.replace("speculative_ttl: 2s", "speculative_ttl: 0s"),
-        2000,
-    )
-    .await;
+    let a = counting_placements_only().await;
     let b = a.peer();
     let mut from_a = a.picks.subscribe();
     // No engine has reported an event: `cache_footprint` has nothing to weigh, and the first
@@ -1168,10 +1174,7 @@ async fn a_prompt_placed_before_any_engine_reported_counts_toward_its_caches_sha
     assert_eq!(relay(&mut from_a, &b), 2);
     // Then the engines report: no cache has room for another 4-block prompt, and the first
     // tenant's home is the fullest.
-    for (i, replica) in a.pool.snapshot().replicas().iter().enumerate() {
-        replica.set_cache_blocks(12);
-        fill(&a, i, if i == home_index { 10 } else { 8 });
-    }
+    no_room_but_fullest(&a, home_index);
     // A second tenant there would pass 1.5 even shares of the two placements (2 > 1): it
     // goes to another cache, on either router, as it would have had the first placement been
     // weighed.
