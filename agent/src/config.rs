@@ -305,7 +305,8 @@ pub struct AgentArgs {
     /// File holding the shared token the routers check.
     #[arg(long, env = "LLMGW_AGENT_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
-    /// Silence (ms) after which an engine's /health is checked; a failing check resets it.
+    /// Silence (ms) after which an engine's /health is checked; a refused or failing check
+    /// resets it, as do three checks in a row left unanswered (a busy engine answers late).
     /// 0 disables (default 10000).
     #[arg(long, env = "LLMGW_AGENT_STALE_AFTER_MS")]
     pub stale_after_ms: Option<u64>,

@@ -328,6 +328,7 @@ impl Agent {
                 engine: Arc::clone(&engine),
                 url: ec.health.clone(),
                 silence,
+                probe_timeout: crate::health::HealthWatch::probe_timeout_for(silence),
                 inputs: tx.clone(),
                 metrics: Arc::clone(&self.metrics),
             };

@@ -1,7 +1,15 @@
-//! Staleness: an engine that has published nothing for a while *and* whose `/health` fails is
-//! presumed dead; its blocks are reset so the routers stop sending it prefix-heavy traffic on
-//! the strength of a cache that no longer exists. A silent engine whose `/health` answers is
-//! simply idle and keeps its blocks. The engine becomes live again with its next batch.
+//! Staleness: an engine that has published nothing for a while *and* whose `/health` says it is
+//! gone is presumed dead; its blocks are reset so the routers stop sending it prefix-heavy
+//! traffic on the strength of a cache that no longer exists. A silent engine whose `/health`
+//! answers is simply idle and keeps its blocks. The engine becomes live again with its next
+//! batch.
+//!
+//! What counts as gone: a refused connection (nothing listens: the process is gone) or an
+//! answer other than success (vLLM answers 503 once its engine core died), at once; a probe left
+//! unanswered only when [`UNANSWERED_TO_STALE`] in a row are. A busy engine answers late: on a
+//! loaded host (five vLLM engines, a router and Envoy on two cores) single probes timed out and
+//! reset live caches, so the routers forgot what those engines still held
+//! (docs/results/2026-12-07-real-vllm-again.md).
 //!
 //! # Concurrency model
 //! One task per engine; it reads the engine's last-batch time through its short lock and
@@ -16,6 +24,11 @@ use tokio::time::Instant;
 use crate::engine::{Engine, Input, ResetReason};
 use crate::metrics::Metrics;
 
+/// Probes of a silent engine left unanswered in a row before it counts as dead. With probes half
+/// the silence apart (5 s by default), a hung engine is reset about 10 s after the first
+/// unanswered one.
+pub const UNANSWERED_TO_STALE: u32 = 3;
+
 /// One engine's health watch.
 pub struct HealthWatch {
     pub engine: Arc<Engine>,
@@ -23,14 +36,31 @@ pub struct HealthWatch {
     pub url: String,
     /// Silence that triggers a health check.
     pub silence: Duration,
+    /// How long one probe may take before it counts as unanswered.
+    pub probe_timeout: Duration,
     pub inputs: mpsc::Sender<Input>,
     pub metrics: Arc<Metrics>,
 }
 
+/// What one `/health` probe said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Probe {
+    Healthy,
+    /// Refused, or answered with a failure status: the engine is gone.
+    Gone,
+    /// Timed out or broke off: maybe gone, maybe only busy.
+    Unanswered,
+}
+
 impl HealthWatch {
+    /// The probe timeout for a given silence: 2 s, or the silence when shorter.
+    pub fn probe_timeout_for(silence: Duration) -> Duration {
+        Duration::from_secs(2).min(silence.max(Duration::from_millis(50)))
+    }
+
     pub async fn run(self) {
         let client = match reqwest::Client::builder()
-            .timeout(Duration::from_secs(2).min(self.silence.max(Duration::from_millis(50))))
+            .timeout(self.probe_timeout)
             .build()
         {
             Ok(c) => c,
@@ -41,25 +71,50 @@ impl HealthWatch {
         };
         let started = Instant::now();
         let period = (self.silence / 2).max(Duration::from_millis(10));
+        let mut unanswered = 0u32;
         loop {
             tokio::time::sleep(period).await;
             if self.engine.is_stale()
                 || self.engine.quiet_for(Instant::now(), started) < self.silence
             {
+                unanswered = 0;
                 continue;
             }
-            let healthy = match client.get(&self.url).send().await {
-                Ok(r) => r.status().is_success(),
-                Err(_) => false,
+            let probe = match client.get(&self.url).send().await {
+                Ok(r) if r.status().is_success() => Probe::Healthy,
+                Ok(_) => Probe::Gone,
+                Err(e) if e.is_connect() && !e.is_timeout() => Probe::Gone,
+                Err(_) => Probe::Unanswered,
             };
-            if healthy || !self.engine.mark_stale() {
+            let dead = match probe {
+                Probe::Healthy => {
+                    unanswered = 0;
+                    false
+                }
+                Probe::Gone => true,
+                Probe::Unanswered => {
+                    unanswered += 1;
+                    if unanswered < UNANSWERED_TO_STALE {
+                        tracing::debug!(
+                            engine = &*self.engine.id.0,
+                            url = self.url,
+                            unanswered,
+                            "a silent engine left its health probe unanswered; busy or gone"
+                        );
+                    }
+                    unanswered >= UNANSWERED_TO_STALE
+                }
+            };
+            if !dead || !self.engine.mark_stale() {
                 continue;
             }
+            unanswered = 0;
             let engine = &*self.engine.id.0;
             tracing::warn!(
                 engine,
                 url = self.url,
                 silence = ?self.silence,
+                ?probe,
                 "engine silent and its health check fails: stale, resetting"
             );
             self.metrics
@@ -121,6 +176,7 @@ mod tests {
                 engine: Arc::clone(&engine),
                 url,
                 silence: Duration::from_millis(100),
+                probe_timeout: Duration::from_millis(300),
                 inputs: tx.clone(),
                 metrics: Arc::clone(&metrics),
             }
@@ -197,5 +253,68 @@ mod tests {
         assert!(probes.load(Ordering::SeqCst) >= 2, "the health was checked");
         assert!(!engine.is_stale());
         assert_eq!(engine.block_set().len(), 1);
+    }
+
+    /// A `/health` that answers each probe as `answer` says (by the probe's number, from 1),
+    /// counting the probes; `None` never answers.
+    async fn health_server(
+        answer: impl Fn(usize) -> Option<axum::http::StatusCode> + Clone + Send + Sync + 'static,
+    ) -> (String, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let probes = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&probes);
+        let app = axum::Router::new().route(
+            "/health",
+            axum::routing::get(move || {
+                let n = counted.fetch_add(1, Ordering::SeqCst) + 1;
+                let status = answer(n);
+                async move {
+                    match status {
+                        Some(status) => status,
+                        None => std::future::pending().await,
+                    }
+                }
+            }),
+        );
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (format!("http://{addr}/health"), probes)
+    }
+
+    async fn until_stale(engine: &Engine) {
+        for _ in 0..1000 {
+            if engine.is_stale() && engine.block_set().is_empty() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the engine never went stale");
+    }
+
+    #[tokio::test]
+    async fn an_engine_answering_its_health_check_with_a_failure_is_stale_at_once() {
+        let (url, probes) =
+            health_server(|_| Some(axum::http::StatusCode::SERVICE_UNAVAILABLE)).await;
+        let (engine, _metrics, _tx) = watched(url).await;
+        until_stale(&engine).await;
+        // A stale engine is not probed again until it speaks.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(probes.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_busy_engine_is_reset_only_after_three_unanswered_probes_in_a_row() {
+        // Two probes time out, the third is answered, then none is: the count starts again
+        // after the answer, so the sixth probe is the third unanswered in a row.
+        let (url, probes) = health_server(|n| (n == 3).then_some(axum::http::StatusCode::OK)).await;
+        let (engine, _metrics, _tx) = watched(url).await;
+        until_stale(&engine).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(
+            probes.load(Ordering::SeqCst),
+            3 + UNANSWERED_TO_STALE as usize
+        );
     }
 }
