@@ -7,7 +7,7 @@
 //! What counts as gone: a refused connection (nothing listens: the process is gone) or an
 //! answer other than success (vLLM answers 503 once its engine core died), at once; a probe left
 //! unanswered only when [`UNANSWERED_TO_STALE`] in a row are. A busy engine answers late: on a
-//! loaded host (five vLLM engines, a router and Envoy on two cores) single probes timed out and
+//! loaded host (four or five vLLM engines, a router and Envoy on two cores) single probes timed out and
 //! reset live caches, so the routers forgot what those engines still held
 //! (docs/results/2026-12-07-real-vllm-again.md).
 //!
@@ -24,9 +24,9 @@ use tokio::time::Instant;
 use crate::engine::{Engine, Input, ResetReason};
 use crate::metrics::Metrics;
 
-/// Probes of a silent engine left unanswered in a row before it counts as dead. With probes half
-/// the silence apart (5 s by default), a hung engine is reset about 10 s after the first
-/// unanswered one.
+/// Probes of a silent engine left unanswered in a row before it counts as dead. With the defaults
+/// (a probe every 5 s, each waiting 2 s), a hung engine is reset about 16 s after the first
+/// unanswered probe was sent.
 pub const UNANSWERED_TO_STALE: u32 = 3;
 
 /// One engine's health watch.
