@@ -7,8 +7,8 @@
 //! What counts as gone: a refused connection (nothing listens: the process is gone) or an
 //! answer other than success (vLLM answers 503 once its engine core died), at once; a probe left
 //! unanswered only when [`UNANSWERED_TO_STALE`] in a row are. A busy engine answers late: on a
-//! loaded host (four or five vLLM engines, a router and Envoy on two cores) single probes timed out and
-//! reset live caches, so the routers forgot what those engines still held
+//! loaded host (four or five vLLM engines, a router and Envoy on two cores) single probes timed
+//! out and reset live caches, so the routers forgot what those engines still held
 //! (docs/results/2026-12-07-real-vllm-again.md).
 //!
 //! # Concurrency model
