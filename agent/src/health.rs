@@ -227,21 +227,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_silent_but_healthy_engine_keeps_its_blocks() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let probes = Arc::new(AtomicUsize::new(0));
-        let counted = Arc::clone(&probes);
-        let app = axum::Router::new().route(
-            "/health",
-            axum::routing::get(move || {
-                counted.fetch_add(1, Ordering::SeqCst);
-                async { "" }
-            }),
-        );
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        let (engine, _metrics, _tx) = watched(format!("http://{addr}/health")).await;
+        let (url, probes) = health_server(|_| Some(axum::http::StatusCode::OK)).await;
+        let (engine, _metrics, _tx) = watched(url).await;
         // The watch probes one at a time: once the second probe is answered, it has judged
         // the first answer.
         for _ in 0..500 {
