@@ -176,7 +176,8 @@ mod tests {
                 engine: Arc::clone(&engine),
                 url,
                 silence: Duration::from_millis(100),
-                probe_timeout: Duration::from_millis(300),
+                // Long enough that a loopback answer is never late on a loaded test machine.
+                probe_timeout: Duration::from_secs(1),
                 inputs: tx.clone(),
                 metrics: Arc::clone(&metrics),
             }
@@ -271,7 +272,7 @@ mod tests {
     }
 
     async fn until_stale(engine: &Engine) {
-        for _ in 0..1000 {
+        for _ in 0..3000 {
             if engine.is_stale() && engine.block_set().is_empty() {
                 return;
             }
