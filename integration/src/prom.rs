@@ -54,6 +54,18 @@ pub fn by_label(text: &str, name: &str, key: &str) -> BTreeMap<String, f64> {
     out
 }
 
+/// The samples named `name` as `KEY-VALUE COUNT` by their label `key`, joined with ", ",
+/// counts at zero left out: a series exported from the start says nothing until it counts.
+/// Empty when nothing counted.
+pub fn counted_by_label(text: &str, name: &str, key: &str) -> String {
+    let counted: Vec<String> = by_label(text, name, key)
+        .iter()
+        .filter(|&(_, &count)| count > 0.0)
+        .map(|(value, count)| format!("{value} {count:.0}"))
+        .collect();
+    counted.join(", ")
+}
+
 /// `GET url` as text (a scrape).
 pub async fn scrape(url: &str) -> Result<String, reqwest::Error> {
     reqwest::get(url).await?.error_for_status()?.text().await
@@ -141,6 +153,19 @@ not a sample
         let in_flight = by_label(PAGE, "llmgw_replica_in_flight", "replica");
         assert_eq!(in_flight.get("127.0.0.1:8002"), Some(&3.0));
         assert_eq!(in_flight.len(), 2);
+    }
+
+    #[test]
+    fn counted_by_label_leaves_out_counts_at_zero() {
+        assert_eq!(
+            counted_by_label(PAGE, "llmgw_replica_in_flight", "replica"),
+            "127.0.0.1:8002 3"
+        );
+        assert_eq!(
+            counted_by_label(PAGE, "vllm:prefix_cache_hits_total", "engine"),
+            "0 30, 1 12"
+        );
+        assert_eq!(counted_by_label(PAGE, "absent", "replica"), "");
     }
 
     #[test]

@@ -1400,15 +1400,9 @@ async fn decided_by(http: &reqwest::Client, admins: &[SocketAddr]) -> String {
         ("llmgw_prefix_decisions_total", "prefix tree"),
         ("llmgw_cold_placements_total", "placement"),
     ] {
-        let counts = llmgw_integration::prom::by_label(&metrics, family, "decision");
-        // Families exported at zero from the start (the tree's) say nothing here.
-        let text: Vec<String> = counts
-            .iter()
-            .filter(|(_, v)| **v > 0.0)
-            .map(|(k, v)| format!("{k} {v:.0}"))
-            .collect();
-        if !text.is_empty() {
-            parts.push(format!("{tier}: {}", text.join(", ")));
+        let counted = llmgw_integration::prom::counted_by_label(&metrics, family, "decision");
+        if !counted.is_empty() {
+            parts.push(format!("{tier}: {counted}"));
         }
     }
     if parts.is_empty() {

@@ -279,19 +279,10 @@ async fn print_summary(system: &system::System, results: &Results) {
             "new prompts placed by cache footprint",
         ),
     ] {
-        let counts = llmgw_integration::prom::by_label(&metrics, family, "decision");
-        let text: Vec<String> = counts
-            .iter()
-            .filter(|(_, v)| **v > 0.0)
-            .map(|(k, v)| format!("{k} {v:.0}"))
-            .collect();
+        let counted = llmgw_integration::prom::counted_by_label(&metrics, family, "decision");
         println!(
             "  {tier}: {}",
-            if text.is_empty() {
-                "none".to_owned()
-            } else {
-                text.join(", ")
-            }
+            if counted.is_empty() { "none" } else { &counted }
         );
     }
     let guard = metrics
