@@ -194,7 +194,8 @@ def placing(rule, uncounted=3, move=None):
 
 def packing(fill=0.9, max_share=1.5, pick=None):
     """llmgw's `cache_footprint`: the emptiest cache with room for the prompt; once none has,
-    the fullest whose footprint and placements stay within `max_share` times an even share
+    the fullest (by footprint, or by the blocks of the prompts placed there where those are
+    more) whose footprint and placements stay within `max_share` times an even share
     (`pick` chooses among those instead, given the caches, now, footprints and candidates)."""
 
     def rule(caches, now):
@@ -212,7 +213,8 @@ def packing(fill=0.9, max_share=1.5, pick=None):
             return min(range(len(caches)), key=lambda i: footprints[i])
         if pick:
             return pick(caches, now, footprints, within)
-        return max(within, key=lambda i: footprints[i])
+        # As full as its footprint, or as the prompts placed there where those are more.
+        return max(within, key=lambda i: max(footprints[i], placed[i] * FIRST_PROMPT_BLOCKS))
 
     return rule
 

@@ -188,6 +188,11 @@ enum Mode {
 ///   matters once every cache is full of old blocks: the footprints are then all about a
 ///   cache's size, and without it the tenants that arrive last piled onto the one cache that
 ///   churned most (five or six on one cache, one on another, with tenants drawn at random).
+///   For the same reason a cache is as full as the prompts placed there (each counted at this
+///   prompt's length) where those come to more than its footprint: with tenants coming back
+///   further apart than [`REBUILD_WINDOW`], a cache home to three prompts rebuilds nothing that
+///   shows and reports its size as one home to two does, and the tie-break chose between them
+///   (bench-routing, 12 tenants in turn at about one request in flight: 3/3/2/4 splits).
 ///
 /// While a replica of the model is down, no packing either: the prompts it held wait elsewhere
 /// for its return (homecoming draws them back), and a cache packed with them would be left
@@ -249,7 +254,16 @@ impl Packing {
             .zip(placed)
             .map(|(&f, &p)| f + prompt <= limit && p + 1.0 <= placed_limit)
             .collect();
-        let fullest = footprints
+        // How full each is: its footprint, or the blocks of the prompts placed there where those
+        // are more. A cache past its cliff holds about its size whether it is home to three
+        // prompts or five, and while its tenants come back more than `REBUILD_WINDOW` apart
+        // nothing it rebuilds shows it either; only the count does.
+        let fullness: Vec<f64> = footprints
+            .iter()
+            .zip(placed)
+            .map(|(&f, &p)| f.max(p * prompt))
+            .collect();
+        let fullest = fullness
             .iter()
             .zip(&within)
             .filter(|&(_, &w)| w)
@@ -258,7 +272,7 @@ impl Packing {
         if fullest == f64::NEG_INFINITY {
             return Placed::emptiest(emptiest);
         }
-        let scores = footprints
+        let scores = fullness
             .iter()
             .zip(&within)
             .map(|(&f, &w)| if w { f / fullest.max(1.0) } else { 0.0 })
@@ -821,6 +835,22 @@ mod tests {
         assert_eq!(placed.scores, [160.0 / 240.0, 160.0 / 240.0, 1.0, 200.0 / 240.0]);
         // Before anything is placed the count limits nothing.
         let placed = PACKING.scores(&footprints, &[0.0; 4], &SIZES, Some(45), 0);
+        assert_eq!(placed.scores[2], 1.0);
+    }
+
+    #[test]
+    fn among_caches_full_to_their_size_the_one_home_to_more_prompts_is_the_fullest() {
+        // bench-routing, 12 tenants in turn at one request in flight: every cache reports
+        // about its size, and tenants come back 15 s apart, so none shows rebuilt blocks. The
+        // first cache is home to three 66-block prompts, the second and third to two, the
+        // fourth to four (past its share: 3.9 + 1 > 1.5 × 12.8 / 4). The twelfth prompt goes
+        // to the first, for a 4/2/2/4 split, not to a cache of two (3/3/2/4 before).
+        let placed = PACKING.scores(&[150.0; 4], &[2.9, 2.0, 2.0, 3.9], &SIZES, Some(66), 0);
+        assert_eq!(placed.mode, Mode::Packed);
+        let fullest = 2.9 * 66.0;
+        assert_eq!(placed.scores, [1.0, 150.0 / fullest, 150.0 / fullest, 0.0]);
+        // Where a footprint tells more than the counts (200 blocks against 2.9 × 66), it decides.
+        let placed = PACKING.scores(&[150.0, 150.0, 200.0, 150.0], &[2.9, 2.0, 2.0, 2.0], &SIZES, Some(66), 0);
         assert_eq!(placed.scores[2], 1.0);
     }
 
