@@ -843,7 +843,7 @@ mod tests {
         // bench-routing, 12 tenants in turn at one request in flight: every cache reports
         // about its size, and tenants come back 15 s apart, so none shows rebuilt blocks. The
         // first cache is home to three 66-block prompts, the second and third to two, the
-        // fourth to four (past its share: 3.9 + 1 > 1.5 × 12.8 / 4). The twelfth prompt goes
+        // fourth to four (past its share: 3.9 + 1 > 1.5 × 11.8 / 4). The twelfth prompt goes
         // to the first, for a 4/2/2/4 split, not to a cache of two (3/3/2/4 before).
         let placed = PACKING.scores(&[150.0; 4], &[2.9, 2.0, 2.0, 3.9], &SIZES, Some(66), 0);
         assert_eq!(placed.mode, Mode::Packed);
