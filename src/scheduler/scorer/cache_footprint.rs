@@ -27,7 +27,8 @@
 //! that are past their working set anyway ([`Packing`]); there the same rebuilt blocks mark the
 //! cache that loses least by one more prompt, and a count of the prompts placed on each cache
 //! ([`RecentPlacements`]: this router's placements and, through peering, its peers') keeps
-//! any one cache from taking more than its share.
+//! any one cache from taking more than its share and, where the footprints no longer differ,
+//! tells the fuller cache.
 //!
 //! It abstains (`no_events`) when no candidate's engine ever reported (no events, nor an agent's
 //! snapshot, even an empty one: a router without agents): there is nothing to weigh.
@@ -844,13 +845,15 @@ mod tests {
         // about its size, and tenants come back 15 s apart, so none shows rebuilt blocks. The
         // first cache is home to three 66-block prompts, the second and third to two, the
         // fourth to four (past its share: 3.9 + 1 > 1.5 × 11.8 / 4). The twelfth prompt goes
-        // to the first, for a 4/2/2/4 split, not to a cache of two (3/3/2/4 before).
+        // to the first, for a 4/2/2/4 split (before, the first three scored alike and the
+        // tie-break sent it to a cache of two: 3/2/3/4).
         let placed = PACKING.scores(&[150.0; 4], &[2.9, 2.0, 2.0, 3.9], &SIZES, Some(66), 0);
         assert_eq!(placed.mode, Mode::Packed);
         let fullest = 2.9 * 66.0;
         assert_eq!(placed.scores, [1.0, 150.0 / fullest, 150.0 / fullest, 0.0]);
         // Where a footprint tells more than the counts (200 blocks against 2.9 × 66), it decides.
-        let placed = PACKING.scores(&[150.0, 150.0, 200.0, 150.0], &[2.9, 2.0, 2.0, 2.0], &SIZES, Some(66), 0);
+        let footprints = [150.0, 150.0, 200.0, 150.0];
+        let placed = PACKING.scores(&footprints, &[2.9, 2.0, 2.0, 2.0], &SIZES, Some(66), 0);
         assert_eq!(placed.scores[2], 1.0);
     }
 
