@@ -11,8 +11,9 @@
 //!   selector is sent as DELETED, one that starts matching as ADDED, as the API server does.
 //!   Each event is written in two chunks, so the client must reassemble lines;
 //! - a watch from a resourceVersion older than the last [`FakeApi::compact`] gets the API
-//!   server's `ERROR` event with a 410 Gone Status, and a list or watch while
-//!   [`FakeApi::set_broken`] is on gets 500;
+//!   server's `ERROR` event with a 410 Gone Status (watches already open still get every
+//!   change, as the API server's do), and a list or watch while [`FakeApi::set_broken`] is on
+//!   gets 500;
 //! - [`FakeApi::bookmark`] sends BOOKMARK events to watches that allowed them, and
 //!   [`FakeApi::drop_watches`] ends every open watch stream (as an API server restart does).
 //!
@@ -53,7 +54,7 @@ struct Store {
     /// (collection, name) → object.
     objects: BTreeMap<(String, String), Value>,
     log: Vec<Change>,
-    /// Watches from a revision at or below this get 410 Gone.
+    /// Watches from a revision below this get 410 Gone.
     compacted: u64,
     broken: bool,
     /// Bumped to end every open watch.
@@ -164,11 +165,12 @@ impl FakeApi {
         self.changed.send_replace(());
     }
 
-    /// Forgets the change log: a watch from any revision seen so far gets 410 Gone.
+    /// Forgets the history: a new watch from any revision before the current one gets 410
+    /// Gone. The log itself stays, because watches already open must still send the changes
+    /// they have not read yet (an API server's open watches lose nothing to compaction).
     pub fn compact(&self) {
         let mut store = self.store.lock();
         store.compacted = store.revision;
-        store.log.clear();
     }
 
     /// While on, every request is answered 500.
@@ -303,6 +305,12 @@ fn status(code: u16, reason: &str, message: &str) -> Value {
     })
 }
 
+/// What every request gets while [`FakeApi::set_broken`] is on.
+fn broken_answer() -> Response {
+    let body = status(500, "InternalError", "etcdserver: request timed out");
+    (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(body)).into_response()
+}
+
 async fn handle(
     State(api): State<FakeApi>,
     uri: Uri,
@@ -317,8 +325,7 @@ async fn handle(
                 .unwrap_or_default(),
         );
         if store.broken {
-            let body = status(500, "InternalError", "etcdserver: request timed out");
-            return (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(body)).into_response();
+            return broken_answer();
         }
     }
     let selector = match Selector::parse(&query) {
@@ -379,6 +386,11 @@ fn watch_response(
 ) -> Response {
     let (epoch, first_bookmark, too_old) = {
         let store = api.store.lock();
+        // Checked again under the lock that reads the epoch, so that a watch which passed the
+        // first check cannot outlive a `set_broken` and `drop_watches` made meanwhile.
+        if store.broken {
+            return broken_answer();
+        }
         (store.watch_epoch, store.bookmarks, from < store.compacted)
     };
     let mut changed = api.changed.subscribe();

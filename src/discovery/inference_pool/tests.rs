@@ -267,11 +267,14 @@ async fn the_pools_ready_pods_are_watched_through_changes_gaps_and_bad_specs() {
     assert_eq!(api.requests(PODS).0, 1, "resumed from the bookmark");
 
     // Without a bookmark, a gap the history no longer covers is 410 Gone: the client lists
-    // again, and a pod deleted during the gap is gone.
+    // again, and a pod deleted during the gap is gone. The API server is down across the gap,
+    // so that no watch can resume before the history is compacted.
     api.apply(PODS, pod("web", "web", "node-a", Some("10.0.0.8"), true));
+    api.set_broken(true);
     api.drop_watches();
     api.delete(PODS, "c");
     api.compact();
+    api.set_broken(false);
     watched.until_replicas(&[POD_A, POD_B].concat()).await;
     assert!(api.requests(PODS).0 >= 2, "relisted after 410");
 
