@@ -193,7 +193,7 @@ enum Mode {
 ///   prompt's length) where those come to more than its footprint: with tenants coming back
 ///   further apart than [`REBUILD_WINDOW`], a cache home to three prompts rebuilds nothing that
 ///   shows and reports its size as one home to two does, and the tie-break chose between them
-///   (bench-routing, 12 tenants in turn at about one request in flight: 3/3/2/4 splits).
+///   (bench-routing, 12 tenants in turn at about one request in flight: 3/2/3/4 splits).
 ///
 /// While a replica of the model is down, no packing either: the prompts it held wait elsewhere
 /// for its return (homecoming draws them back), and a cache packed with them would be left
