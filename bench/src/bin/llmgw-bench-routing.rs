@@ -1274,6 +1274,12 @@ async fn measure_policy(
         extra += "; ";
         extra += &tenants;
     }
+    if some_conversations_bypass(args.bypass_every, policy)
+        && let Some(away) = away_from_own_replicas(&measured, sims)
+    {
+        extra += "; ";
+        extra += &away;
+    }
     if !stack.llmgw_admins.is_empty() {
         extra += "; ";
         extra += &decided_by(http, &stack.llmgw_admins).await;
@@ -1387,6 +1393,51 @@ fn tenant_line(placed: &[(usize, usize)], replicas: usize) -> Option<String> {
     Some(format!("tenants per replica: {}", per_replica.join(", ")))
 }
 
+/// Whether some of the policy's conversations, not all, bypass the router (`--bypass-every`;
+/// the pinned policies send every one straight to its replica).
+fn some_conversations_bypass(bypass_every: usize, policy: Policy) -> bool {
+    bypass_every > 0 && !matches!(policy, Policy::Pinned | Policy::PinnedFailover)
+}
+
+/// With some conversations bypassing the router: how many of the measured requests the router
+/// sent elsewhere than the tenant's own replica (where its bypassing conversations go), and
+/// when the last of them was sent. A router learns a tenant's replica only from that traffic,
+/// so this counts what it routed before it knew, or split afterwards: what keeps a bypass run
+/// under the ceiling (docs/results/2026-12-08-drawn-ten-seeds.md). `None` when no routed
+/// response named its replica.
+fn away_from_own_replicas(measured: &[&workload::Sample], sims: &[SimHandle]) -> Option<String> {
+    let index_of = |replica: &str| sims.iter().position(|s| s.addr.to_string() == replica);
+    let routed: Vec<(usize, usize, Duration)> = measured
+        .iter()
+        .filter(|s| s.status == 200 && !s.bypassed)
+        .filter_map(|s| Some((s.tenant, index_of(&s.replica)?, s.sent_at)))
+        .collect();
+    away_line(&routed, sims.len())
+}
+
+/// [`away_from_own_replicas`] from each routed request's (tenant, replica index, sent at); a
+/// tenant's own replica is `tenant % replicas`, as the workload's bypass sends it.
+fn away_line(routed: &[(usize, usize, Duration)], replicas: usize) -> Option<String> {
+    if routed.is_empty() || replicas == 0 {
+        return None;
+    }
+    let away: Vec<Duration> = routed
+        .iter()
+        .filter(|&&(tenant, at, _)| at != tenant % replicas)
+        .map(|&(_, _, sent)| sent)
+        .collect();
+    let last = away
+        .iter()
+        .max()
+        .map(|sent| format!(", the last sent at {:.1} s", sent.as_secs_f64()))
+        .unwrap_or_default();
+    Some(format!(
+        "routed away from the tenant's own replica: {} of {}{last}",
+        away.len(),
+        routed.len()
+    ))
+}
+
 /// llmgw's own decision counters, summed over its routers: which tier decided, over the run,
 /// and how the prompts found nowhere were placed.
 async fn decided_by(http: &reqwest::Client, admins: &[SocketAddr]) -> String {
@@ -1437,7 +1488,7 @@ mod tests {
 
     use llmgw_integration::workload::{Results, Sample};
 
-    use super::{requests_csv, tenant_line};
+    use super::{Policy, away_line, requests_csv, some_conversations_bypass, tenant_line};
 
     #[test]
     fn the_requests_file_has_a_line_per_request_with_its_wall_clock_time_replica_and_bypass() {
@@ -1486,6 +1537,35 @@ mod tests {
                 "tenants per replica: 0: t0 (60 %), 1: t1 (90 %), 2: t2 (50 %), 3: [t0 40 %, t2 50 %]"
             )
         );
+    }
+
+    #[test]
+    fn requests_routed_away_from_their_tenants_replica_are_counted_with_the_last_time() {
+        let at = Duration::from_millis;
+        let routed = [
+            (0, 0, at(5_000)),
+            (1, 2, at(6_500)),  // t1's own replica is 1
+            (5, 1, at(7_000)),  // t5 mod 4 = 1: home
+            (6, 3, at(12_240)), // t6 mod 4 = 2
+            (6, 2, at(13_000)),
+        ];
+        assert_eq!(
+            away_line(&routed, 4).as_deref(),
+            Some("routed away from the tenant's own replica: 2 of 5, the last sent at 12.2 s")
+        );
+        assert_eq!(
+            away_line(&routed[..1], 4).as_deref(),
+            Some("routed away from the tenant's own replica: 0 of 1")
+        );
+        assert_eq!(away_line(&[], 4), None);
+    }
+
+    #[test]
+    fn only_policies_that_route_some_conversations_report_the_bypass_line() {
+        assert!(some_conversations_bypass(2, Policy::LlmgwPrecise));
+        assert!(!some_conversations_bypass(0, Policy::LlmgwPrecise));
+        assert!(!some_conversations_bypass(2, Policy::Pinned));
+        assert!(!some_conversations_bypass(2, Policy::PinnedFailover));
     }
 
     #[test]
