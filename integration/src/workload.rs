@@ -122,6 +122,12 @@ fn splitmix(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The replica, of `replicas`, that a tenant's bypassing conversations go to (`None` for none):
+/// tenant modulo replicas, so tenants share replicas evenly.
+pub fn own_replica(tenant: usize, replicas: usize) -> Option<usize> {
+    (replicas > 0).then(|| tenant % replicas)
+}
+
 /// Keeps the bypass draw apart from the tenant draw.
 const BYPASS_STREAM: u64 = 0xD6E8_FEB8_6659_FD93;
 
@@ -347,8 +353,10 @@ async fn conversation(
 ) -> bool {
     let tenant = config.tenant_of(id);
     // The replica a bypassing conversation is sent to, as an index into `config.bypass`.
-    let mut bypass =
-        (config.bypasses(id) && !config.bypass.is_empty()).then(|| tenant % config.bypass.len());
+    let mut bypass = config
+        .bypasses(id)
+        .then(|| own_replica(tenant, config.bypass.len()))
+        .flatten();
     // The last tenant salts its requests: they must never share blocks with the others.
     let salt =
         (tenant + 1 == config.tenants && config.tenants > 1).then(|| format!("tenant-{tenant}"));

@@ -1274,7 +1274,9 @@ async fn measure_policy(
         extra += "; ";
         extra += &tenants;
     }
-    if some_conversations_bypass(args.bypass_every, policy)
+    // The pinned policies route nothing (every conversation goes straight to its replica):
+    // no routed request, no line.
+    if args.bypass_every > 0
         && let Some(away) = away_from_own_replicas(&measured, sims)
     {
         extra += "; ";
@@ -1331,13 +1333,17 @@ fn requests_csv(results: &Results, replicas: &[String]) -> String {
 /// [`GUEST_SHARE`] of theirs. The placement behind a hit rate: which tenants share a cache.
 /// `None` when no response named its replica (vLLM engines send no replica header).
 fn tenants_per_replica(measured: &[&workload::Sample], sims: &[SimHandle]) -> Option<String> {
-    let index_of = |replica: &str| sims.iter().position(|s| s.addr.to_string() == replica);
     let placed: Vec<(usize, usize)> = measured
         .iter()
         .filter(|s| s.status == 200)
-        .filter_map(|s| Some((s.tenant, index_of(&s.replica)?)))
+        .filter_map(|s| Some((s.tenant, sim_index(sims, &s.replica)?)))
         .collect();
     tenant_line(&placed, sims.len())
+}
+
+/// The index of the sim whose address a response named as its replica.
+fn sim_index(sims: &[SimHandle], replica: &str) -> Option<usize> {
+    sims.iter().position(|s| s.addr.to_string() == replica)
 }
 
 /// A share of a tenant's requests that makes a replica other than its home worth naming.
@@ -1393,12 +1399,6 @@ fn tenant_line(placed: &[(usize, usize)], replicas: usize) -> Option<String> {
     Some(format!("tenants per replica: {}", per_replica.join(", ")))
 }
 
-/// Whether some of the policy's conversations, not all, bypass the router (`--bypass-every`;
-/// the pinned policies send every one straight to its replica).
-fn some_conversations_bypass(bypass_every: usize, policy: Policy) -> bool {
-    bypass_every > 0 && !matches!(policy, Policy::Pinned | Policy::PinnedFailover)
-}
-
 /// With some conversations bypassing the router: how many of the measured requests the router
 /// sent elsewhere than the tenant's own replica (where its bypassing conversations go), and
 /// when the last of them was sent. A router learns a tenant's replica only from that traffic,
@@ -1406,24 +1406,23 @@ fn some_conversations_bypass(bypass_every: usize, policy: Policy) -> bool {
 /// under the ceiling (docs/results/2026-12-08-drawn-ten-seeds.md). `None` when no routed
 /// response named its replica.
 fn away_from_own_replicas(measured: &[&workload::Sample], sims: &[SimHandle]) -> Option<String> {
-    let index_of = |replica: &str| sims.iter().position(|s| s.addr.to_string() == replica);
     let routed: Vec<(usize, usize, Duration)> = measured
         .iter()
         .filter(|s| s.status == 200 && !s.bypassed)
-        .filter_map(|s| Some((s.tenant, index_of(&s.replica)?, s.sent_at)))
+        .filter_map(|s| Some((s.tenant, sim_index(sims, &s.replica)?, s.sent_at)))
         .collect();
     away_line(&routed, sims.len())
 }
 
 /// [`away_from_own_replicas`] from each routed request's (tenant, replica index, sent at); a
-/// tenant's own replica is `tenant % replicas`, as the workload's bypass sends it.
+/// tenant's own replica is where the workload's bypass sends it ([`workload::own_replica`]).
 fn away_line(routed: &[(usize, usize, Duration)], replicas: usize) -> Option<String> {
     if routed.is_empty() || replicas == 0 {
         return None;
     }
     let away: Vec<Duration> = routed
         .iter()
-        .filter(|&&(tenant, at, _)| at != tenant % replicas)
+        .filter(|&&(tenant, at, _)| Some(at) != workload::own_replica(tenant, replicas))
         .map(|&(_, _, sent)| sent)
         .collect();
     let last = away
@@ -1488,7 +1487,7 @@ mod tests {
 
     use llmgw_integration::workload::{Results, Sample};
 
-    use super::{Policy, away_line, requests_csv, some_conversations_bypass, tenant_line};
+    use super::{away_line, requests_csv, tenant_line};
 
     #[test]
     fn the_requests_file_has_a_line_per_request_with_its_wall_clock_time_replica_and_bypass() {
@@ -1558,14 +1557,6 @@ mod tests {
             Some("routed away from the tenant's own replica: 0 of 1")
         );
         assert_eq!(away_line(&[], 4), None);
-    }
-
-    #[test]
-    fn only_policies_that_route_some_conversations_report_the_bypass_line() {
-        assert!(some_conversations_bypass(2, Policy::LlmgwPrecise));
-        assert!(!some_conversations_bypass(0, Policy::LlmgwPrecise));
-        assert!(!some_conversations_bypass(2, Policy::Pinned));
-        assert!(!some_conversations_bypass(2, Policy::PinnedFailover));
     }
 
     #[test]
